@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+from torch_sparserl import intercept
+
+HAS_CUDA = torch.cuda.is_available()
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def poison_uninitialized():
+    """torch.empty returns NaN-filled memory, so any element a kernel leaves unwritten shows."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.fixture
+def fresh_intercept():
+    """Each test sees the interception as a new process would."""
+    intercept.reset_warnings()
+    yield
+    intercept.deactivate_backend()
+    intercept.reset_warnings()
+    assert not intercept.installed()

@@ -1,0 +1,97 @@
+"""Reference implementations in float64 and named sparsity patterns for the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+import torch_sparserl as ts
+
+
+def _random(rng, nrows, ncols, density):
+    return sp.random(nrows, ncols, density=density, format="csr", random_state=rng, dtype=np.float64)
+
+
+def _empty_rows_in_the_middle(rng):
+    A = _random(rng, 40, 30, 0.2).tolil()
+    A[10:25, :] = 0
+    return A.tocsr()
+
+
+def _short_and_huge_rows(rng):
+    A = _random(rng, 64, 300, 0.005).tolil()
+    A[5, :] = rng.standard_normal(300)
+    A[40, ::2] = rng.standard_normal(150)
+    return A.tocsr()
+
+
+def _unsorted_columns(rng):
+    A = _random(rng, 20, 25, 0.3)
+    for r in range(A.shape[0]):  # reverse the columns of every row: still a valid CSR matrix
+        lo, hi = A.indptr[r], A.indptr[r + 1]
+        A.indices[lo:hi] = A.indices[lo:hi][::-1].copy()
+        A.data[lo:hi] = A.data[lo:hi][::-1].copy()
+    A.has_sorted_indices = False
+    return A
+
+
+PATTERNS = {
+    "random": lambda rng: _random(rng, 60, 45, 0.1),
+    "empty rows in the middle": _empty_rows_in_the_middle,
+    "all rows empty (nnz = 0)": lambda rng: sp.csr_matrix((30, 20), dtype=np.float64),
+    "short and huge rows": _short_and_huge_rows,
+    "one column": lambda rng: _random(rng, 40, 1, 0.5),
+    "one row": lambda rng: _random(rng, 1, 50, 0.5),
+    "zero rows": lambda rng: sp.csr_matrix((0, 7), dtype=np.float64),
+    "zero columns": lambda rng: sp.csr_matrix((6, 0), dtype=np.float64),
+    "wide": lambda rng: _random(rng, 7, 300, 0.05),
+    "unsorted columns": _unsorted_columns,
+    "cora (real)": lambda rng: ts.load_matrix("cora").astype(np.float64) * rng.standard_normal(),
+}
+
+
+def make_pattern(name: str, seed: int = 0) -> sp.csr_matrix:
+    A = PATTERNS[name](np.random.default_rng(seed)).tocsr()
+    A.data = np.random.default_rng(seed + 1).standard_normal(A.nnz)  # fresh values, not ones
+    return A
+
+
+def to_parts(A: sp.csr_matrix, dtype, index_dtype, device):
+    """(crow, col, val) tensors of A."""
+    crow = torch.from_numpy(A.indptr.astype(np.int64)).to(device=device, dtype=index_dtype)
+    col = torch.from_numpy(A.indices.astype(np.int64)).to(device=device, dtype=index_dtype)
+    val = torch.from_numpy(A.data.astype(np.float64)).to(device=device, dtype=dtype)
+    return crow, col, val
+
+
+def as_float64_scipy(crow, col, val, ncols) -> sp.csr_matrix:
+    """The matrix as the op sees it (values already rounded to their dtype), in float64."""
+    return sp.csr_matrix((val.detach().cpu().double().numpy(), col.cpu().numpy(), crow.cpu().numpy()),
+                         shape=(crow.numel() - 1, ncols))
+
+
+def ref_spmm(crow, col, val, ncols, X):
+    A = as_float64_scipy(crow, col, val, ncols)
+    return torch.from_numpy(np.asarray(A @ X.detach().cpu().double().numpy()))
+
+
+def ref_spmm_transposed(crow, col, val, ncols, G):
+    A = as_float64_scipy(crow, col, val, ncols)
+    return torch.from_numpy(np.asarray(A.T @ G.detach().cpu().double().numpy()))
+
+
+def ref_sddmm(crow, col, Y, X):
+    rows = np.repeat(np.arange(crow.numel() - 1), np.diff(crow.cpu().numpy()))
+    y = Y.detach().cpu().double().numpy()
+    x = X.detach().cpu().double().numpy()
+    c = col.cpu().numpy().astype(np.int64)
+    return torch.from_numpy((y[rows] * x[c]).sum(axis=1) if len(rows) else np.zeros(0))
+
+
+def dense_operand(rows, n, dtype, device, *, contiguous=True, seed=0):
+    """Fresh random dense operand; non-contiguous variant is a transposed view."""
+    g = torch.Generator().manual_seed(seed)
+    if contiguous:
+        return torch.randn(rows, n, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    return torch.randn(n, rows, generator=g, dtype=torch.float64).to(device=device, dtype=dtype).t()

@@ -1,0 +1,218 @@
+"""torch.compile: the backend, CSRMatrix traced whole, raw sparse inputs, torch_sparserl.compile."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torch_sparserl as ts
+from torch_sparserl import intercept, passes
+from torch_sparserl.dtypes import assert_close_to_reference
+
+from helpers import make_pattern
+
+pytestmark = pytest.mark.slow
+
+
+class GCN(torch.nn.Module):
+    def __init__(self, features=12, hidden=16, classes=5):
+        super().__init__()
+        self.lin1 = torch.nn.Linear(features, hidden)
+        self.lin2 = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x, adj):
+        h = torch.relu(adj @ self.lin1(x))
+        return torch.sparse.mm(adj, self.lin2(h))
+
+
+def _graph_data(device, dtype=torch.float32):
+    A = make_pattern("cora (real)", seed=51)
+    x = torch.randn(A.shape[0], 12, dtype=dtype, device=device)
+    return A, x
+
+
+def _grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_gcn_fullgraph_matches_eager(device):
+    A, x = _graph_data(device)
+    adj = ts.csr(A, dtype=torch.float32, device=device)
+    model = GCN().to(device)
+    eager = model(x, adj)
+    eager.square().mean().backward()
+    eager_grads = _grads(model)
+    model.zero_grad()
+
+    compiled = torch.compile(model, backend="sparserl", fullgraph=True)
+    for _ in range(2):  # the second call runs the cached graph
+        model.zero_grad()
+        out = compiled(x, adj)
+        out.square().mean().backward()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert_close_to_reference(out, eager.double())
+    for name, grad in _grads(model).items():
+        assert_close_to_reference(grad, eager_grads[name].double())
+
+
+def test_explain_reports_no_graph_break():
+    A, x = _graph_data("cpu")
+    explanation = torch._dynamo.explain(GCN())(x, ts.csr(A, dtype=torch.float32))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_value_gradients_compiled(device):
+    A, x = _graph_data(device)
+    adj = ts.csr(A, dtype=torch.float32, device=device)
+    w = torch.rand(adj.nnz, device=device, requires_grad=True)
+
+    def loss(weights, features):
+        return (adj.with_values(weights) @ features).square().sum()
+
+    loss(w, x).backward()
+    eager = w.grad.clone()
+    w.grad = None
+    torch.compile(loss, backend="sparserl", fullgraph=True)(w, x).backward()
+    assert_close_to_reference(w.grad, eager.double())
+
+    w.grad = None
+    weighted = adj.with_values(w)
+    torch.compile(lambda a, f: (a @ f).square().sum(), backend="sparserl", fullgraph=True)(weighted, x).backward()
+    assert_close_to_reference(w.grad, eager.double())
+
+
+def test_post_grad_pass_sees_sparse_ops():
+    A, x = _graph_data("cpu")
+    model = GCN()
+    passes.REPORTS.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        out = torch.compile(model, backend="sparserl", fullgraph=True)(x, ts.csr(A, dtype=torch.float32))
+        out.sum().backward()
+    seen = [op for report in passes.REPORTS for op in report.ops()]
+    assert seen.count("spmm") == 2, seen  # forward: both layers
+    assert "spmm_transposed" in seen, seen  # backward: Aᵀ @ dY on the cached transposed pattern
+    forward = next(r for r in passes.REPORTS if "spmm" in r.ops())
+    assert any("relu" in c for site in forward.sites for c in site.consumers)
+
+
+def test_backend_found_by_name_without_import():
+    code = textwrap.dedent("""
+        import sys, torch
+        assert "torch_sparserl" not in sys.modules
+        assert "sparserl" in torch._dynamo.list_backends()
+        f = torch.compile(lambda x: torch.sin(x) * 2, backend="sparserl")
+        x = torch.randn(8)
+        assert torch.allclose(f(x), torch.sin(x) * 2)
+        print("ok", "torch_sparserl" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok", "True"]
+
+
+def test_never_installed_at_import():
+    code = "import torch, torch_sparserl; from torch_sparserl import intercept; print(intercept.installed())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def _raw_csr(A, device):
+    return torch.sparse_csr_tensor(torch.from_numpy(A.indptr), torch.from_numpy(A.indices),
+                                   torch.from_numpy(A.data).float(), A.shape).to(device)
+
+
+def test_raw_csr_under_backend(device, fresh_intercept, caplog):
+    A, x = _graph_data(device)
+    raw = _raw_csr(A, device)
+    model = GCN().to(device)
+    eager = model(x, raw)
+    before = intercept.stats()["routed"]
+    compiled = torch.compile(model, backend="sparserl")
+    with caplog.at_level(logging.WARNING, logger="torch_sparserl"):
+        for _ in range(3):
+            out = compiled(x, raw)
+    warnings = [r for r in caplog.records if "Dynamo cannot trace" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "torch_sparserl.csr(A)" in warnings[0].getMessage()
+    assert intercept.stats()["routed"] - before == 6  # two products, three calls
+    assert_close_to_reference(out, eager.double())
+    # Outside the compiled model torch's own kernel runs, and nothing more is logged.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torch_sparserl"):
+        routed = intercept.stats()["routed"]
+        assert_close_to_reference(torch.sparse.mm(raw, x), torch.from_numpy(A.toarray()) @ x.double().cpu())
+        assert intercept.stats()["routed"] == routed and not caplog.records
+
+
+def test_intercept_respects_options(fresh_intercept):
+    A, x = _graph_data("cpu")
+    raw = _raw_csr(A, "cpu")
+    before = intercept.stats()["routed"]
+    torch.compile(GCN(), backend="sparserl", options={"intercept_sparse": False})(x, raw)
+    assert intercept.stats()["routed"] == before
+
+
+def test_intercept_context_manager(device):
+    A, x = _graph_data(device)
+    raw = _raw_csr(A, device)
+    dense = torch.from_numpy(A.toarray()).double()
+    assert not intercept.installed()
+    with ts.intercept_sparse({"strict": True}):
+        assert intercept.installed()
+        before = intercept.stats()["routed"]
+        y = raw @ x
+        v = torch.mv(raw, x[:, 0])
+        z = torch.addmm(torch.ones(5, device=device), raw, x[:, :5], beta=0.5)
+        # sparse @ sparse is not ours: torch's own kernel answers, with the same result.
+        delegated = intercept.stats()["delegated"]
+        w = torch.sparse.mm(raw, x.to_sparse_csr()).to_dense()
+        assert intercept.stats()["routed"] == before + 3
+        assert intercept.stats()["delegated"] > delegated
+    assert not intercept.installed()
+    xd = x.double().cpu()
+    assert_close_to_reference(y, dense @ xd)
+    assert_close_to_reference(v, dense @ xd[:, 0])
+    assert_close_to_reference(z, 0.5 + dense @ xd[:, :5])
+    assert_close_to_reference(w, dense @ xd)
+
+
+def test_sparserl_compile_converts_buffers_and_arguments(device, fresh_intercept, caplog):
+    A, x = _graph_data(device)
+    raw = _raw_csr(A, device)
+
+    class WithBuffer(GCN):
+        def __init__(self, adj):
+            super().__init__()
+            self.register_buffer("adj", adj)
+
+        def forward(self, x):
+            return super().forward(x, self.adj)
+
+    model = WithBuffer(raw).to(device)
+    eager = model(x)
+    compiled = ts.compile(model, fullgraph=True)
+    assert isinstance(model.adj, ts.CSRMatrix)
+    assert_close_to_reference(compiled(x), eager.double())
+
+    plain = GCN().to(device)
+    eager = plain(x, raw)
+    with caplog.at_level(logging.WARNING, logger="torch_sparserl"):
+        out = ts.compile(plain, fullgraph=True)(x, raw)  # fullgraph would fail on a raw sparse input
+    assert_close_to_reference(out, eager.double())
+    assert not [r for r in caplog.records if "Dynamo cannot trace" in r.getMessage()]
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['fast'\]"):
+        torch.compile(lambda x: x + 1, backend="sparserl", options={"fast": True})(torch.ones(2))

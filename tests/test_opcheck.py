@@ -1,0 +1,50 @@
+"""torch.library.opcheck on every operator registered in the sparserl namespace.
+
+The operators are discovered from the dispatcher, not listed: an operator added without
+samples here fails ``test_every_op_has_samples``.
+"""
+
+import pytest
+import torch
+
+from torch_sparserl.ops import registered_ops
+
+from helpers import make_pattern, to_parts
+
+
+def _parts(device, dtype=torch.float64, name="short and huge rows"):
+    A = make_pattern(name, seed=21)
+    crow, col, val = to_parts(A, dtype, torch.int64, device)
+    return crow, col, val, A.shape
+
+
+def _samples(op, device):
+    out = []
+    for name in ("short and huge rows", "empty rows in the middle", "all rows empty (nnz = 0)"):
+        crow, col, val, (m, n) = _parts(device, name=name)
+        grad = dict(requires_grad=True)
+        if op == "spmm":
+            out.append((crow, col, val.clone().requires_grad_(), n, torch.randn(n, 5, device=device, dtype=torch.float64, **grad)))
+        elif op == "spmv":
+            out.append((crow, col, val.clone().requires_grad_(), n, torch.randn(n, device=device, dtype=torch.float64, **grad)))
+        elif op == "spmm_transposed":
+            out.append((crow, col, val.clone().requires_grad_(), n, torch.randn(m, 5, device=device, dtype=torch.float64, **grad)))
+        elif op == "spmv_transposed":
+            out.append((crow, col, val.clone().requires_grad_(), n, torch.randn(m, device=device, dtype=torch.float64, **grad)))
+        elif op == "sddmm":
+            out.append((crow, col, torch.randn(m, 5, device=device, dtype=torch.float64, **grad),
+                        torch.randn(n, 5, device=device, dtype=torch.float64, **grad)))
+    return out
+
+
+def test_every_op_has_samples():
+    ops = registered_ops()
+    assert {"spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm"} <= set(ops)
+    for op in ops:
+        assert _samples(op, "cpu"), f"sparserl::{op} has no opcheck samples"
+
+
+@pytest.mark.parametrize("op", registered_ops())
+def test_opcheck(op, device):
+    for args in _samples(op, device):
+        torch.library.opcheck(getattr(torch.ops.sparserl, op).default, args)

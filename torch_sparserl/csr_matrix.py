@@ -1,0 +1,459 @@
+"""``CSRMatrix``: a traceable wrapper tensor for a CSR matrix, and :func:`csr` to build one.
+
+Dynamo refuses ``torch.sparse_csr`` tensors (the whole frame falls back to eager). A
+wrapper subclass whose parts are plain dense tensors is traced instead: Dynamo inlines
+``__torch_function__``, which maps the products to the ``sparserl`` operators, and
+AOTAutograd flattens the matrix into ``crow``, ``col`` and ``val`` through
+``__tensor_flatten__``. The shape is not in the flatten context, so a new graph of the
+same structure reuses the compiled code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import pattern as patterns
+from .dtypes import INDEX_DTYPES, VALUE_DTYPES
+from .validation import check_csr_meta
+
+_ops = torch.ops.sparserl
+_SOURCE_HASH = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=8).hexdigest()
+
+
+class CSRMatrix(Tensor):
+    """A CSR matrix of shape ``(nrows, ncols)`` built from dense ``crow``, ``col``, ``val``.
+
+    Supports ``A @ X``, ``X @ A``, ``torch.sparse.mm``, ``torch.mm``, ``torch.matmul``,
+    ``torch.mv``, ``torch.addmm``, ``torch.addmv``, ``A.t()``, ``A.to_dense()``, scaling
+    by a scalar, ``.to()`` / ``.cuda()`` / ``.cpu()`` and dtype casts. Gradients flow to
+    ``val`` and to the dense operands. Any other tensor operation raises
+    ``NotImplementedError`` naming it; use ``A.to_dense()`` for those.
+    """
+
+    crow: Tensor
+    col: Tensor
+    val: Tensor
+
+    @staticmethod
+    def __new__(cls, crow: Tensor, col: Tensor, val: Tensor, size: Sequence[int]):
+        if val.requires_grad and torch.is_grad_enabled():
+            return _FromParts.apply(crow, col, val, tuple(size))
+        return cls._wrap(crow, col, val, size)
+
+    def __init__(self, crow: Tensor, col: Tensor, val: Tensor, size: Sequence[int]):
+        pass  # the parts are set by _wrap
+
+    @classmethod
+    def _wrap(cls, crow: Tensor, col: Tensor, val: Tensor, size: Sequence[int]) -> "CSRMatrix":
+        """The wrapper itself, with no autograd link (see :class:`_FromParts`)."""
+        matrix = Tensor._make_wrapper_subclass(cls, size, dtype=val.dtype, device=val.device)
+        matrix.crow = crow
+        matrix.col = col
+        matrix.val = val
+        return matrix
+
+    # -- tracing -------------------------------------------------------------------
+
+    def __tensor_flatten__(self):
+        return ["crow", "col", "val"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return CSRMatrix._wrap(inner_tensors["crow"], inner_tensors["col"], inner_tensors["val"], outer_size)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _FUNCTIONS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _ATEN.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        raise NotImplementedError(
+            f"CSRMatrix: {func} is not supported; supported are matrix products "
+            "(@, mm, sparse.mm, matmul, mv, addmm, addmv), t(), to_dense(), scaling by a "
+            "scalar and moves/casts. Use A.to_dense() for anything else.")
+
+    # -- conveniences --------------------------------------------------------------
+
+    @property
+    def nnz(self) -> int:
+        return self.col.shape[0]
+
+    def with_values(self, val: Tensor) -> "CSRMatrix":
+        """The same pattern with new values (for example attention weights each step)."""
+        if val.shape != self.val.shape:
+            raise ValueError(f"CSRMatrix.with_values: val must have shape {tuple(self.val.shape)} "
+                             f"(got {tuple(val.shape)})")
+        return CSRMatrix(self.crow, self.col, val, self.shape)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"CSRMatrix(shape={tuple(self.shape)}, nnz={self.nnz}, dtype={self.dtype}, "
+                f"index_dtype={self.crow.dtype}, device={self.device}"
+                + (", requires_grad=True" if self.val.requires_grad else "") + ")")
+
+    def __reduce_ex__(self, protocol):
+        return (CSRMatrix, (self.crow, self.col, self.val, tuple(self.shape)))
+
+    def _stable_hash_for_caching(self) -> str:
+        # AOTAutograd's cache key: what is traced depends on this module's code (the
+        # __torch_function__ mapping), on the dtypes and on whether values need a gradient.
+        return f"{_SOURCE_HASH}/{self.crow.dtype}/{self.val.dtype}/{self.requires_grad}"
+
+
+class _FromParts(torch.autograd.Function):
+    """Make a CSRMatrix whose values carry a gradient, linked to them by a grad_fn.
+
+    Eagerly, products read ``A.val`` and the gradient reaches it through the operators.
+    A compiled graph instead returns the gradient of the whole matrix (a CSRMatrix
+    tangent); this function hands its values back to ``val``. Without the link the
+    wrapper would be a leaf of its own and the compiled gradient would stop there.
+    """
+
+    @staticmethod
+    def forward(ctx, crow, col, val, size):
+        ctx.save_for_backward(crow, col)
+        return CSRMatrix._wrap(crow, col, val.detach(), size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, CSRMatrix):
+            return None, None, grad.val, None
+        # A dense gradient of the whole matrix: only the entries at the pattern matter.
+        crow, col = ctx.saved_tensors
+        lengths = (crow[1:] - crow[:-1]).to(torch.int64)
+        rows = torch.repeat_interleave(torch.arange(crow.shape[0] - 1, device=crow.device), lengths,
+                                       output_size=col.shape[0])
+        return None, None, grad[rows, col.to(torch.int64)], None
+
+
+# ------------------------------------------------------------------ torch functions
+
+
+def _fail_operand(op: str, name: str, t: Any, want: str) -> None:
+    got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+    raise ValueError(f"{op}: {name} must be {want} (got {got})")
+
+
+class _Values(torch.autograd.Function):
+    """``A.val`` with the gradient routed back through the matrix (see :class:`_FromParts`)."""
+
+    @staticmethod
+    def forward(ctx, A):
+        ctx.parts = (A.crow, A.col, tuple(A.shape))
+        return A.val.view_as(A.val)
+
+    @staticmethod
+    def backward(ctx, grad):
+        crow, col, size = ctx.parts
+        return CSRMatrix._wrap(crow, col, grad, size)
+
+
+def values_of(A: CSRMatrix) -> Tensor:
+    """The values of ``A``, differentiable when ``A`` requires grad."""
+    return _Values.apply(A) if A.requires_grad else A.val
+
+
+def _spmm(A: CSRMatrix, X: Tensor) -> Tensor:
+    return _ops.spmm(A.crow, A.col, values_of(A), A.shape[1], X)
+
+
+def _spmv(A: CSRMatrix, x: Tensor) -> Tensor:
+    return _ops.spmv(A.crow, A.col, values_of(A), A.shape[1], x)
+
+
+def _matmul(a, b, op: str = "CSRMatrix.matmul", vectors: bool = True) -> Tensor:
+    if isinstance(a, CSRMatrix) and isinstance(b, CSRMatrix):
+        raise NotImplementedError(f"{op}: sparse @ sparse is not supported; densify one side")
+    if isinstance(a, CSRMatrix):
+        if not isinstance(b, Tensor):
+            _fail_operand(op, "the dense operand", b, "a torch.Tensor")
+        if b.dim() == 2:
+            return _spmm(a, b)
+        if b.dim() == 1 and vectors:
+            return _spmv(a, b)
+        _fail_operand(op, "the dense operand", b, "2-D" if not vectors else "1-D or 2-D")
+    # dense @ sparse: X @ A = (Aᵀ Xᵀ)ᵀ, on the cached transposed pattern.
+    if not isinstance(a, Tensor):
+        _fail_operand(op, "the dense operand", a, "a torch.Tensor")
+    if a.dim() == 2:
+        return _ops.spmm_transposed(b.crow, b.col, values_of(b), b.shape[1], a.t()).t()
+    if a.dim() == 1 and vectors:
+        return _ops.spmv_transposed(b.crow, b.col, values_of(b), b.shape[1], a)
+    _fail_operand(op, "the dense operand", a, "2-D" if not vectors else "1-D or 2-D")
+
+
+def _mm(a, b):
+    return _matmul(a, b, "CSRMatrix.mm", vectors=False)
+
+
+def _mv(A, x):
+    if not isinstance(A, CSRMatrix):
+        raise NotImplementedError("CSRMatrix.mv: the matrix operand must be the CSRMatrix")
+    if not isinstance(x, Tensor) or x.dim() != 1:
+        _fail_operand("CSRMatrix.mv", "the vector", x, "1-D")
+    return _spmv(A, x)
+
+
+def _scaled(result: Tensor, alpha) -> Tensor:
+    return result if isinstance(alpha, numbers.Number) and alpha == 1 else result * alpha
+
+
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    if out is not None:
+        raise NotImplementedError("CSRMatrix.addmm: out= is not supported")
+    product = _scaled(_mm(mat1, mat2), alpha)
+    # beta == 0 ignores `input` entirely, as torch.addmm does (NaN in it must not leak).
+    if isinstance(beta, numbers.Number) and beta == 0:
+        return product
+    return torch.add(product, input, alpha=beta)
+
+
+def _sparse_addmm(mat, mat1, mat2, *, beta=1.0, alpha=1.0):
+    return _addmm(mat, mat1, mat2, beta=beta, alpha=alpha)
+
+
+def _addmv(input, mat, vec, *, beta=1, alpha=1, out=None):
+    if out is not None:
+        raise NotImplementedError("CSRMatrix.addmv: out= is not supported")
+    product = _scaled(_mv(mat, vec), alpha)
+    if isinstance(beta, numbers.Number) and beta == 0:
+        return product
+    return torch.add(product, input, alpha=beta)
+
+
+@torch._dynamo.disable
+def _transpose_parts(A: CSRMatrix):
+    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    _, crow_t, col_t, perm = entry.transpose(A.crow, A.col)
+    return crow_t, col_t, perm
+
+
+def _t(A: CSRMatrix) -> CSRMatrix:
+    crow_t, col_t, perm = _transpose_parts(A)
+    return CSRMatrix(crow_t, col_t, values_of(A).index_select(0, perm), (A.shape[1], A.shape[0]))
+
+
+def _transpose(A: CSRMatrix, dim0: int, dim1: int) -> CSRMatrix:
+    if {dim0 % 2, dim1 % 2} != {0, 1}:
+        return A
+    return _t(A)
+
+
+def _to_dense(A: CSRMatrix, dtype=None, *, masked_grad=None) -> Tensor:
+    lengths = (A.crow[1:] - A.crow[:-1]).to(torch.int64)
+    rows = torch.repeat_interleave(torch.arange(A.shape[0], device=A.device), lengths,
+                                   output_size=A.col.shape[0])
+    dense = torch.zeros(tuple(A.shape), dtype=A.dtype, device=A.device)
+    dense = dense.index_put((rows, A.col.to(torch.int64)), values_of(A), accumulate=True)
+    return dense if dtype is None else dense.to(dtype)
+
+
+def _moved(A: CSRMatrix, *, device=None, dtype=None, non_blocking=False, copy=False) -> CSRMatrix:
+    if dtype is not None and dtype not in VALUE_DTYPES:
+        raise TypeError(f"CSRMatrix.to: values must stay floating point, one of {VALUE_DTYPES} (got {dtype})")
+    if not copy and (device is None or torch.device(device) == A.device) and dtype in (None, A.dtype):
+        return A
+    crow = A.crow.to(device=device, non_blocking=non_blocking, copy=copy)
+    col = A.col.to(device=device, non_blocking=non_blocking, copy=copy)
+    val = values_of(A).to(device=device, dtype=dtype, non_blocking=non_blocking, copy=copy)
+    return CSRMatrix(crow, col, val, A.shape)
+
+
+def _to(A: CSRMatrix, *args, **kwargs) -> CSRMatrix:
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return _moved(A, device=device, dtype=dtype, non_blocking=non_blocking,
+                  copy=kwargs.get("copy", False))
+
+
+def _scalar_op(name: str, fn, commutes: bool = True):
+    def handler(a, b=None):
+        if not isinstance(a, CSRMatrix) and not commutes:
+            raise NotImplementedError(f"CSRMatrix.{name}: the matrix must be the left operand")
+        A, other = (a, b) if isinstance(a, CSRMatrix) else (b, a)
+        if isinstance(other, numbers.Number) or (isinstance(other, Tensor) and other.dim() == 0
+                                                 and not isinstance(other, CSRMatrix)):
+            return A.with_values(fn(values_of(A), other))
+        raise NotImplementedError(f"CSRMatrix.{name}: only a scalar operand is supported "
+                                  f"(got {type(other).__name__})")
+    return handler
+
+
+def _requires_grad_(A: CSRMatrix, requires_grad: bool = True) -> CSRMatrix:
+    raise RuntimeError(
+        "CSRMatrix.requires_grad_: the gradient belongs to the values; make them a leaf that "
+        "requires grad and build the matrix on it: A = A.with_values(A.values().detach().requires_grad_()) "
+        "(or torch_sparserl.csr(..., values that require grad))")
+
+
+_FUNCTIONS = {
+    torch.sparse.mm: _mm,
+    torch.mm: _mm,
+    Tensor.mm: _mm,
+    torch.matmul: _matmul,
+    Tensor.matmul: _matmul,
+    Tensor.__matmul__: _matmul,
+    Tensor.__rmatmul__: lambda a, b: _matmul(b, a),
+    torch.mv: _mv,
+    Tensor.mv: _mv,
+    torch.addmm: _addmm,
+    Tensor.addmm: _addmm,
+    torch.sparse.addmm: _sparse_addmm,
+    torch.addmv: _addmv,
+    Tensor.addmv: _addmv,
+    torch.t: _t,
+    Tensor.t: _t,
+    Tensor.T.__get__: _t,
+    Tensor.mT.__get__: _t,
+    torch.transpose: _transpose,
+    Tensor.transpose: _transpose,
+    Tensor.to_dense: _to_dense,
+    Tensor.to: _to,
+    Tensor.cuda: lambda A, device=None, non_blocking=False, **_: _moved(
+        A, device=torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"),
+        non_blocking=non_blocking),
+    Tensor.cpu: lambda A, **_: _moved(A, device="cpu"),
+    Tensor.double: lambda A, **_: _moved(A, dtype=torch.float64),
+    Tensor.float: lambda A, **_: _moved(A, dtype=torch.float32),
+    Tensor.half: lambda A, **_: _moved(A, dtype=torch.float16),
+    Tensor.bfloat16: lambda A, **_: _moved(A, dtype=torch.bfloat16),
+    Tensor.detach: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val, A.shape),
+    Tensor.clone: lambda A, **_: CSRMatrix(A.crow.clone(), A.col.clone(), values_of(A).clone(), A.shape),
+    Tensor.requires_grad_: _requires_grad_,
+    Tensor.values: values_of,
+    Tensor.crow_indices: lambda A: A.crow,
+    Tensor.col_indices: lambda A: A.col,
+    Tensor._nnz: lambda A: A.col.shape[0],
+    Tensor.__mul__: _scalar_op("mul", torch.mul),
+    Tensor.__rmul__: _scalar_op("mul", torch.mul),
+    torch.mul: _scalar_op("mul", torch.mul),
+    Tensor.mul: _scalar_op("mul", torch.mul),
+    Tensor.__truediv__: _scalar_op("div", torch.div, commutes=False),
+    Tensor.__div__: _scalar_op("div", torch.div, commutes=False),
+    Tensor.div: _scalar_op("div", torch.div, commutes=False),
+    torch.div: _scalar_op("div", torch.div, commutes=False),
+    Tensor.__neg__: lambda A: A.with_values(-values_of(A)),
+}
+
+
+# ---------------------------------------------------------------- aten (dispatch)
+
+
+def _aten_to_copy(A, *, dtype=None, layout=None, device=None, pin_memory=None,
+                  non_blocking=False, memory_format=None):
+    moved = [t.to(device=device, non_blocking=non_blocking, copy=True) for t in (A.crow, A.col)]
+    val = A.val.to(device=device, dtype=dtype, non_blocking=non_blocking, copy=True)
+    return CSRMatrix._wrap(*moved, val, A.shape)
+
+
+_aten = torch.ops.aten
+_ATEN = {
+    _aten.detach.default: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val.detach(), A.shape),
+    _aten.alias.default: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val, A.shape),
+    _aten.clone.default: lambda A, **_: CSRMatrix._wrap(A.crow.clone(), A.col.clone(), A.val.clone(), A.shape),
+    _aten._to_copy.default: _aten_to_copy,
+}
+
+
+# --------------------------------------------------------------------- construction
+
+
+def _tensor(x, name: str) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    try:
+        return torch.as_tensor(x)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the op's name
+        raise TypeError(f"torch_sparserl.csr: {name} must be a tensor or array (got {type(x).__name__})") from exc
+
+
+def _from_torch_sparse(A: Tensor):
+    if A.layout != torch.sparse_csr:
+        if A.layout in (torch.sparse_coo, torch.sparse_csc, torch.strided):
+            if A.dim() != 2:
+                raise ValueError(f"torch_sparserl.csr: expected a 2-D matrix (got shape {tuple(A.shape)})")
+            A = (A.coalesce() if A.layout == torch.sparse_coo else A).to_sparse_csr()
+        else:
+            raise TypeError(f"torch_sparserl.csr: cannot convert layout {A.layout}; "
+                            "expected sparse_csr, sparse_coo, sparse_csc or a dense 2-D tensor")
+    if A.dim() != 2 or A.values().dim() != 1:
+        raise ValueError("torch_sparserl.csr: expected a 2-D CSR matrix without batch or dense "
+                         f"dimensions (got shape {tuple(A.shape)}, values of shape {tuple(A.values().shape)})")
+    # Views of a sparse tensor keep it as their base, which Dynamo cannot wrap: detach
+    # (or clone where values carry a gradient, so that it still flows back to A).
+    val = A.values().clone() if A.requires_grad else A.values().detach()
+    return A.crow_indices().detach(), A.col_indices().detach(), val, tuple(A.shape)
+
+
+def _from_scipy(A):
+    A = A.tocsr()
+    return (torch.from_numpy(np.ascontiguousarray(A.indptr)),
+            torch.from_numpy(np.ascontiguousarray(A.indices)),
+            torch.from_numpy(np.ascontiguousarray(A.data)), tuple(A.shape))
+
+
+def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None = None,
+        index_dtype: torch.dtype | None = None, device=None, validate: bool = True) -> CSRMatrix:
+    """Build a :class:`CSRMatrix`.
+
+    ``data`` is a torch sparse tensor (CSR, COO or CSC), a dense 2-D tensor, a SciPy sparse
+    matrix, a :class:`CSRMatrix`, or a triple ``(crow, col, val)`` of tensors or arrays
+    (then ``shape`` is required). ``dtype``, ``index_dtype`` and ``device`` convert the
+    values, the indices and the whole; integer or boolean values become the default float
+    dtype. With ``validate`` (the default) the index data is checked once here (monotone
+    row pointers, columns in range), so later products skip that check.
+    """
+    op = "torch_sparserl.csr"
+    if isinstance(data, CSRMatrix):
+        crow, col, val, size = data.crow, data.col, values_of(data), tuple(data.shape)
+    elif isinstance(data, Tensor):
+        crow, col, val, size = _from_torch_sparse(data)
+    elif hasattr(data, "tocsr") and hasattr(data, "indptr") or type(data).__module__.startswith("scipy.sparse"):
+        crow, col, val, size = _from_scipy(data)
+    elif isinstance(data, (tuple, list)) and len(data) == 3:
+        if shape is None:
+            raise ValueError(f"{op}: shape=(nrows, ncols) is required with a (crow, col, val) triple")
+        crow, col, val = (_tensor(x, n) for x, n in zip(data, ("crow", "col", "val")))
+        size = tuple(shape)
+    else:
+        raise TypeError(f"{op}: expected a torch sparse or dense tensor, a SciPy sparse matrix or "
+                        f"a (crow, col, val) triple (got {type(data).__name__})")
+    if shape is not None and tuple(shape) != tuple(size):
+        raise ValueError(f"{op}: shape {tuple(shape)} does not match the matrix's shape {tuple(size)}")
+    if len(size) != 2:
+        raise ValueError(f"{op}: shape must be (nrows, ncols) (got {size})")
+    if not val.is_floating_point():
+        val = val.to(torch.get_default_dtype())
+    if index_dtype is not None:
+        if index_dtype not in INDEX_DTYPES:
+            raise TypeError(f"{op}: index_dtype must be torch.int32 or torch.int64 (got {index_dtype})")
+        crow, col = crow.to(index_dtype), col.to(index_dtype)
+    elif crow.dtype != col.dtype and crow.dtype in INDEX_DTYPES and col.dtype in INDEX_DTYPES:
+        # SciPy may give int64 indptr with int32 indices: widen both.
+        crow, col = crow.to(torch.int64), col.to(torch.int64)
+    if dtype is not None:
+        val = val.to(dtype)
+    if device is not None:
+        crow, col, val = crow.to(device), col.to(device), val.to(device)
+    check_csr_meta(op, crow, col, val, size[1])
+    if crow.shape[0] != size[0] + 1:
+        raise ValueError(f"{op}: crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]})")
+    if validate:
+        patterns.lookup(crow, col, size[1]).validate(op, crow, col)
+    return CSRMatrix(crow, col, val, size)

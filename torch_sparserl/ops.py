@@ -1,0 +1,222 @@
+"""The ``sparserl`` operators: each defined once, with schema, fake and autograd.
+
+=========================================================  ==================================
+``sparserl::spmm(crow, col, val, ncols, X)``               A @ X, X of shape (ncols, N)
+``sparserl::spmv(crow, col, val, ncols, x)``               A @ x, x of shape (ncols,)
+``sparserl::spmm_transposed(crow, col, val, ncols, G)``    Aᵀ @ G, G of shape (nrows, N)
+``sparserl::spmv_transposed(crow, col, val, ncols, g)``    Aᵀ @ g, g of shape (nrows,)
+``sparserl::sddmm(crow, col, Y, X)``                       out[k] = dot(Y[row(k)], X[col(k)])
+=========================================================  ==================================
+
+A is the CSR matrix ``(crow, col, val)`` with ``crow.numel() - 1`` rows and ``ncols``
+columns. The transposed operators run on the transposed *pattern*, which is computed once
+per pattern and cached (:mod:`torch_sparserl.pattern`); they are what the backward of the
+forward products calls, and SDDMM gives the gradient of the values. All five close under
+differentiation, so higher-order gradients work too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import pattern as patterns
+from .kernels import cusparse, reference
+from .dtypes import VALUE_DTYPES
+from .validation import check_csr_meta, check_dense, check_tensor, require
+
+__all__ = ["spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm", "NAMESPACE"]
+
+NAMESPACE = "sparserl"
+
+
+def _kernels(device: torch.device):
+    """The implementation module for a device (CUDA: cuSPARSE; elsewhere: reference)."""
+    return cusparse if device.type == "cuda" else reference
+
+
+def _pattern(op: str, crow: Tensor, col: Tensor, val: Tensor | None, ncols: int) -> patterns.Pattern:
+    check_csr_meta(op, crow, col, val, ncols)
+    entry = patterns.lookup(crow, col, ncols)
+    entry.validate(op, crow, col)
+    return entry
+
+
+# --------------------------------------------------------------------------- spmm
+
+
+@torch.library.custom_op("sparserl::spmm", mutates_args=())
+def spmm(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+    """A @ X for the CSR matrix A = (crow, col, val) with ``ncols`` columns."""
+    entry = _pattern("sparserl.spmm", crow, col, val, ncols)
+    check_dense("sparserl.spmm", "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
+    return _kernels(X.device).spmm(entry, crow, col, val, X)
+
+
+@spmm.register_fake
+def _(crow, col, val, ncols, X):
+    check_csr_meta("sparserl.spmm", crow, col, val, ncols)
+    check_dense("sparserl.spmm", "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
+    return X.new_empty((crow.shape[0] - 1, X.shape[1]))
+
+
+def _spmm_setup(ctx, inputs, output):
+    crow, col, val, ncols, X = inputs
+    ctx.ncols = ncols
+    ctx.save_for_backward(crow, col, val, X)
+
+
+def _spmm_backward(ctx, grad):
+    crow, col, val, X = ctx.saved_tensors
+    grad_val = sddmm(crow, col, grad, X) if ctx.needs_input_grad[2] else None
+    grad_X = spmm_transposed(crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    return None, None, grad_val, None, grad_X
+
+
+spmm.register_autograd(_spmm_backward, setup_context=_spmm_setup)
+
+
+# ------------------------------------------------------------------ spmm_transposed
+
+
+@torch.library.custom_op("sparserl::spmm_transposed", mutates_args=())
+def spmm_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
+    """Aᵀ @ G for the CSR matrix A = (crow, col, val); G is (nrows, N), the result (ncols, N)."""
+    op = "sparserl.spmm_transposed"
+    entry = _pattern(op, crow, col, val, ncols)
+    check_dense(op, "G", G, dim=2, rows=entry.nrows, rows_name="nrows", like=val)
+    entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
+    return _kernels(G.device).spmm(entry_t, crow_t, col_t, val.index_select(0, perm), G)
+
+
+@spmm_transposed.register_fake
+def _(crow, col, val, ncols, G):
+    op = "sparserl.spmm_transposed"
+    check_csr_meta(op, crow, col, val, ncols)
+    check_dense(op, "G", G, dim=2, rows=crow.shape[0] - 1, rows_name="nrows", like=val)
+    return G.new_empty((ncols, G.shape[1]))
+
+
+def _spmm_transposed_backward(ctx, grad):
+    crow, col, val, G = ctx.saved_tensors
+    grad_val = sddmm(crow, col, G, grad) if ctx.needs_input_grad[2] else None
+    grad_G = spmm(crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    return None, None, grad_val, None, grad_G
+
+
+spmm_transposed.register_autograd(_spmm_transposed_backward, setup_context=_spmm_setup)
+
+
+# --------------------------------------------------------------------------- spmv
+
+
+@torch.library.custom_op("sparserl::spmv", mutates_args=())
+def spmv(crow: Tensor, col: Tensor, val: Tensor, ncols: int, x: Tensor) -> Tensor:
+    """A @ x for the CSR matrix A = (crow, col, val) and a vector x of length ``ncols``."""
+    entry = _pattern("sparserl.spmv", crow, col, val, ncols)
+    check_dense("sparserl.spmv", "x", x, dim=1, rows=ncols, rows_name="ncols", like=val)
+    return _kernels(x.device).spmv(entry, crow, col, val, x)
+
+
+@spmv.register_fake
+def _(crow, col, val, ncols, x):
+    check_csr_meta("sparserl.spmv", crow, col, val, ncols)
+    check_dense("sparserl.spmv", "x", x, dim=1, rows=ncols, rows_name="ncols", like=val)
+    return x.new_empty((crow.shape[0] - 1,))
+
+
+def _spmv_backward(ctx, grad):
+    crow, col, val, x = ctx.saved_tensors
+    grad_val = sddmm(crow, col, grad.unsqueeze(1), x.unsqueeze(1)) if ctx.needs_input_grad[2] else None
+    grad_x = spmv_transposed(crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    return None, None, grad_val, None, grad_x
+
+
+spmv.register_autograd(_spmv_backward, setup_context=_spmm_setup)
+
+
+# ------------------------------------------------------------------ spmv_transposed
+
+
+@torch.library.custom_op("sparserl::spmv_transposed", mutates_args=())
+def spmv_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, g: Tensor) -> Tensor:
+    """Aᵀ @ g for the CSR matrix A = (crow, col, val) and a vector g of length nrows."""
+    op = "sparserl.spmv_transposed"
+    entry = _pattern(op, crow, col, val, ncols)
+    check_dense(op, "g", g, dim=1, rows=entry.nrows, rows_name="nrows", like=val)
+    entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
+    return _kernels(g.device).spmv(entry_t, crow_t, col_t, val.index_select(0, perm), g)
+
+
+@spmv_transposed.register_fake
+def _(crow, col, val, ncols, g):
+    op = "sparserl.spmv_transposed"
+    check_csr_meta(op, crow, col, val, ncols)
+    check_dense(op, "g", g, dim=1, rows=crow.shape[0] - 1, rows_name="nrows", like=val)
+    return g.new_empty((ncols,))
+
+
+def _spmv_transposed_backward(ctx, grad):
+    crow, col, val, g = ctx.saved_tensors
+    grad_val = sddmm(crow, col, g.unsqueeze(1), grad.unsqueeze(1)) if ctx.needs_input_grad[2] else None
+    grad_g = spmv(crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    return None, None, grad_val, None, grad_g
+
+
+spmv_transposed.register_autograd(_spmv_transposed_backward, setup_context=_spmm_setup)
+
+
+# -------------------------------------------------------------------------- sddmm
+
+
+def _check_sddmm(op: str, crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> None:
+    check_tensor(op, "Y", Y, dim=2, dtypes=VALUE_DTYPES)
+    check_tensor(op, "X", X, dim=2, dtypes=VALUE_DTYPES)
+    check_csr_meta(op, crow, col, None, X.shape[0])
+    if crow.device != Y.device:
+        raise ValueError(f"{op}: Y must be on the device of the sparse pattern, {crow.device} (got {Y.device})")
+    check_dense(op, "Y", Y, dim=2, rows=crow.shape[0] - 1, rows_name="nrows", like=Y)
+    check_dense(op, "X", X, dim=2, rows=X.shape[0], rows_name="ncols", like=Y)
+    require(op, X.shape[1] == Y.shape[1],
+            f"Y and X must have the same number of columns N (got Y {tuple(Y.shape)}, X {tuple(X.shape)})")
+
+
+@torch.library.custom_op("sparserl::sddmm", mutates_args=())
+def sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
+    """Sampled dense-dense product at the nonzeros: out[k] = dot(Y[row(k)], X[col(k)]).
+
+    Y is (nrows, N), X is (ncols, N); the result has one value per nonzero, (nnz,).
+    """
+    op = "sparserl.sddmm"
+    _check_sddmm(op, crow, col, Y, X)
+    entry = _pattern(op, crow, col, None, X.shape[0])
+    return reference.sddmm(entry, crow, col, Y, X)
+
+
+@sddmm.register_fake
+def _(crow, col, Y, X):
+    _check_sddmm("sparserl.sddmm", crow, col, Y, X)
+    return Y.new_empty((col.shape[0],))
+
+
+def _sddmm_setup(ctx, inputs, output):
+    crow, col, Y, X = inputs
+    ctx.save_for_backward(crow, col, Y, X)
+
+
+def _sddmm_backward(ctx, grad):
+    crow, col, Y, X = ctx.saved_tensors
+    ncols = X.shape[0]
+    grad_Y = spmm(crow, col, grad, ncols, X) if ctx.needs_input_grad[2] else None
+    grad_X = spmm_transposed(crow, col, grad, ncols, Y) if ctx.needs_input_grad[3] else None
+    return None, None, grad_Y, grad_X
+
+
+sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
+
+
+def registered_ops() -> list[str]:
+    """Names of every operator registered in the ``sparserl`` namespace (discovered, not listed)."""
+    prefix = NAMESPACE + "::"
+    return sorted(name[len(prefix):] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith(prefix))

@@ -1,0 +1,116 @@
+"""Per-pattern state, computed once and cached by tensor identity and version.
+
+A *pattern* is the structure of a CSR matrix: ``crow``, ``col`` and ``ncols``. Everything
+derived from it alone — the validation verdict, the row index of every nonzero, the
+transposed pattern and the permutation that carries values into it — is computed on first
+use and reused while the same ``crow``/``col`` tensors live unmodified. The cache holds
+weak references only, so it never keeps a user's adjacency alive.
+
+Values are not part of the pattern: they may change every step (attention-weighted
+graphs), and nothing here depends on them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .validation import check_csr_values
+
+
+def _version(t: torch.Tensor) -> int:
+    # Inference tensors have no version counter; they cannot be modified outside
+    # inference mode, so treat them as never changing.
+    return -1 if t.is_inference() else t._version
+
+
+class Pattern:
+    """Derived data of one CSR pattern. Create through :func:`lookup`."""
+
+    __slots__ = ("_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
+                 "validated", "_row_indices", "_transpose", "_lock", "__weakref__")
+
+    def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int):
+        self._col_ref = weakref.ref(col)
+        self._versions = (_version(crow), _version(col))
+        self.ncols = int(ncols)
+        self.nrows = crow.shape[0] - 1
+        self.nnz = col.shape[0]
+        self.device = col.device
+        self.index_dtype = col.dtype
+        self.validated = False
+        self._row_indices: torch.Tensor | None = None
+        self._transpose: tuple[Pattern, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+
+    def matches(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> bool:
+        return (self._col_ref() is col and self.ncols == ncols
+                and self._versions == (_version(crow), _version(col)))
+
+    def validate(self, op: str, crow: torch.Tensor, col: torch.Tensor) -> None:
+        if not self.validated:
+            check_csr_values(op, crow, col, self.ncols)
+            self.validated = True
+
+    def row_indices(self, crow: torch.Tensor) -> torch.Tensor:
+        """The row of each nonzero, shape (nnz,), int64."""
+        if self._row_indices is None:
+            lengths = (crow[1:] - crow[:-1]).to(torch.int64)
+            rows = torch.arange(self.nrows, device=crow.device)
+            self._row_indices = torch.repeat_interleave(rows, lengths, output_size=self.nnz)
+        return self._row_indices
+
+    def transpose(self, crow: torch.Tensor, col: torch.Tensor):
+        """``(pattern_t, crow_t, col_t, perm)``: the transposed pattern and its tensors.
+
+        ``perm[k]`` is the position in the original ``val`` of the k-th nonzero of the
+        transpose, so ``val_t = val[perm]``. Columns within each transposed row stay
+        sorted, because the sort by column is stable and rows are visited in order.
+        """
+        with self._lock:
+            if self._transpose is None:
+                rows = self.row_indices(crow)
+                perm = torch.argsort(col, stable=True)
+                col_t = rows.index_select(0, perm).to(self.index_dtype)
+                counts = torch.bincount(col.to(torch.int64), minlength=self.ncols)
+                crow_t = torch.zeros(self.ncols + 1, dtype=self.index_dtype, device=col.device)
+                crow_t[1:] = counts.cumsum(0)
+                pattern_t = Pattern(crow_t, col_t, self.nrows)
+                pattern_t.validated = self.validated
+                # The transposed tensors are owned here, so the transposed Pattern needs no
+                # identity cache of its own: it is reached only through this one.
+                self._transpose = (pattern_t, crow_t, col_t, perm)
+                _STATS["transposes"] += 1
+            return self._transpose
+
+
+_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_CACHE_LOCK = threading.Lock()
+_STATS = {"lookups": 0, "misses": 0, "transposes": 0}
+
+
+def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
+    """The cached :class:`Pattern` of ``(crow, col, ncols)``, created on first use.
+
+    Keyed by the identity of ``crow`` and checked against ``col``'s identity and both
+    version counters, so an in-place change of the indices invalidates the entry.
+    """
+    _STATS["lookups"] += 1
+    entry = _CACHE.get(crow)
+    if entry is not None and entry.matches(crow, col, ncols):
+        return entry
+    with _CACHE_LOCK:
+        entry = _CACHE.get(crow)
+        if entry is None or not entry.matches(crow, col, ncols):
+            _STATS["misses"] += 1
+            entry = Pattern(crow, col, ncols)
+            _CACHE[crow] = entry
+        return entry
+
+
+def stats() -> dict[str, int]:
+    """Counters of cache use (lookups, misses, transposes computed); for tests and logs."""
+    return dict(_STATS)

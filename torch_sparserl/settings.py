@@ -1,0 +1,54 @@
+"""Settings of the ``sparserl`` backend: one dataclass, passed as ``torch.compile(options=...)``.
+
+``torch.compile(model, backend="sparserl", options={"strict": True})``. Environment
+variables are for debugging only: ``SPARSERL_LOG=debug`` turns on verbose logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+DEFAULT_STRICT = False
+DEFAULT_INTERCEPT_SPARSE = True
+
+logger = logging.getLogger("torch_sparserl")
+if os.environ.get("SPARSERL_LOG"):
+    logging.basicConfig()
+    logger.setLevel(os.environ["SPARSERL_LOG"].upper())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Options of the ``sparserl`` backend."""
+
+    strict: bool = DEFAULT_STRICT
+    """Raise where the library would otherwise fall back (to cuSPARSE or to torch's own
+    sparse kernels) and log. Tests set it, so that a fallback never hides a bug."""
+
+    intercept_sparse: bool = DEFAULT_INTERCEPT_SPARSE
+    """Route eager products of raw ``torch.sparse_csr`` tensors, which Dynamo cannot trace,
+    to the sparserl operators while a model compiled with this backend runs."""
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | "Settings" | None) -> "Settings":
+        if options is None:
+            return cls()
+        if isinstance(options, Settings):
+            return options
+        if not isinstance(options, Mapping):
+            raise TypeError(f"sparserl backend: options must be a dict (got {type(options).__name__})")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"sparserl backend: unknown option(s) {unknown}; expected some of {sorted(known)}")
+        for name, value in options.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"sparserl backend: option {name!r} must be a bool (got {value!r})")
+        return cls(**options)
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
