@@ -216,3 +216,19 @@ def test_sparserl_compile_converts_buffers_and_arguments(device, fresh_intercept
 def test_unknown_option_is_named():
     with pytest.raises(Exception, match=r"unknown option\(s\) \['fast'\]"):
         torch.compile(lambda x: x + 1, backend="sparserl", options={"fast": True})(torch.ones(2))
+
+
+def test_interception_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    from torch_sparserl import pattern
+
+    raw = torch.eye(6).to_sparse_csr()
+    ref = weakref.ref(raw)
+    with ts.intercept_sparse():
+        raw @ torch.randn(6, 2)
+    del raw
+    gc.collect()
+    assert ref() is None and len(intercept._views) == 0
+    assert all(entry.nrows != 6 for entry in pattern._CACHE.values())

@@ -209,18 +209,20 @@ def _mv(A, x):
     return _spmv(A, x)
 
 
-def _scaled(result: Tensor, alpha) -> Tensor:
-    return result if isinstance(alpha, numbers.Number) and alpha == 1 else result * alpha
-
-
-def _addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
+def _beta_input_plus_alpha_product(name: str, product, input, beta, alpha, out) -> Tensor:
+    """``beta * input + alpha * product`` with torch.addmm's rules."""
     if out is not None:
-        raise NotImplementedError("CSRMatrix.addmm: out= is not supported")
-    product = _scaled(_mm(mat1, mat2), alpha)
+        raise NotImplementedError(f"CSRMatrix.{name}: out= is not supported")
+    if not (isinstance(alpha, numbers.Number) and alpha == 1):
+        product = product * alpha
     # beta == 0 ignores `input` entirely, as torch.addmm does (NaN in it must not leak).
     if isinstance(beta, numbers.Number) and beta == 0:
         return product
     return torch.add(product, input, alpha=beta)
+
+
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    return _beta_input_plus_alpha_product("addmm", _mm(mat1, mat2), input, beta, alpha, out)
 
 
 def _sparse_addmm(mat, mat1, mat2, *, beta=1.0, alpha=1.0):
@@ -228,12 +230,7 @@ def _sparse_addmm(mat, mat1, mat2, *, beta=1.0, alpha=1.0):
 
 
 def _addmv(input, mat, vec, *, beta=1, alpha=1, out=None):
-    if out is not None:
-        raise NotImplementedError("CSRMatrix.addmv: out= is not supported")
-    product = _scaled(_mv(mat, vec), alpha)
-    if isinstance(beta, numbers.Number) and beta == 0:
-        return product
-    return torch.add(product, input, alpha=beta)
+    return _beta_input_plus_alpha_product("addmv", _mv(mat, vec), input, beta, alpha, out)
 
 
 @torch._dynamo.disable
