@@ -188,8 +188,9 @@ def sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
     Y is (nrows, N), X is (ncols, N); the result has one value per nonzero, (nnz,).
     """
     op = "sparserl.sddmm"
-    _check_sddmm(op, crow, col, Y, X)
-    entry = _pattern(op, crow, col, None, X.shape[0])
+    _check_sddmm(op, crow, col, Y, X)  # includes the metadata checks of the pattern
+    entry = patterns.lookup(crow, col, X.shape[0])
+    entry.validate(op, crow, col)
     return reference.sddmm(entry, crow, col, Y, X)
 
 
