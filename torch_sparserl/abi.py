@@ -1,0 +1,369 @@
+"""The kernel ABI: the plan line, its strict parser, and the kernel spec.
+
+A specialized kernel is one complete CUDA translation unit whose first line is a plan
+(``csrc/README.md`` is the contract)::
+
+    // sparserl: op=spmm dtype=f32 n=32 rows=natural split=none block=256 grid=ceil(rows/8)
+
+Everything here is pure Python and runs without a GPU. A malformed plan raises
+:class:`PlanError`, which the evaluator scores as a compile-tier failure; nothing in a plan
+is ever passed to ``eval``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+KERNEL_NAME = "sparserl_kernel"
+PLAN_PREFIX = "// sparserl:"
+
+OPS = ("spmm", "spmv")
+DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+ROW_ORDERS = ("natural", "sorted_desc", "binned", "sell")
+SPLITS = ("none", "nnz", "merge", "rowchunks")
+INITS = ("none", "zero")
+EXPR_NAMES = ("rows", "cols", "nnz", "n", "parts")
+
+MAX_BLOCK = 1024
+MAX_SMEM_BYTES = 227 * 1024  # sm_90 opt-in limit per block
+MAX_BINS = 8
+MAX_CHUNK = 1 << 20
+
+_KEYS = ("op", "dtype", "n", "rows", "split", "block", "grid", "smem", "init", "work")
+_REQUIRED = ("op", "dtype", "block", "grid")
+
+
+class PlanError(ValueError):
+    """A plan line (or the source around it) that breaks the ABI: a compile-tier failure."""
+
+
+# --------------------------------------------------------------------------- expressions
+
+_TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_]\w*)|(.))")
+
+
+@dataclass(frozen=True)
+class Expr:
+    """An integer expression over ``rows cols nnz n parts``; parsed once, evaluated per pattern."""
+
+    text: str
+    _tree: tuple = field(repr=False, compare=False, hash=False)
+
+    def evaluate(self, env: dict[str, int]) -> int:
+        return _eval(self._tree, env, self.text)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _tokenize(text: str) -> list[tuple[str, str]]:
+    tokens = []
+    for number, name, other in _TOKEN.findall(text):
+        if number:
+            tokens.append(("num", number))
+        elif name:
+            tokens.append(("name", name))
+        elif other.strip():
+            if other not in "+-*/(),":
+                raise PlanError(f"plan expression {text!r}: unexpected character {other!r}")
+            tokens.append(("op", other))
+    return tokens
+
+
+class _ExprParser:
+    # expr := term (('+'|'-') term)* ; term := atom (('*'|'/') atom)* ;
+    # atom := num | name | '(' expr ')' | ('ceil'|'min'|'max') '(' args ')'
+    def __init__(self, text: str):
+        self.text, self.tokens, self.pos = text, _tokenize(text), 0
+
+    def fail(self, why: str):
+        raise PlanError(f"plan expression {self.text!r}: {why}")
+
+    def peek(self):
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else (None, None)
+
+    def take(self, value: str):
+        if self.peek()[1] != value:
+            self.fail(f"expected {value!r}, got {self.peek()[1]!r}")
+        self.pos += 1
+
+    def parse(self) -> tuple:
+        if not self.tokens:
+            self.fail("empty")
+        tree = self.expr()
+        if self.pos != len(self.tokens):
+            self.fail(f"unexpected {self.peek()[1]!r}")
+        return tree
+
+    def expr(self):
+        tree = self.term()
+        while self.peek()[1] in ("+", "-"):
+            op = self.tokens[self.pos][1]
+            self.pos += 1
+            tree = (op, tree, self.term())
+        return tree
+
+    def term(self):
+        tree = self.atom()
+        while self.peek()[1] in ("*", "/"):
+            op = self.tokens[self.pos][1]
+            self.pos += 1
+            tree = (op, tree, self.atom())
+        return tree
+
+    def atom(self):
+        kind, value = self.peek()
+        if kind is None:
+            self.fail("ends too early")
+        self.pos += 1
+        if kind == "num":
+            return ("num", int(value))
+        if kind == "name" and value in ("ceil", "min", "max"):
+            self.take("(")
+            if value == "ceil":
+                inner = self.expr()
+                if inner[0] != "/":
+                    self.fail("ceil takes a division, ceil(a/b)")
+                self.take(")")
+                return ("ceil", inner[1], inner[2])
+            first = self.expr()
+            self.take(",")
+            second = self.expr()
+            self.take(")")
+            return (value, first, second)
+        if kind == "name":
+            if value not in EXPR_NAMES:
+                self.fail(f"unknown name {value!r} (expected one of {', '.join(EXPR_NAMES)})")
+            return ("name", value)
+        if value == "(":
+            tree = self.expr()
+            self.take(")")
+            return tree
+        self.fail(f"unexpected {value!r}")
+
+
+def _eval(tree: tuple, env: dict[str, int], text: str) -> int:
+    kind = tree[0]
+    if kind == "num":
+        return tree[1]
+    if kind == "name":
+        return int(env[tree[1]])
+    a, b = _eval(tree[1], env, text), _eval(tree[2], env, text)
+    if kind == "+":
+        return a + b
+    if kind == "-":
+        return a - b
+    if kind == "*":
+        return a * b
+    if kind == "min":
+        return min(a, b)
+    if kind == "max":
+        return max(a, b)
+    if b == 0:
+        raise PlanError(f"plan expression {text!r}: division by zero")
+    return a // b if kind == "/" else -(-a // b)
+
+
+def parse_expr(text: str) -> Expr:
+    return Expr(text, _ExprParser(text).parse())
+
+
+# --------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Plan:
+    """A parsed plan line. Frozen and validated: an invalid combination cannot be built."""
+
+    op: str
+    dtype: str
+    block: int
+    grid: Expr
+    n: int | None = None
+    rows: str = "natural"
+    rows_args: tuple[int, ...] = ()
+    split: str = "none"
+    split_arg: int | None = None
+    smem: Expr = field(default_factory=lambda: parse_expr("0"))
+    init: str = "none"
+    work: Expr = field(default_factory=lambda: parse_expr("0"))
+
+    def __post_init__(self):
+        def bad(key, expected, got):
+            raise PlanError(f"plan: {key} must be {expected} (got {got!r})")
+
+        if self.op not in OPS:
+            bad("op", " or ".join(OPS), self.op)
+        if self.dtype not in DTYPES:
+            bad("dtype", " or ".join(DTYPES), self.dtype)
+        if not (32 <= self.block <= MAX_BLOCK and self.block % 32 == 0):
+            bad("block", f"a multiple of 32 in 32..{MAX_BLOCK}", self.block)
+        if self.n is not None and self.n < 1:
+            bad("n", "an integer >= 1", self.n)
+        if self.op == "spmv" and self.n not in (None, 1):
+            bad("n", "1 for op=spmv", self.n)
+        if self.rows not in ROW_ORDERS:
+            bad("rows", " or ".join(ROW_ORDERS), self.rows)
+        if self.split not in SPLITS:
+            bad("split", " or ".join(SPLITS), self.split)
+        if self.init not in INITS:
+            bad("init", " or ".join(INITS), self.init)
+        if self.rows == "binned":
+            edges = self.rows_args
+            if not 1 <= len(edges) <= MAX_BINS - 1 or edges[0] < 1 or any(
+                    b <= a for a, b in zip(edges, edges[1:])):
+                bad("rows=binned(...)", f"1..{MAX_BINS - 1} strictly increasing positive edges", edges)
+        elif self.rows == "sell":
+            if len(self.rows_args) != 2:
+                bad("rows=sell(C,S)", "two integers", self.rows_args)
+            c, s = self.rows_args
+            if not (1 <= c <= MAX_BLOCK and c & (c - 1) == 0):
+                bad("rows=sell(C,S): C", f"a power of two in 1..{MAX_BLOCK}", c)
+            if s < c or s % c:
+                bad("rows=sell(C,S): S", f"a positive multiple of C={c}", s)
+        elif self.rows_args:
+            bad(f"rows={self.rows}", "no arguments", self.rows_args)
+        if self.split == "none":
+            if self.split_arg is not None:
+                bad("split=none", "no argument", self.split_arg)
+        else:
+            if self.split_arg is None or not 1 <= self.split_arg <= MAX_CHUNK:
+                bad(f"split={self.split}(C)", f"an integer in 1..{MAX_CHUNK}", self.split_arg)
+            if self.rows != "natural":
+                bad("rows", f"natural with split={self.split}", self.rows)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def atomic(self) -> bool:
+        """Work items may share a row: the kernel then accumulates into zero-filled output."""
+        return self.split != "none"
+
+    def format(self) -> str:
+        """The canonical plan line (parses back to an equal plan)."""
+        parts = [f"op={self.op}", f"dtype={self.dtype}"]
+        if self.n is not None:
+            parts.append(f"n={self.n}")
+        rows = self.rows + (f"({','.join(map(str, self.rows_args))})" if self.rows_args else "")
+        split = self.split + (f"({self.split_arg})" if self.split_arg is not None else "")
+        parts += [f"rows={rows}", f"split={split}", f"block={self.block}", f"grid={self.grid}"]
+        if self.smem.text != "0":
+            parts.append(f"smem={self.smem}")
+        if self.init != "none":
+            parts.append(f"init={self.init}")
+        if self.work.text != "0":
+            parts.append(f"work={self.work}")
+        return f"{PLAN_PREFIX} {' '.join(parts)}"
+
+
+_CALL = re.compile(r"^([a-z_]+)(?:\(([^()]*)\))?$")
+
+
+def _int(key: str, text: str) -> int:
+    if not re.fullmatch(r"\d+", text):
+        raise PlanError(f"plan: {key} must be a non-negative integer (got {text!r})")
+    return int(text)
+
+
+def _call(key: str, text: str) -> tuple[str, tuple[int, ...]]:
+    match = _CALL.match(text)
+    if not match:
+        raise PlanError(f"plan: {key} must be a name or name(int,...) (got {text!r})")
+    name, args = match.group(1), match.group(2)
+    if args is None:
+        return name, ()
+    return name, tuple(_int(f"{key}={name}(...)", a.strip()) for a in args.split(","))
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_plan(line: str) -> Plan:
+    """Parse one plan line (with or without the ``// sparserl:`` prefix)."""
+    if not isinstance(line, str):
+        raise PlanError(f"parse_plan: expected a str, got {type(line).__name__}")
+    body = line.strip()
+    if body.startswith(PLAN_PREFIX):
+        body = body[len(PLAN_PREFIX):]
+    elif body.startswith("//"):
+        raise PlanError(f"plan: expected a line starting with {PLAN_PREFIX!r} (got {line.strip()[:60]!r})")
+    fields: dict[str, str] = {}
+    for item in body.split():
+        key, eq, value = item.partition("=")
+        if not eq or not value:
+            raise PlanError(f"plan: expected key=value, got {item!r}")
+        if key not in _KEYS:
+            raise PlanError(f"plan: unknown key {key!r} (expected one of {', '.join(_KEYS)})")
+        if key in fields:
+            raise PlanError(f"plan: key {key!r} given twice")
+        fields[key] = value
+    missing = [k for k in _REQUIRED if k not in fields]
+    if missing:
+        raise PlanError(f"plan: missing required key(s) {', '.join(missing)}")
+    rows, rows_args = _call("rows", fields.get("rows", "natural"))
+    split, split_args = _call("split", fields.get("split", "none"))
+    if len(split_args) > 1:
+        raise PlanError(f"plan: split={split}(...) takes one integer (got {split_args})")
+    return Plan(
+        op=fields["op"], dtype=fields["dtype"],
+        block=_int("block", fields["block"]), grid=parse_expr(fields["grid"]),
+        n=_int("n", fields["n"]) if "n" in fields else None,
+        rows=rows, rows_args=rows_args, split=split,
+        split_arg=split_args[0] if split_args else None,
+        smem=parse_expr(fields.get("smem", "0")), init=fields.get("init", "none"),
+        work=parse_expr(fields.get("work", "0")),
+    )
+
+
+_KERNEL_DEF = re.compile(
+    r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?void\s+'
+    + KERNEL_NAME + r"\s*\(")
+
+
+def plan_line(source: str) -> str:
+    """The first non-empty line of ``source``, which the ABI says is the plan."""
+    for line in source.splitlines():
+        if line.strip():
+            return line.strip()
+    raise PlanError("source: empty, expected a plan line first")
+
+
+def check_source(source: str) -> Plan:
+    """Check what can be checked without a compiler; return the parsed plan."""
+    if not isinstance(source, str):
+        raise PlanError(f"check_source: expected the kernel source as a str, got {type(source).__name__}")
+    first = plan_line(source)
+    if not first.startswith(PLAN_PREFIX):
+        raise PlanError(f"source: the first line must be the plan ({PLAN_PREFIX} ...), got {first[:60]!r}")
+    plan = parse_plan(first)
+    if not _KERNEL_DEF.search(source):
+        raise PlanError(f'source: no definition of extern "C" __global__ void {KERNEL_NAME}(...)')
+    if re.search(r'#\s*include\s*["<](?:torch|ATen|c10)/', source):
+        raise PlanError("source: torch headers are not allowed in a kernel (the ABI is header-lean)")
+    return plan
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A candidate kernel: its source, and where it came from (family and parameters)."""
+
+    source: str
+    family: str = ""
+    params: tuple = ()
+
+    @functools.cached_property
+    def plan(self) -> Plan:
+        return check_source(self.source)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Content hash of the source: names built modules and cache entries."""
+        return hashlib.sha256(self.source.encode()).hexdigest()[:20]
+
+    def describe(self) -> str:
+        params = ",".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.family or 'custom'}({params})"

@@ -1,0 +1,40 @@
+"""The build stage: ABI sources → launchable kernels.
+
+Three builders, one source format (``csrc/README.md``):
+
+* :mod:`.nvrtc` — NVRTC, tens of milliseconds: screening, autotuning, RL rollouts.
+* :mod:`.inline` — torch's extension builder, lean and batched: installed kernels.
+* :mod:`.nvcc` — offline ``nvcc`` to cubin/PTX for ``sm_90``: the compile tier with no GPU.
+"""
+
+from __future__ import annotations
+
+from ..abi import KernelSpec, PlanError
+from .errors import BuildError, CompileError, LaunchError
+from .kernel import Kernel
+
+BACKENDS = ("nvrtc", "inline")
+
+_LOADED: dict[tuple[str, str], Kernel] = {}
+
+
+def load_kernel(spec: KernelSpec, backend: str = "nvrtc") -> Kernel:
+    """Build ``spec`` with ``backend`` (memoized per process by source hash)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"load_kernel: backend must be one of {BACKENDS} (got {backend!r})")
+    try:
+        spec.plan  # noqa: B018
+    except PlanError as exc:
+        raise CompileError(f"load_kernel: {exc}") from exc
+    cache_key = (spec.key, backend)
+    if cache_key not in _LOADED:
+        if backend == "nvrtc":
+            from . import nvrtc
+            _LOADED[cache_key] = nvrtc.load(spec)
+        else:
+            from . import inline
+            _LOADED[cache_key] = inline.build([spec])[spec.key]
+    return _LOADED[cache_key]
+
+
+__all__ = ["BACKENDS", "BuildError", "CompileError", "Kernel", "LaunchError", "load_kernel"]
