@@ -319,9 +319,9 @@ def parse_plan(line: str) -> Plan:
     )
 
 
+# extern "C" __global__ void [__launch_bounds__(...)] sparserl_kernel(  (qualifiers in any order)
 _KERNEL_DEF = re.compile(
-    r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?void\s+'
-    + KERNEL_NAME + r"\s*\(")
+    r'extern\s+"C"\s+(?:(?:__global__|void|__launch_bounds__\s*\([^)]*\))\s*)+' + KERNEL_NAME + r"\s*\(")
 
 
 def plan_line(source: str) -> str:
