@@ -1,0 +1,15 @@
+// sparserl: op=spmm dtype=f32 rows=natural split=none block=256 grid=ceil(rows*n/256)
+// Compiled for at most 128 threads per block, launched with 256: the driver refuses (bad geometry).
+extern "C" __global__ void __launch_bounds__(128) sparserl_kernel(
+    const int* __restrict__ rowptr, const int* __restrict__ col, const float* __restrict__ val,
+    const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ aux,
+    float* __restrict__ work, int rows, int cols, int n, int nnz, int parts)
+{
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long total = (long long)rows * n;
+    if (i >= total) return;
+    int r = (int)(i / n), j = (int)(i % n);
+    float acc = 0.f;
+    for (int k = rowptr[r]; k < rowptr[r + 1]; ++k) acc += val[k] * x[(long long)col[k] * n + j];
+    y[i] = acc;
+}

@@ -1,0 +1,465 @@
+"""The evaluator on CPU: records, reward, the sandbox against hostile tasks, the verdict logic
+with stand-in kernels, and the compile tier with nvcc on the adversarial sources."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from torch_sparserl.abi import KernelSpec, check_source
+from torch_sparserl.evaluate import (ErrorKind, EvalConfig, EvalRecord, Sandbox, SandboxError, harness,
+                                     reward)
+from torch_sparserl.evaluate.record import MAX_LOG_CHARS, clip_log, dtype_name
+
+ADVERSARIAL = Path(__file__).parent / "adversarial"
+HOSTILE = str(ADVERSARIAL / "hostile_tasks.py")
+HAS_NVCC = shutil.which("nvcc") is not None
+needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="nvcc is not installed")
+
+
+def task(name: str) -> str:
+    return f"{HOSTILE}:{name}"
+
+
+def source(name: str) -> str:
+    return (ADVERSARIAL / name).read_text()
+
+
+def spec(name: str) -> KernelSpec:
+    return KernelSpec(source(name), family=name.removesuffix(".cu"), params=(("file", name),))
+
+
+# =========================================================================== records
+
+def full_record(**changes) -> EvalRecord:
+    record = EvalRecord(key="abc123", family="warp_row", params={"lanes": 32, "vec": 4}, op="spmm", n=32,
+                        dtype="f32", matrix="cora", compiled=True, correct=True, runtime_us=10.0,
+                        cusparse_us=25.0, error_kind=None, log="ok", registers=40, spill_bytes=0,
+                        local_bytes=0, smem_static=0, max_error=1e-7, trials=3, baseline="cusparse",
+                        timing={"kernel_us": {"median": 10.0}, "reps": 30}, device="NVIDIA H100",
+                        elapsed_s=1.5)
+    for key, value in changes.items():
+        setattr(record, key, value)
+    return record
+
+
+def test_error_kinds_are_the_closed_set():
+    assert {k.value for k in ErrorKind} == {
+        "plan", "compile", "resources", "launch", "crash", "timeout", "wrong", "unwritten", "out_of_bounds",
+        "input_modified", "nondeterministic", "stale", "suspicious"}
+    assert ErrorKind("stale") is ErrorKind.STALE and ErrorKind.STALE == "stale"
+
+
+@pytest.mark.parametrize("kind", [None, *ErrorKind])
+def test_record_json_round_trip(kind):
+    record = full_record(error_kind=kind, correct=kind is None)
+    text = record.to_json()
+    back = EvalRecord.from_json(text)
+    assert back == record
+    assert back.error_kind is kind
+    assert json.loads(text)["error_kind"] == (kind.value if kind else None)
+    assert back.speedup == pytest.approx(2.5)
+
+
+def test_record_from_json_is_strict():
+    data = full_record().to_dict()
+    with pytest.raises(ValueError, match="unknown field.*bogus"):
+        EvalRecord.from_dict({**data, "bogus": 1})
+    with pytest.raises(ValueError, match="error_kind must be one of"):
+        EvalRecord.from_dict({**data, "error_kind": "slow"})
+    with pytest.raises(ValueError, match="'key' is required"):
+        EvalRecord.from_dict({k: v for k, v in data.items() if k != "key"})
+
+
+def test_record_params_pairs_become_a_dict_and_non_finite_timing_is_null():
+    record = EvalRecord(key="k", params=(("lanes", 8), ("vec", 2)), timing={"x": float("nan")})
+    assert record.params == {"lanes": 8, "vec": 2}
+    assert json.loads(record.to_json())["timing"] == {"x": None}
+
+
+def test_speedup_needs_both_times():
+    assert full_record(runtime_us=None).speedup is None
+    assert full_record(cusparse_us=None).speedup is None
+    assert full_record(runtime_us=0.0).speedup is None
+    assert full_record(runtime_us=50.0).speedup == pytest.approx(0.5)
+
+
+def test_fail_keeps_the_first_reason_and_clips_logs():
+    record = EvalRecord(key="k", compiled=True)
+    record.fail(ErrorKind.OUT_OF_BOUNDS, "guard changed").fail(ErrorKind.WRONG, "and wrong")
+    assert record.error_kind is ErrorKind.OUT_OF_BOUNDS and record.correct is False
+    assert "guard changed" in record.log and "and wrong" in record.log
+    uncompiled = EvalRecord(key="k").fail(ErrorKind.COMPILE, "nope")
+    assert uncompiled.correct is None
+    long = "A" * 10 + "x" * (3 * MAX_LOG_CHARS) + "Z" * 10
+    clipped = clip_log(long)
+    assert len(clipped) < MAX_LOG_CHARS + 100 and clipped.startswith("A" * 10) and clipped.endswith("Z" * 10)
+
+
+def test_dtype_names():
+    assert dtype_name(torch.float16) == "f16" and dtype_name("bf16") == "bf16" and dtype_name(torch.float32) == "f32"
+    with pytest.raises(ValueError, match="dtype_name: expected"):
+        dtype_name(torch.float64)
+
+
+def test_config_checks_and_round_trip():
+    config = EvalConfig(trials=2, reps=5)
+    assert EvalConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="EvalConfig: trials must be >= 1"):
+        EvalConfig(trials=0)
+    with pytest.raises(ValueError, match="guard_bytes"):
+        EvalConfig(guard_bytes=100)
+    with pytest.raises(ValueError, match="unknown field"):
+        EvalConfig.from_dict({"trails": 3})
+
+
+# =========================================================================== reward
+
+@pytest.mark.parametrize("record, expected", [
+    (EvalRecord(key="k", compiled=False, error_kind=ErrorKind.PLAN), -0.5),
+    (EvalRecord(key="k", compiled=False, error_kind=ErrorKind.COMPILE), -0.5),
+    (EvalRecord(key="k", compiled=False), -0.5),
+    (full_record(correct=False, error_kind=ErrorKind.WRONG), 0.0),
+    (full_record(correct=False, error_kind=ErrorKind.CRASH, runtime_us=None), 0.0),
+    (full_record(correct=False, error_kind=ErrorKind.TIMEOUT, runtime_us=None), 0.0),
+    (full_record(correct=False, error_kind=ErrorKind.OUT_OF_BOUNDS), 0.0),
+    (full_record(correct=False, error_kind=ErrorKind.SUSPICIOUS, runtime_us=1.0), 0.0),
+    (full_record(correct=None, runtime_us=None, cusparse_us=None), 0.0),      # compile tier only
+    (full_record(runtime_us=10.0, cusparse_us=25.0), 2.5),                     # 1 + (2.5 - 1)
+    (full_record(runtime_us=50.0, cusparse_us=25.0), 0.5),                     # slower: still > wrong
+    (full_record(runtime_us=None, cusparse_us=None), 1.0),                     # correct, not timed
+    (full_record(spill_bytes=64), 2.5 - 0.3),
+    (full_record(correct=None, error_kind=ErrorKind.RESOURCES, runtime_us=None), -0.3),
+    (full_record(correct=False, error_kind=ErrorKind.RESOURCES, runtime_us=None), -0.3),
+    (full_record(correct=False, error_kind=ErrorKind.WRONG, spill_bytes=8), -0.3),
+    (EvalRecord(key="k", compiled=False, error_kind=ErrorKind.COMPILE, spill_bytes=8), -0.5),
+])
+def test_reward_hierarchy(record, expected):
+    before = record.to_json()
+    assert reward(record) == pytest.approx(expected)
+    assert reward(EvalRecord.from_json(before)) == pytest.approx(expected)  # a function of the record alone
+    assert record.to_json() == before
+
+
+# =========================================================================== sandbox
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with Sandbox(task=task("eval_by_source"), init=task("init"), matrix_loader=task("load_matrix"),
+                 health_check=task("healthy"), start_timeout_s=60) as box:
+        box.set_matrix("small", np.array([0, 1, 3]), np.array([0, 0, 1]), (2, 2))
+        yield box
+
+
+def test_sandbox_runs_tasks_in_one_persistent_worker(sandbox):
+    first = sandbox.run(task("echo"), (1,), timeout_s=5)
+    second = sandbox.run(task("echo"), ("two",), timeout_s=5)
+    assert first.ok and first.value["value"] == 1
+    assert second.value["pid"] == first.value["pid"] != os.getpid()
+    assert sandbox.worker_info["kind"] == "cpu-test"
+
+
+def test_sandbox_passes_cached_matrices(sandbox):
+    outcome = sandbox.run(task("echo"), (0,), timeout_s=5, matrix_key="small")
+    assert outcome.value["matrix"] == {"rows": 2, "cols": 2, "nnz": 3, "rowptr_sum": 4}
+    with pytest.raises(KeyError, match="matrix 'nope' is unknown"):
+        sandbox.run(task("echo"), (0,), timeout_s=5, matrix_key="nope")
+
+
+@pytest.mark.parametrize("name", ["hang", "busy_loop", "ignore_sigterm_and_hang"])
+def test_sandbox_kills_a_hang_and_restarts(sandbox, name):
+    pid = sandbox.run(task("getpid"), timeout_s=5).value
+    start = time.monotonic()
+    outcome = sandbox.run(task(name), timeout_s=1.0)
+    assert time.monotonic() - start < 5
+    assert outcome.status == "timeout" and outcome.restarted
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the old worker is gone
+    after = sandbox.run(task("echo"), ("alive",), timeout_s=5, matrix_key="small")  # matrix re-sent lazily
+    assert after.ok and after.value["pid"] != pid and after.value["matrix"]["nnz"] == 3
+
+
+@pytest.mark.parametrize("name, signal_name, exitcode, words", [
+    ("exit_hard", None, 9, "about to exit"),
+    ("abort", "SIGABRT", -signal.SIGABRT, ""),
+    ("segfault", "SIGSEGV", -signal.SIGSEGV, "Fatal Python error"),  # faulthandler's report
+])
+def test_sandbox_survives_a_dying_worker(sandbox, name, signal_name, exitcode, words):
+    pid = sandbox.run(task("getpid"), timeout_s=5).value
+    outcome = sandbox.run(task(name), timeout_s=5)
+    assert outcome.status == "crash" and outcome.restarted
+    assert outcome.exitcode == exitcode and outcome.signal == signal_name
+    assert words in outcome.output_tail
+    assert sandbox.run(task("getpid"), timeout_s=5).value != pid
+
+
+def test_sandbox_reports_exceptions_and_keeps_the_worker(sandbox):
+    pid = sandbox.run(task("getpid"), timeout_s=5).value
+    raised = sandbox.run(task("raise_error"), timeout_s=5)
+    assert raised.status == "error" and "ValueError: hostile task raised on purpose" in raised.error
+    assert "raise_error" in raised.traceback and not raised.restarted
+    unpicklable = sandbox.run(task("unpicklable"), timeout_s=5)
+    assert unpicklable.status == "error" and "cannot send the result" in unpicklable.error
+    missing = sandbox.run(task("no_such_task"), timeout_s=5)
+    assert missing.status == "error" and "no attribute 'no_such_task'" in missing.error
+    assert sandbox.run(task("getpid"), timeout_s=5).value == pid
+
+
+def test_sandbox_output_flood_stays_in_the_worker(sandbox, capfd):
+    outcome = sandbox.run(task("print_megabytes"), (8,), timeout_s=10)
+    assert outcome.ok and outcome.value == "printed"
+    out, err = capfd.readouterr()
+    assert len(out) + len(err) < 10_000  # nothing reached the parent's terminal
+
+
+def test_sandbox_replaces_a_poisoned_worker(sandbox):
+    pid = sandbox.run(task("getpid"), timeout_s=5).value
+    outcome = sandbox.run(task("poison"), timeout_s=5)
+    assert outcome.ok and outcome.value == "poisoned" and outcome.restarted
+    assert sandbox.run(task("getpid"), timeout_s=5).value != pid
+
+
+def test_sandbox_kills_the_whole_process_group(sandbox, tmp_path, monkeypatch):
+    marker = tmp_path / "grandchild"
+    monkeypatch.setenv("SPARSERL_TEST_GRANDCHILD_FILE", str(marker))  # read by the fresh worker
+    sandbox.run(task("poison"), timeout_s=5)  # the next task starts a worker with this environment
+    outcome = sandbox.run(task("spawn_grandchild_and_hang"), timeout_s=1.0)
+    assert outcome.status == "timeout"
+    grandchild = int(marker.read_text())
+    for _ in range(50):
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"grandchild {grandchild} survived the worker's timeout")
+
+
+def fake_spec(body: str) -> KernelSpec:
+    return KernelSpec("// sparserl: op=spmm dtype=f32 block=256 grid=ceil(rows/8)\n"
+                      'extern "C" __global__ void sparserl_kernel() {}\n// ' + body,
+                      family="fake", params=(("body", body),))
+
+
+@pytest.mark.parametrize("body, kind, compiled", [
+    ("OK", None, True),
+    ("HANG", ErrorKind.TIMEOUT, True),
+    ("HANG_COMPILING", ErrorKind.TIMEOUT, False),
+    ("SEGV", ErrorKind.CRASH, True),
+    ("RAISE", ErrorKind.CRASH, False),
+    ("POISON", ErrorKind.CRASH, True),
+    ("GARBAGE", ErrorKind.CRASH, False),
+])
+def test_sandbox_evaluate_turns_every_outcome_into_a_record(sandbox, body, kind, compiled):
+    record = sandbox.evaluate(fake_spec(body), "small", 32, torch.float32, EvalConfig(trials=2), timeout_s=1.0)
+    assert record.error_kind is kind, record.log
+    assert record.compiled is compiled
+    assert record.key == fake_spec(body).key and record.family == "fake" and record.params == {"body": body}
+    assert record.matrix == "small" and record.n == 32 and record.dtype == "f32" and record.op == "spmm"
+    assert reward(EvalRecord.from_json(record.to_json())) == pytest.approx(
+        2.0 if kind is None else (0.0 if compiled else -0.5))
+    if body == "OK":
+        assert "nnz=3 trials=2" in record.log
+    if body == "SEGV":
+        assert "SIGSEGV" in record.log and "launching" in record.log
+    if body == "RAISE":
+        assert "harness bug on purpose" in record.log
+
+
+def test_evaluate_many_streams_in_order(sandbox):
+    bodies = ["OK", "SEGV", "OK", "HANG", "OK"]
+    stream = sandbox.evaluate_many([fake_spec(b) for b in bodies], "small", 32, "f32", timeout_s=1.0)
+    first = next(stream)  # a generator: records come one at a time
+    assert first.error_kind is None
+    kinds = [first.error_kind] + [r.error_kind for r in stream]
+    assert kinds == [None, ErrorKind.CRASH, None, ErrorKind.TIMEOUT, None]
+
+
+def test_sandbox_start_failure_is_the_sandbox_s_error():
+    with Sandbox(task=task("eval_ok"), init=task("raise_error"), matrix_loader=None, health_check=None) as box:
+        with pytest.raises(SandboxError, match="(?s)did not start.*hostile task raised on purpose"):
+            box.run(task("echo"), (1,), timeout_s=5)
+    with pytest.raises(SandboxError, match="after close"):
+        box.run(task("echo"), (1,), timeout_s=5)
+    with pytest.raises(ValueError, match="Sandbox: task must name a function"):
+        Sandbox(task="no_colon")
+
+
+# =========================================================================== verdicts, CPU stand-ins
+
+class FakeKernel:
+    """A Python stand-in for a built kernel, misbehaving on purpose like the adversarial .cu files."""
+
+    registers, local_bytes, static_smem, max_threads, compile_log = 32, 0, 0, 1024, ""
+
+    def __init__(self, behaviour: str):
+        self.behaviour = behaviour
+        self.calls = 0
+        self.kept = None
+
+    def __call__(self, rowptr, col, val, x, y, prepared, *, work=None, stream=None, check=True):
+        self.calls += 1
+        rows, cols = prepared.rows, prepared.cols
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):
+            a = torch.sparse_csr_tensor(rowptr.long(), col.long(), val.double(), (rows, cols)).to_dense()
+        out = (a @ x.double()).to(y.dtype)
+        b = self.behaviour
+        if b == "stale_flag" and self.calls > 1:
+            return y
+        if b == "stale_value":
+            if self.kept is None:
+                self.kept = out.clone()
+            out = self.kept
+        if b == "race":
+            out = out + torch.randn_like(out)
+        if b == "wrong":
+            out = out * 1.01 + 0.1
+        if b == "partial":  # the second half of y is left as it was
+            y[:rows // 2] = out[:rows // 2]
+            return y
+        y.copy_(out)
+        if b == "oob_after":
+            torch.as_strided(y, (y.numel() + 2,), (1,))[-1] = 1.0
+        if b == "oob_before":
+            torch.as_strided(y, (1,), (1,), y.storage_offset() - 3)[0] = 1.0
+        if b == "oob_work":
+            torch.as_strided(work, (work.numel() + 1,), (1,))[-1] = 1.0
+        if b == "modify_x":
+            x.view(-1)[0] += 1.0
+        if b == "modify_aux" and prepared.aux is not None:
+            prepared.aux[0] += 1
+        return y
+
+
+CPU_PLAN = "// sparserl: op=spmm dtype=f32 rows=sorted_desc block=256 grid=ceil(rows/8) work=rows\n"
+
+
+@pytest.fixture
+def cpu_matrix():
+    rng = np.random.default_rng(0)
+    import scipy.sparse as sp
+    a = sp.random(40, 30, density=0.2, format="csr", random_state=rng)
+    return harness.Matrix.from_numpy(a.indptr, a.indices, a.shape, device="cpu")
+
+
+@pytest.mark.parametrize("behaviour, kind", [
+    ("correct", None),
+    ("wrong", ErrorKind.WRONG),
+    ("partial", ErrorKind.UNWRITTEN),
+    ("race", ErrorKind.NONDETERMINISTIC),
+    ("stale_flag", ErrorKind.STALE),
+    ("stale_value", ErrorKind.STALE),
+    ("oob_after", ErrorKind.OUT_OF_BOUNDS),
+    ("oob_before", ErrorKind.OUT_OF_BOUNDS),
+    ("oob_work", ErrorKind.OUT_OF_BOUNDS),
+    ("modify_x", ErrorKind.INPUT_MODIFIED),
+    ("modify_aux", ErrorKind.INPUT_MODIFIED),
+])
+def test_verdicts_with_stand_in_kernels(monkeypatch, cpu_matrix, behaviour, kind):
+    fake = FakeKernel(behaviour)
+    monkeypatch.setattr(harness, "load_kernel", lambda spec: fake)
+    spec_ = KernelSpec(CPU_PLAN + 'extern "C" __global__ void sparserl_kernel() {}\n')
+    stages = []
+    record = harness.evaluate_candidate(spec_, cpu_matrix, 4, "f32", EvalConfig(trials=3, time=False),
+                                        progress=stages.append)
+    assert record.error_kind is kind, record.log
+    assert record.compiled and record.correct is (kind is None)
+    if kind is None:
+        assert record.trials == 3 and record.max_error < 1e-6 and stages == ["compiled", "prepared", "correct"]
+        assert record.spill_bytes == 0 and reward(record) == 1.0
+    if kind is ErrorKind.OUT_OF_BOUNDS:
+        assert "guard bytes" in record.log
+
+
+def test_plan_problems_are_plan_errors(monkeypatch, cpu_matrix):
+    monkeypatch.setattr(harness, "load_kernel", lambda spec: FakeKernel("correct"))
+    body = 'extern "C" __global__ void sparserl_kernel() {}\n'
+    cases = {
+        "// sparserl: op=spmm dtype=f32 block=250 grid=1\n": "block must be",
+        "// sparserl: op=spmm dtype=f16 block=256 grid=1\n": "the plan is for dtype=f16",
+        "// sparserl: op=spmm dtype=f32 n=8 block=256 grid=1\n": "the plan is for n=8",
+        "// sparserl: op=spmm dtype=f32 block=256 grid=rows-1000\n": "grid=",   # fails in prepare
+    }
+    for plan, words in cases.items():
+        record = harness.evaluate_candidate(KernelSpec(plan + body), cpu_matrix, 4, torch.float32,
+                                            EvalConfig(trials=1, time=False))
+        assert record.error_kind is ErrorKind.PLAN and words in record.log, (plan, record.log)
+        assert reward(record) == -0.5
+
+
+def test_block_over_the_kernel_s_limit(monkeypatch, cpu_matrix):
+    fake = FakeKernel("correct")
+    fake.max_threads, fake.registers = 512, 128  # 128 registers × 1024 threads > 65536 per SM
+    monkeypatch.setattr(harness, "load_kernel", lambda spec: fake)
+    spec_ = KernelSpec('// sparserl: op=spmm dtype=f32 block=1024 grid=ceil(rows/32)\n'
+                       'extern "C" __global__ void sparserl_kernel() {}\n')
+    record = harness.evaluate_candidate(spec_, cpu_matrix, 4, "f32", EvalConfig(trials=1, time=False))
+    assert record.error_kind is ErrorKind.RESOURCES and reward(record) == pytest.approx(-0.3)
+    fake.max_threads, fake.registers = 128, 32  # few registers: the limit came from __launch_bounds__, the plan's geometry is bad
+    record = harness.evaluate_candidate(spec_, cpu_matrix, 4, "f32", EvalConfig(trials=1, time=False))
+    assert record.error_kind is ErrorKind.LAUNCH and reward(record) == 0.0
+
+
+def test_cuda_errors_are_classified():
+    from torch_sparserl.build import LaunchError
+    classify = harness.classify_cuda_error
+    assert classify(RuntimeError("CUDA error: an illegal memory access was encountered")) is ErrorKind.CRASH
+    assert classify(LaunchError("cuLaunchKernel failed with CUDA_ERROR_ILLEGAL_ADDRESS (700)")) is ErrorKind.CRASH
+    assert classify(RuntimeError("CUDA error: unspecified launch failure")) is ErrorKind.CRASH
+    assert classify(LaunchError("failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701)")) is ErrorKind.RESOURCES
+    assert classify(LaunchError("failed with CUDA_ERROR_INVALID_VALUE (1)")) is ErrorKind.LAUNCH
+    assert classify(RuntimeError("CUDA error: invalid configuration argument")) is ErrorKind.LAUNCH
+    assert classify(ValueError("a bug in the harness")) is None
+
+
+# =========================================================================== compile tier
+
+def test_every_adversarial_source_has_a_valid_plan_but_bad_plan():
+    sources = sorted(ADVERSARIAL.glob("*.cu"))
+    assert len(sources) >= 15
+    for path in sources:
+        if path.name == "bad_plan.cu":
+            continue
+        check_source(path.read_text())  # raises PlanError
+
+
+def test_compile_only_plan_error_needs_no_compiler():
+    from torch_sparserl.evaluate import compile_only
+    record = compile_only(spec("bad_plan.cu"))
+    assert record.error_kind is ErrorKind.PLAN and not record.compiled and record.correct is None
+    assert "ceil(rows*n/256" in record.log and reward(record) == -0.5
+
+
+@needs_nvcc
+def test_compile_only_kinds():
+    from torch_sparserl.evaluate import compile_only
+    names = ["does_not_compile.cu", "spills.cu", "too_many_registers.cu", "good_spmm_f32.cu"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        records = dict(zip(names, pool.map(lambda n: compile_only(spec(n)), names)))
+
+    broken = records["does_not_compile.cu"]
+    assert broken.error_kind is ErrorKind.COMPILE and not broken.compiled and "undeclared_bias" in broken.log
+    assert reward(broken) == -0.5
+
+    spilled = records["spills.cu"]
+    assert spilled.error_kind is ErrorKind.RESOURCES and spilled.compiled and spilled.spill_bytes > 0
+    assert spilled.correct is None and reward(spilled) == pytest.approx(-0.3)
+
+    greedy = records["too_many_registers.cu"]
+    assert greedy.error_kind is ErrorKind.RESOURCES and greedy.registers * 1024 > 65536
+    assert "registers" in greedy.log
+
+    good = records["good_spmm_f32.cu"]
+    assert good.compiled and good.error_kind is None and good.correct is None and good.spill_bytes == 0
+    assert good.registers and reward(good) == 0.0
+    assert EvalRecord.from_json(good.to_json()) == good

@@ -1,0 +1,130 @@
+"""The evaluator on the GPU: every adversarial kernel is rejected with the right error kind,
+through the sandbox; correct kernels are accepted with their times and cuSPARSE's; the
+parent's CUDA context survives it all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from torch_sparserl.abi import KernelSpec
+from torch_sparserl.evaluate import ErrorKind, EvalConfig, EvalRecord, Sandbox, evaluate_many, reward
+
+pytestmark = pytest.mark.gpu
+
+ADVERSARIAL = Path(__file__).parent / "adversarial"
+CONFIG = EvalConfig(trials=2, reps=10, warmup=2)
+TIMEOUT_S = 120.0  # the first candidate of a worker pays NVRTC's start-up
+
+
+def spec(name: str) -> KernelSpec:
+    return KernelSpec((ADVERSARIAL / name).read_text(), family=name.removesuffix(".cu"))
+
+
+def random_pattern(rows=2048, cols=2048, per_row=64, seed=0):
+    """Rows of ~per_row nonzeros: enough contention per output for the race kernel to show."""
+    a = sp.random(rows, cols, density=per_row / cols, format="csr", random_state=np.random.default_rng(seed))
+    return a.indptr.astype(np.int32), a.indices.astype(np.int32), a.shape
+
+
+@pytest.fixture(scope="module")
+def parent_tensor():
+    # The parent's own CUDA context, created before any candidate runs, must survive them.
+    return torch.arange(16, device="cuda", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def sandbox(parent_tensor):
+    with Sandbox() as box:
+        rowptr, col, shape = random_pattern()
+        box.set_matrix("rand", rowptr, col, shape)
+        yield box
+
+
+CASES = [
+    # file, n, dtype, expected error kind (None: accepted)
+    ("good_spmm_f32.cu", 32, torch.float32, None),
+    ("good_spmm_f32.cu", 7, torch.float32, None),            # n not a multiple of 4 or 32
+    ("good_spmm_f16.cu", 32, torch.float16, None),
+    ("good_spmv_atomic.cu", 1, torch.float32, None),         # atomics: rounding-level nondeterminism is fine
+    ("good_spmv_workspace.cu", 1, torch.float32, None),
+    ("spills.cu", 32, torch.float32, None),                  # correct, but penalized for spilling
+    ("bad_plan.cu", 32, torch.float32, ErrorKind.PLAN),
+    ("does_not_compile.cu", 32, torch.float32, ErrorKind.COMPILE),
+    ("too_many_registers.cu", 32, torch.float32, ErrorKind.RESOURCES),
+    ("launch_bounds_mismatch.cu", 32, torch.float32, ErrorKind.LAUNCH),
+    ("oob_near.cu", 32, torch.float32, ErrorKind.OUT_OF_BOUNDS),
+    ("oob_far.cu", 32, torch.float32, ErrorKind.OUT_OF_BOUNDS),
+    ("oob_before.cu", 32, torch.float32, ErrorKind.OUT_OF_BOUNDS),
+    ("oob_workspace.cu", 1, torch.float32, ErrorKind.OUT_OF_BOUNDS),
+    ("partial.cu", 32, torch.float32, ErrorKind.UNWRITTEN),
+    ("race.cu", 32, torch.float32, ErrorKind.NONDETERMINISTIC),
+    ("cached_flag.cu", 32, torch.float32, ErrorKind.STALE),
+    ("cached_value.cu", 32, torch.float32, ErrorKind.STALE),
+    ("modifies_input.cu", 32, torch.float32, ErrorKind.INPUT_MODIFIED),
+    ("wild_write.cu", 32, torch.float32, ErrorKind.CRASH),
+    ("good_spmm_f32.cu", 16, torch.float32, None),           # a fresh worker after the crash
+    ("endless.cu", 32, torch.float32, ErrorKind.TIMEOUT),
+    ("good_spmm_f32.cu", 8, torch.float32, None),            # a fresh worker after the hang
+]
+
+
+@pytest.mark.parametrize("name, n, dtype, kind", CASES, ids=[f"{c[0]}-n{c[1]}" for c in CASES])
+def test_candidates_get_the_right_verdict(sandbox, name, n, dtype, kind):
+    timeout = 10.0 if kind is ErrorKind.TIMEOUT else TIMEOUT_S
+    pid = sandbox.worker_pid
+    record = sandbox.evaluate(spec(name), "rand", n, dtype, CONFIG, timeout_s=timeout)
+    assert record.error_kind is kind, f"{name}: {record.error_kind}\n{record.log}"
+    assert EvalRecord.from_json(record.to_json()) == record
+    if kind is None:
+        assert record.compiled and record.correct is True and record.trials == CONFIG.trials
+        assert record.runtime_us > 0 and record.cusparse_us > 0 and record.speedup > 0
+        assert record.baseline == ("cusparse" if dtype == torch.float32 else "cusparse_fp32_widened")
+        assert record.timing["kernel_us"]["min"] <= record.runtime_us <= record.timing["kernel_us"]["max"]
+        assert record.registers and record.max_error is not None
+        if name == "spills.cu":
+            assert record.local_bytes > 0
+            if record.spill_bytes is not None:  # None where nvcc is not installed
+                assert record.spill_bytes > 0 and reward(record) == pytest.approx(record.speedup - 0.3)
+        else:
+            assert reward(record) == pytest.approx(record.speedup)
+    elif kind in (ErrorKind.PLAN, ErrorKind.COMPILE):
+        assert not record.compiled and reward(record) == -0.5
+    else:
+        assert record.compiled and record.correct is False
+        assert reward(record) == (-0.3 if kind is ErrorKind.RESOURCES else 0.0)
+    if kind in (ErrorKind.CRASH, ErrorKind.TIMEOUT):
+        assert sandbox.worker_pid is None or sandbox.worker_pid != pid  # replaced
+    print(f"{name} n={n}: {record.error_kind} speedup={record.speedup} "
+          f"t={record.runtime_us} cusparse={record.cusparse_us} {record.elapsed_s}")
+
+
+def test_parent_context_still_works(sandbox, parent_tensor):
+    assert sandbox.starts >= 3  # the crash and the hang each cost a worker
+    assert float((parent_tensor * 2).sum()) == 240.0
+    assert torch.ones(4, device="cuda").sum().item() == 4.0
+
+
+def test_in_process_evaluation_and_recheck_of_high_speedups():
+    from torch_sparserl.evaluate.harness import Matrix, evaluate_candidate
+    rowptr, col, shape = random_pattern(rows=4096, cols=4096, per_row=16, seed=1)
+    matrix = Matrix.from_numpy(rowptr, col, shape)
+    # Every speedup above 1.0001 counts as "suspicious" here: the re-check path runs and must hold.
+    config = EvalConfig(trials=2, reps=10, warmup=2, suspicious_speedup=1.0001, recheck_min_ratio=0.2)
+    record = evaluate_candidate(spec("good_spmm_f32.cu"), matrix, 32, torch.float32, config)
+    assert record.error_kind is None, record.log
+    if record.speedup > 1.0001 or "recheck" in record.timing:
+        assert record.timing["recheck"]["output_ok"]
+
+
+def test_evaluate_many_streams_records():
+    rowptr, col, shape = random_pattern(rows=512, cols=512, per_row=8, seed=2)
+    names = ["good_spmm_f32.cu", "partial.cu", "bad_plan.cu"]
+    records = list(evaluate_many([spec(n) for n in names], rowptr, col, shape, 32, "f32", CONFIG,
+                                 timeout_s=TIMEOUT_S))
+    assert [r.error_kind for r in records] == [None, ErrorKind.UNWRITTEN, ErrorKind.PLAN]
+    assert all(r.matrix == "matrix" for r in records)

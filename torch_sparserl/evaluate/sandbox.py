@@ -1,0 +1,405 @@
+"""Run untrusted candidates in a child process, so a crash or a hang never takes the caller down.
+
+A :class:`Sandbox` keeps one persistent worker process (``spawn``: CUDA cannot be forked).
+The worker initializes CUDA once, caches the matrices it was sent, and runs one task at a
+time. The parent waits with a timeout:
+
+* no answer in time → the worker's process group is killed (SIGKILL): ``timeout``;
+* the worker died → ``crash``, with its exit code or signal and the tail of its output;
+* the task left the CUDA context broken (a sticky error such as an illegal address) → the
+  worker answers, exits, and a fresh worker (matrices re-sent lazily) takes the next task.
+
+The worker runs tasks named by import path, so the machinery is tested on CPU with
+hostile Python tasks (hang, ``os._exit``, abort, segfault, megabytes of output).
+
+Scripts that use a Sandbox need the usual ``if __name__ == "__main__":`` guard (spawn
+re-imports the main module in the child).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import runpy
+import signal
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _worker
+from .config import DEFAULT_TIMEOUT_S, EvalConfig
+from .record import ErrorKind, EvalRecord, clip_log, dtype_name
+
+log = logging.getLogger(__name__)
+
+EVALUATE_TASK = "torch_sparserl.evaluate.harness:sandbox_task"
+CUDA_INIT = "torch_sparserl.evaluate.harness:worker_init"
+CUDA_MATRIX_LOADER = "torch_sparserl.evaluate.harness:load_matrix"
+CUDA_HEALTH_CHECK = "torch_sparserl.evaluate.harness:cuda_context_ok"
+
+DEFAULT_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context, cold
+LOG_TAIL_BYTES = 8192
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (the worker cannot start): not the candidate's fault."""
+
+
+@dataclass
+class TaskOutcome:
+    """What became of one task in the worker."""
+
+    status: str                     # "ok" | "error" (the task raised) | "timeout" | "crash"
+    value: Any = None               # the task's return value when status == "ok"
+    error: str = ""                 # "ExceptionType: message", or how the worker died
+    traceback: str = ""
+    exitcode: int | None = None     # the worker's exit code (negative: killed by a signal)
+    signal: str | None = None       # e.g. "SIGSEGV"
+    output_tail: str = ""           # the end of what the worker printed during this task
+    stages: list = field(default_factory=list)  # progress reported by the task, in order
+    restarted: bool = False         # the worker is gone after this task
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _describe_exit(exitcode: int | None) -> tuple[str, str | None]:
+    if exitcode is None:
+        return "the worker did not exit", None
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"the worker was killed by {name}", name
+    return f"the worker exited with code {exitcode}", None
+
+
+class _Worker:
+    """One child process and its end of the pipe."""
+
+    def __init__(self, sandbox: Sandbox):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe(duplex=True)
+        arguments = dict(conn=child_conn, log_path=sandbox.log_path, parent_pid=os.getpid(),
+                         init=sandbox.init, matrix_loader=sandbox.matrix_loader,
+                         health_check=sandbox.health_check)
+        # runpy.run_path, not a function of this package: the child starts without importing
+        # torch_sparserl (and torch); see _worker's docstring.
+        self.process = context.Process(
+            target=runpy.run_path, args=(_worker.__file__,),
+            kwargs=dict(init_globals={"SANDBOX_ARGS": arguments}, run_name=_worker.RUN_NAME),
+            daemon=True, name="sparserl-sandbox")
+        self.process.start()
+        child_conn.close()
+        self.matrices: set[str] = set()
+        self.info: dict = {}
+        self.pid = self.process.pid
+
+    def wait(self, timeout: float | None) -> str:
+        """``"message"``, ``"dead"`` or ``"timeout"``."""
+        ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], timeout)
+        if self.conn in ready:
+            return "message"
+        return "dead" if ready else "timeout"
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group (compilers it started die with it)."""
+        if self.process.exitcode is None:
+            try:
+                if os.getpgid(self.pid) == self.pid:
+                    os.killpg(self.pid, signal.SIGKILL)
+                else:  # setsid has not run yet: kill the worker alone
+                    self.process.kill()
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.process.join(10)
+        self.conn.close()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        try:
+            if self.process.exitcode is None:
+                self.conn.send(("stop",))
+                self.process.join(timeout)
+        except (OSError, BrokenPipeError):
+            pass
+        self.kill()
+
+
+class Sandbox:
+    """A persistent worker process that runs tasks with a timeout. Use as a context manager.
+
+    ``init``, ``matrix_loader`` and ``health_check`` name functions (``"module:function"``)
+    run in the worker: once at start (returns a dict of facts, e.g. the device), on every
+    matrix sent (``loader(rowptr=, col=, shape=)`` → the object tasks receive), and after
+    every task (returns False when the worker must be replaced). The defaults are the CUDA
+    ones; pass ``None`` for plain Python workers. ``task`` is what :meth:`evaluate` runs.
+    """
+
+    def __init__(self, task: str = EVALUATE_TASK, *, init: str | None = CUDA_INIT,
+                 matrix_loader: str | None = CUDA_MATRIX_LOADER,
+                 health_check: str | None = CUDA_HEALTH_CHECK,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S, log_tail_bytes: int = LOG_TAIL_BYTES):
+        for name, value in (("task", task), ("init", init), ("matrix_loader", matrix_loader),
+                            ("health_check", health_check)):
+            if value is not None and (not isinstance(value, str) or ":" not in value):
+                raise ValueError(f"Sandbox: {name} must name a function as 'module:function' (got {value!r})")
+        self.task = task
+        self.init = init
+        self.matrix_loader = matrix_loader
+        self.health_check = health_check
+        self.start_timeout_s = start_timeout_s
+        self.log_tail_bytes = log_tail_bytes
+        fd, self.log_path = tempfile.mkstemp(prefix="sparserl-sandbox-", suffix=".log")
+        os.close(fd)
+        self._matrices: dict[str, dict] = {}
+        self._worker: _Worker | None = None
+        self.starts = 0          # workers started so far (1 + restarts)
+        self.closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._worker.pid if self._worker is not None else None
+
+    @property
+    def worker_info(self) -> dict:
+        """What the worker's ``init`` returned (started on demand)."""
+        return self._ensure_worker().info
+
+    def _drop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.kill()
+            self._worker = None
+
+    def _ensure_worker(self) -> _Worker:
+        if self.closed:
+            raise SandboxError("Sandbox: used after close()")
+        if self._worker is not None and self._worker.process.exitcode is None:
+            return self._worker
+        self._drop_worker()
+        self._truncate_log()
+        worker = _Worker(self)
+        self.starts += 1
+        state = worker.wait(self.start_timeout_s)
+        message = self._recv(worker) if state == "message" else None
+        if message is None or message[0] != "ready":
+            detail = message[1] if message and message[0] == "init_error" else {
+                "timeout": f"no answer within {self.start_timeout_s} s",
+                "dead": _describe_exit(worker.process.exitcode)[0],
+                "message": "it closed the pipe"}[state]
+            worker.kill()
+            raise SandboxError(f"Sandbox: the worker did not start ({detail})\n"
+                               f"worker output:\n{self._log_tail()}")
+        worker.info = message[2]
+        self._worker = worker
+        return worker
+
+    def _recv(self, worker: _Worker):
+        try:
+            return worker.conn.recv()
+        except (EOFError, OSError):
+            return None
+        except Exception as exc:  # noqa: BLE001 - a half-sent message from a dying worker
+            return ("error", type(exc).__name__, f"sandbox: unreadable message: {exc}", "", True)
+
+    def _truncate_log(self) -> None:
+        try:
+            os.truncate(self.log_path, 0)
+        except OSError:
+            pass
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - self.log_tail_bytes))
+                data = f.read()
+        except OSError:
+            return ""
+        text = data.decode(errors="replace")
+        return text if size <= self.log_tail_bytes else f"[... {size - len(data)} bytes before ...]\n{text}"
+
+    # ------------------------------------------------------------------ matrices
+    def set_matrix(self, key: str, rowptr, col, shape) -> None:
+        """Register a matrix (numpy int arrays); it is sent to a worker once, when a task needs it."""
+        rows, cols = (int(s) for s in shape)
+        if len(rowptr) != rows + 1:
+            raise ValueError(f"Sandbox.set_matrix: rowptr must have rows + 1 = {rows + 1} entries (got {len(rowptr)})")
+        self._matrices[key] = dict(rowptr=rowptr, col=col, shape=(rows, cols))
+        if self._worker is not None:
+            self._worker.matrices.discard(key)  # a new matrix under an old key is sent again
+
+    def _ensure_matrix(self, worker: _Worker, key: str) -> None:
+        if key in worker.matrices:
+            return
+        if key not in self._matrices:
+            raise KeyError(f"Sandbox: matrix {key!r} is unknown (call set_matrix first; known: "
+                           f"{', '.join(sorted(self._matrices)) or 'none'})")
+        self._truncate_log()
+        worker.conn.send(("matrix", key, self._matrices[key]))
+        state = worker.wait(self.start_timeout_s)
+        message = self._recv(worker) if state == "message" else None
+        if message is None or message[0] != "ack":
+            why = message[2] if message and message[0] == "error" else state
+            self._drop_worker()
+            raise SandboxError(f"Sandbox: the worker failed to load matrix {key!r} ({why})\n"
+                               f"worker output:\n{self._log_tail()}")
+        worker.matrices.add(key)
+
+    # ------------------------------------------------------------------ tasks
+    def run(self, task: str, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float,
+            matrix_key: str | None = None, matrix_arg: str = "matrix", progress: bool = False) -> TaskOutcome:
+        """Run ``task(*args, **kwargs)`` in the worker, at most ``timeout_s`` seconds.
+
+        With ``matrix_key``, the worker's cached matrix is passed as ``kwargs[matrix_arg]``;
+        with ``progress``, the task gets a ``progress(stage)`` callable whose stages come
+        back in :attr:`TaskOutcome.stages` even when the task later dies.
+        """
+        worker = self._ensure_worker()
+        if matrix_key is not None:
+            self._ensure_matrix(worker, matrix_key)
+        self._truncate_log()
+        outcome = TaskOutcome(status="ok")
+        start = time.monotonic()
+        deadline = start + timeout_s
+        worker.conn.send(("task", task, tuple(args), dict(kwargs or {}), matrix_key, matrix_arg, progress))
+        while True:
+            state = worker.wait(max(0.0, deadline - time.monotonic()))
+            message = self._recv(worker) if state == "message" else None
+            if message is not None and message[0] == "progress":
+                outcome.stages.append(message[1])
+                continue
+            break
+        outcome.elapsed_s = time.monotonic() - start
+        if message is not None and message[0] in ("ok", "error"):
+            if message[0] == "ok":
+                outcome.value = message[1]
+            else:
+                outcome.status = "error"
+                outcome.error = f"{message[1]}: {message[2]}"
+                outcome.traceback = message[3]
+                outcome.output_tail = self._log_tail()
+            outcome.restarted = bool(message[-1])
+            if outcome.restarted:
+                worker.process.join(10)
+                self._drop_worker()
+            return outcome
+        if state == "timeout":
+            outcome.status = "timeout"
+            outcome.error = f"no answer within {timeout_s:g} s; the worker was killed"
+            self._drop_worker()
+        else:  # the worker died (or closed the pipe, then died)
+            worker.process.join(10)
+            outcome.status = "crash"
+            outcome.exitcode = worker.process.exitcode
+            outcome.error, outcome.signal = _describe_exit(outcome.exitcode)
+            self._drop_worker()
+        outcome.restarted = True
+        outcome.output_tail = self._log_tail()
+        return outcome
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, spec, matrix_key: str, n: int, dtype, config: EvalConfig | dict | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> EvalRecord:
+        """Evaluate one candidate in the worker; always returns a record, never raises for the
+        candidate's faults (only :class:`SandboxError` when the sandbox itself cannot work)."""
+        config = EvalConfig.from_dict(config.to_dict() if isinstance(config, EvalConfig) else config)
+        dtype = dtype_name(dtype)
+        spec_fields = dict(source=spec.source, family=spec.family, params=tuple(spec.params))
+        outcome = self.run(self.task, (spec_fields,), dict(n=int(n), dtype=dtype, config=config.to_dict()),
+                           timeout_s=timeout_s, matrix_key=matrix_key, progress=True)
+        if outcome.ok:
+            try:
+                record = EvalRecord.from_dict(outcome.value)
+            except (TypeError, ValueError) as exc:
+                record = _stub(spec, n, dtype, matrix_key)
+                record.fail(ErrorKind.CRASH, f"the task returned no record: {exc}")
+        else:
+            record = _stub(spec, n, dtype, matrix_key)
+            # The task reports "compiled" once the build succeeded: a hang or crash after
+            # that is a kernel that compiles but is not correct (reward 0, not −0.5).
+            record.compiled = "compiled" in outcome.stages
+            if outcome.status == "timeout":
+                record.fail(ErrorKind.TIMEOUT, outcome.error)
+            else:
+                record.fail(ErrorKind.CRASH, outcome.error)
+                if outcome.status == "error":
+                    log.warning("sandbox: the evaluation task raised for %s: %s", record.key, outcome.error)
+            if outcome.stages:
+                record.add_log(f"stages reached: {', '.join(outcome.stages)}")
+            if outcome.traceback:
+                record.add_log(outcome.traceback)
+            if outcome.output_tail.strip():
+                record.add_log("worker output (tail):\n" + clip_log(outcome.output_tail, 6000))
+            if outcome.restarted:
+                record.add_log("the worker was replaced for the next candidate")
+        record.matrix = matrix_key
+        record.timing.setdefault("sandbox_s", round(outcome.elapsed_s, 6))
+        return record
+
+    def evaluate_many(self, specs: Iterable, matrix_key: str, n: int, dtype,
+                      config: EvalConfig | dict | None = None,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[EvalRecord]:
+        """Records one by one, in the order of ``specs`` (a generator: the autotuner can stop early)."""
+        for spec in specs:
+            yield self.evaluate(spec, matrix_key, n, dtype, config, timeout_s)
+
+
+def _stub(spec, n: int, dtype: str, matrix_key: str | None) -> EvalRecord:
+    """A record for a candidate whose evaluation produced none (hang, crash)."""
+    record = EvalRecord(key=str(getattr(spec, "key", "")), family=getattr(spec, "family", ""),
+                        params=getattr(spec, "params", ()), n=int(n), dtype=dtype, matrix=matrix_key)
+    try:
+        record.op = spec.plan.op
+    except Exception:  # noqa: BLE001 - the worker reports plan errors; a stub needs no plan
+        pass
+    return record
+
+
+def evaluate_many(specs: Iterable, rowptr, col, shape, n: int, dtype, config: EvalConfig | dict | None = None,
+                  *, timeout_s: float = DEFAULT_TIMEOUT_S, sandbox: Sandbox | None = None,
+                  matrix_key: str = "matrix") -> Iterator[EvalRecord]:
+    """Evaluate ``specs`` on one matrix (numpy ``rowptr``/``col``) in a sandbox, streaming records.
+
+    Uses ``sandbox`` when given (and leaves it open), else opens one for the duration.
+    """
+    own = sandbox is None
+    box = Sandbox() if own else sandbox
+    try:
+        box.set_matrix(matrix_key, rowptr, col, shape)
+        yield from box.evaluate_many(specs, matrix_key, n, dtype, config, timeout_s)
+    finally:
+        if own:
+            box.close()

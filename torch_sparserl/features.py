@@ -1,0 +1,41 @@
+"""Structural features of a sparsity pattern: for the families' parameter grids, the policy
+and the logs. Computed on the host from ``rowptr`` (and ``col`` for locality) with numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def structural_features(rowptr, col, shape) -> dict[str, float]:
+    """Row-length statistics and histogram, bandwidth and column locality of a CSR pattern."""
+    rowptr = np.asarray(rowptr, dtype=np.int64)
+    col = np.asarray(col, dtype=np.int64)
+    rows, cols = int(shape[0]), int(shape[1])
+    lengths = np.diff(rowptr)
+    nnz = int(rowptr[-1]) if rows else 0
+    mean = float(lengths.mean()) if rows else 0.0
+    std = float(lengths.std()) if rows else 0.0
+    features: dict[str, float] = {
+        "rows": rows, "cols": cols, "nnz": nnz,
+        "row_mean": mean, "row_max": int(lengths.max()) if rows else 0,
+        "row_min": int(lengths.min()) if rows else 0,
+        "row_cv": std / mean if mean else 0.0,
+        "empty_rows": float((lengths == 0).mean()) if rows else 0.0,
+        "density": nnz / (rows * cols) if rows and cols else 0.0,
+    }
+    # Share of the nonzeros in the longest 1% of rows: how much a few hub rows dominate.
+    if rows:
+        top = np.sort(lengths)[::-1][: max(1, rows // 100)]
+        features["top1pct_share"] = float(top.sum() / nnz) if nnz else 0.0
+        for q in (50, 90, 99):
+            features[f"row_p{q}"] = float(np.percentile(lengths, q))
+    if nnz:
+        row_of = np.repeat(np.arange(rows, dtype=np.int64), lengths)
+        distance = np.abs(col - row_of * (cols / max(rows, 1)))
+        features["bandwidth_p99"] = float(np.percentile(distance, 99))
+        # Locality of X reads: mean jump between consecutive column indices inside rows.
+        jumps = np.abs(np.diff(col))
+        same_row = np.diff(row_of) == 0
+        features["col_jump_mean"] = float(jumps[same_row].mean()) if same_row.any() else 0.0
+        features["diag_fraction"] = float((col == row_of).mean())
+    return features
