@@ -1,0 +1,306 @@
+"""The kernel benchmark's runner and reports, with a fake autotuner (CPU, no GPU, seconds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load("report")
+bench = _load("bench_kernels")
+
+
+# ------------------------------------------------------------------------------ a fake tune
+
+@dataclasses.dataclass
+class FakeRecord:
+    family: str
+    params: dict
+    compiled: bool
+    correct: bool
+    runtime_us: float | None
+    cusparse_us: float | None
+    error_kind: str | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class FakeResult:
+    best: FakeRecord | None
+    table: list
+    cusparse_us: float
+    elapsed_s: float
+
+
+class FakeTune:
+    """Deterministic: cuSPARSE takes nnz/1000 + n µs; the best kernel is 2× faster on spmv,
+    0.5× (slower) on spmm for matrices with a row over 1000 long, and absent for n=64."""
+
+    def __init__(self, fail_on: set[str] | None = None):
+        self.calls: list[tuple] = []
+        self.fail_on = fail_on or set()
+
+    def __call__(self, matrix, *, op, n, dtype, budget_s, sandbox):
+        assert dtype in ("f32", "f16", "bf16") and sandbox is None
+        key = (matrix.nnz, op, n, dtype)
+        self.calls.append(key)
+        if (op, n) in {tuple(f.split("|")) for f in self.fail_on if "|" in f} or op in self.fail_on:
+            raise RuntimeError("planted failure")
+        cusparse = matrix.nnz / 1000 + n
+        skewed = np.diff(matrix.indptr).max() > 1000
+        factor = 2.0 if op == "spmv" else (0.5 if skewed else 1.5)
+        table = [FakeRecord("vector_csr", {"lanes": 4}, True, True, cusparse / factor, cusparse),
+                 FakeRecord("warp_row", {"vec": 4}, True, False, cusparse / 9, cusparse, "wrong"),
+                 FakeRecord("broken", {}, False, False, None, None, "compile")]
+        best = None if n == 64 else table[0]
+        if n == 64:
+            table = table[1:]
+        return FakeResult(best=best, table=table, cusparse_us=cusparse, elapsed_s=0.01)
+
+
+@pytest.fixture
+def two_matrices():
+    entries = bench.known_matrices()
+    return [entries["cora"], entries["rajat01"]]  # shipped with the package: always there
+
+
+def _run(matrices, tune, path, cells=None, **kwargs):
+    cells = cells or bench.grid_cells(matrices, ["spmv", "spmm"], [1, 32], ["f32"])
+    kwargs.setdefault("budget_s", 1.0)
+    kwargs.setdefault("copy_bandwidth_GBps", 3000.0)
+    kwargs.setdefault("env", {"gpu": "Fake GPU", "gpu_slug": "fake-gpu", "torch": "x", "cuda": "y"})
+    kwargs.setdefault("progress", False)
+    return bench.run_grid(matrices, cells, tune, path, **kwargs)
+
+
+# --------------------------------------------------------------------------------- formulas
+
+def test_floor_bytes_on_a_tiny_known_matrix():
+    # 3×5, nnz 4; columns 0, 3, 3, 4 → 3 distinct columns (1 and 2 never read).
+    matrix = scipy.sparse.csr_matrix(
+        (np.ones(4, np.float32), np.array([0, 3, 3, 4], np.int32), np.array([0, 2, 2, 4], np.int32)),
+        shape=(3, 5))
+    assert report.distinct_columns(matrix) == 3
+    # rowptr 4·4 + col 4·4 + val 4·4 + X 4·3·8 + Y 4·3·8
+    assert report.floor_bytes(3, 4, 3, 8, 4) == 16 + 16 + 16 + 96 + 96
+    # f16: rowptr 16 + col 16 + val 2·4 + X 2·3·1 + Y 2·3·1
+    assert report.floor_bytes(3, 4, 3, 1, 2) == 16 + 16 + 8 + 6 + 6
+    assert report.floor_us(3_000_000, 3000.0) == pytest.approx(1.0)  # 3 MB at 3 TB/s
+    assert report.floor_us(100, None) is None
+
+
+def test_cell_metrics_and_fallback():
+    m = report.cell_metrics(cusparse_us=30.0, oracle_us=10.0, floor_time_us=6.0)
+    assert m["speedup"] == pytest.approx(3.0) and m["speedup_with_fallback"] == pytest.approx(3.0)
+    assert m["oracle_floor_frac"] == pytest.approx(0.6) and m["cusparse_floor_frac"] == pytest.approx(0.2)
+    assert m["best_with_fallback_us"] == 10.0
+    slow = report.cell_metrics(10.0, 40.0, None)
+    assert slow["speedup"] == pytest.approx(0.25) and slow["speedup_with_fallback"] == 1.0
+    assert slow["oracle_floor_frac"] is None and slow["best_with_fallback_us"] == 10.0
+    none = report.cell_metrics(10.0, None, 5.0)
+    assert none["speedup"] is None and none["speedup_with_fallback"] == 1.0
+    assert none["cusparse_floor_frac"] == pytest.approx(0.5)
+
+
+def test_geomean():
+    assert report.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert report.geomean([0.5, 2.0, None]) == pytest.approx(1.0)
+    assert report.geomean([1.0, 10.0, 100.0]) == pytest.approx(10.0)
+    assert report.geomean([]) is None and report.geomean([None, 0.0, float("nan")]) is None
+
+
+def test_summarize_counts_slower_and_separates_groups():
+    def cell(matrix, group, speedup):
+        return {"matrix": matrix, "group": group, "op": "spmm", "n": 32, "dtype": "f32",
+                "status": "ok" if speedup else "no_kernel", "speedup": speedup,
+                "speedup_with_fallback": max(1.0, speedup) if speedup else 1.0}
+    rows = report.summarize([cell("a", "real", 4.0), cell("b", "real", 0.25), cell("c", "real", None),
+                             cell("s", "synthetic", 2.0), {"status": "error", "matrix": "e", "group": "real",
+                                                           "op": "spmm", "n": 32, "dtype": "f32"}])
+    real, synth = rows
+    assert (real["group"], real["cells"], synth["group"], synth["cells"]) == ("real", 3, "synthetic", 1)
+    assert real["speedup_geomean"] == pytest.approx(1.0)               # over a and b
+    assert real["speedup_with_fallback_geomean"] == pytest.approx(4 ** (1 / 3))  # 4, 1, 1
+    assert real["slower_than_cusparse"] == 2 and real["no_kernel"] == 1
+    assert synth["speedup_geomean"] == pytest.approx(2.0)
+
+
+# ----------------------------------------------------------------------------------- runner
+
+def test_runner_writes_json_md_svg_and_tables(tmp_path, two_matrices):
+    tune = FakeTune()
+    path = tmp_path / "kernels-fake-gpu-2026-01-01.json"
+    outcome = _run(two_matrices, tune, path)
+    assert (outcome.ran, outcome.skipped, outcome.remaining, outcome.exit_code) == (4, 0, 0, 0)
+    assert len(tune.calls) == 4
+
+    document = json.loads(path.read_text())
+    assert document["schema"] == report.SCHEMA
+    assert document["env"]["gpu"] == "Fake GPU" and document["runs"][0]["copy_bandwidth_GBps"] == 3000.0
+    cora = document["matrices"]["cora"]
+    assert (cora["rows"], cora["nnz"], cora["group"]) == (2708, 10556, "real")
+    assert cora["distinct_cols"] <= cora["cols"] and len(cora["pattern_sha1"]) == 40
+    cells = {c["key"]: c for c in document["cells"]}
+    assert set(cells) == {"cora|spmv|n=1|f32", "cora|spmm|n=32|f32",
+                          "rajat01|spmv|n=1|f32", "rajat01|spmm|n=32|f32"}
+    spmm = cells["cora|spmm|n=32|f32"]
+    for field in ("cusparse_us", "oracle_us", "speedup", "speedup_with_fallback", "floor_bytes", "floor_us",
+                  "oracle_floor_frac", "cusparse_floor_frac", "best", "evaluated", "compiled", "correct"):
+        assert field in spmm, field
+    assert spmm["speedup"] == pytest.approx(1.5) and spmm["status"] == "ok"
+    assert spmm["best"]["family"] == "vector_csr" and spmm["best"]["params"] == {"lanes": 4}
+    assert (spmm["evaluated"], spmm["compiled"], spmm["correct"]) == (3, 2, 1)
+    expected_bytes = report.floor_bytes(2708, 10556, cora["distinct_cols"], 32, 4)
+    assert spmm["floor_bytes"] == expected_bytes
+    assert spmm["floor_us"] == pytest.approx(expected_bytes / 3e12 * 1e6)  # 3000 GB/s
+    assert spmm["oracle_floor_frac"] == pytest.approx(spmm["floor_us"] / spmm["oracle_us"])
+    slow = cells["rajat01|spmm|n=32|f32"]  # a row of 1442: the fake kernel is 2x slower
+    assert slow["speedup"] == pytest.approx(0.5) and slow["speedup_with_fallback"] == 1.0
+
+    tables = [json.loads(line) for line in report.companion(path, "-tables.jsonl").read_text().splitlines()]
+    assert len(tables) == 12 and {t["cell"] for t in tables} == set(cells)
+    assert all(t["cell_id"] in {c["cell_id"] for c in cells.values()} for t in tables)
+
+    md = report.companion(path, ".md").read_text()
+    assert "| matrix | group | rows | nnz | spmv | spmm n=32 |" in md
+    assert "| cora | real | 2708 | 10556 | **2.00×**" in md
+    assert "Geometric means" in md and "| spmm | 32 | f32 | real | 2 | 0.87× | 1.22× | 1 (0) |" in md
+    root = ET.fromstring(report.companion(path, ".svg").read_text())
+    assert root.tag.endswith("svg")
+    texts = " ".join(t.text or "" for t in root.iter() if t.tag.endswith("text"))
+    assert "spmv f32" in texts and "spmm n=32 f32" in texts and "cora" in texts and "1×" in texts
+    assert len([r for r in root.iter() if r.tag.endswith("rect")]) == 1 + 4  # background + bars
+
+
+def test_resume_skips_done_cells_and_reruns_errors(tmp_path, two_matrices):
+    path = tmp_path / "kernels-fake-gpu-2026-01-01.json"
+    first = _run(two_matrices, FakeTune(fail_on={"spmm"}), path)
+    assert (first.ran, first.errors, first.remaining, first.exit_code) == (4, 2, 2, 3)
+    document = json.loads(path.read_text())
+    assert sorted(c["status"] for c in document["cells"]) == ["error", "error", "ok", "ok"]
+    assert "planted failure" in report.companion(path, ".md").read_text()
+
+    with pytest.raises(FileExistsError):
+        _run(two_matrices, FakeTune(), path)  # never overwrites without resume
+
+    tune = FakeTune()
+    cells = bench.grid_cells(two_matrices, ["spmv", "spmm"], [1, 32, 64], ["f32"])
+    second = _run(two_matrices, tune, path, cells=cells, resume=True)
+    # spmv done: skipped; spmm n=32 errored: run again; n=64 new (no kernel found).
+    assert sorted(call[1:3] for call in tune.calls) == [("spmm", 32), ("spmm", 32), ("spmm", 64), ("spmm", 64)]
+    assert (second.ran, second.skipped, second.remaining, second.exit_code) == (4, 2, 0, 0)
+    document = json.loads(path.read_text())
+    assert len(document["runs"]) == 2 and len(document["cells"]) == 6
+    statuses = {c["key"]: c["status"] for c in document["cells"]}
+    assert statuses["cora|spmm|n=32|f32"] == "ok" and statuses["cora|spmm|n=64|f32"] == "no_kernel"
+    no_kernel = next(c for c in document["cells"] if c["key"] == "cora|spmm|n=64|f32")
+    assert no_kernel["speedup"] is None and no_kernel["speedup_with_fallback"] == 1.0
+    assert "no kernel" in report.companion(path, ".md").read_text()
+
+    third = FakeTune()
+    assert _run(two_matrices, third, path, cells=cells, resume=True).ran == 0 and not third.calls
+
+
+def test_max_time_stops_before_a_cell_that_would_not_fit(tmp_path, two_matrices):
+    tune = FakeTune()
+    outcome = _run(two_matrices, tune, tmp_path / "r.json", budget_s=100.0, max_time_s=60.0)
+    assert (outcome.ran, outcome.remaining, outcome.stopped, outcome.exit_code) == (0, 4, "time", 3)
+    assert not tune.calls and json.loads((tmp_path / "r.json").read_text())["cells"] == []
+
+
+def test_results_of_another_gpu_are_not_mixed(tmp_path, two_matrices):
+    path = tmp_path / "r.json"
+    _run(two_matrices[:1], FakeTune(), path)
+    with pytest.raises(ValueError, match="holds results of Fake GPU"):
+        _run(two_matrices[:1], FakeTune(), path, resume=True, env={"gpu": "Other GPU", "gpu_slug": "other"})
+
+
+def test_report_cli_rerenders(tmp_path, two_matrices):
+    path = tmp_path / "kernels-fake-gpu-2026-01-01.json"
+    _run(two_matrices, FakeTune(), path)
+    report.companion(path, ".md").unlink()
+    report.companion(path, ".svg").unlink()
+    assert report.main([str(path)]) == 0
+    assert report.companion(path, ".md").exists() and report.companion(path, ".svg").exists()
+
+
+# -------------------------------------------------------------------------------- grid, CLI
+
+def test_grid_and_selection(monkeypatch, tmp_path):
+    assert bench.op_n_pairs(["spmv", "spmm"], [32, 1, 16]) == [("spmv", 1), ("spmm", 16), ("spmm", 32)]
+    assert bench.op_n_pairs(["spmm"], [1]) == []
+    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3" and bench.gpu_slug(None) == "cpu"
+    assert bench._matrix_list("cora,rmat:scale=12,edge_factor=4,ca-*") == ["cora", "rmat:scale=12,edge_factor=4", "ca-*"]
+
+    monkeypatch.setenv("SPARSERL_SHARED", str(tmp_path / "absent"))  # no shared matrices: skipped cleanly
+    assert bench.shared_matrices_dir() is None
+    entries = bench.known_matrices()
+    real = [e for e in entries.values() if e.group == "real"]
+    assert real and all(e.origin == "package" for e in real)
+    default = bench.select_matrices(None, entries)
+    assert [e.name for e in default if e.group == "synthetic"] == list(bench.SYNTHETIC)
+    picked = bench.select_matrices(["c*", "rmat:scale=6,edge_factor=2", "synthetic"], entries)
+    assert [e.name for e in picked][:2] == ["citeseer", "cora"]
+    spec_entry = next(e for e in picked if e.source == "rmat:scale=6,edge_factor=2")
+    assert spec_entry.load().shape == (64, 64)
+    with pytest.raises(SystemExit):
+        bench.select_matrices(["nosuch*"], entries)
+
+    shared = tmp_path / "shared" / "matrices"
+    shared.mkdir(parents=True)
+    np.savez(shared / "tiny.npz", indptr=np.array([0, 1, 2]), indices=np.array([1, 0], np.int32),
+             data=np.ones(2, np.float32), shape=np.array([2, 2]))
+    monkeypatch.setenv("SPARSERL_SHARED", str(tmp_path / "shared"))
+    assert bench.shared_matrices_dir() == shared
+    tiny = bench.known_matrices()["tiny"]
+    assert (tiny.origin, tiny.group) == ("shared", "real") and tiny.load().nnz == 2
+
+
+def test_cli_list_and_quick_run_with_a_fake_tune(tmp_path, capsys):
+    assert bench.main(["--list", "--quick"]) == 0
+    listed = capsys.readouterr().out
+    assert "cora|spmv|n=1|f32" in listed and "rmat-s12-ef8|spmm|n=32|f32" in listed
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--list", "--ops", "spmx"])
+    assert info.value.code == 2
+
+    args = ["--quick", "--matrices", "cora,rmat:scale=8,edge_factor=4", "--out", str(tmp_path), "--no-progress"]
+    assert bench.main(args, tune_fn=FakeTune()) == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert len(written) == 4 and all(name.startswith("kernels-cpu-") for name in written)
+    written = [name for name in written if name.endswith(".json")]
+    document = json.loads((tmp_path / written[0]).read_text())
+    assert {c["matrix"] for c in document["cells"]} == {"cora", "rmat-scale8-edge_factor4"}
+    tune = FakeTune()
+    assert bench.main(args + ["--resume"], tune_fn=tune) == 0 and not tune.calls
+
+    # Resuming a file from elsewhere continues a copy in --out (how device chunks chain).
+    elsewhere = tmp_path / "next"
+    assert bench.main(args[:3] + ["--out", str(elsewhere), "--no-progress", "--resume", str(tmp_path / written[0]),
+                                  "--n", "1,32,16"], tune_fn=tune) == 0
+    assert len(tune.calls) == 2  # only the new n=16 cells
+    again = json.loads((elsewhere / written[0]).read_text())
+    assert len(again["cells"]) == 6 and len(again["runs"]) == 3
+    assert (elsewhere / written[0].replace(".json", "-tables.jsonl")).exists()
