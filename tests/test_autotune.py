@@ -1,0 +1,108 @@
+"""The exhaustive autotuner's search logic, with a fake sandbox (CPU); the GPU run is in
+tests/test_autotune_gpu.py."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+import torch_sparserl as ts
+from torch_sparserl.autotune import FINAL_CONFIG, SCREEN_CONFIG, candidates, tune
+from torch_sparserl.evaluate.record import ErrorKind, EvalRecord
+from torch_sparserl.features import structural_features
+
+
+class FakeSandbox:
+    """Scores a candidate by a hash of its source; every fifth one is wrong."""
+
+    def __init__(self, drift: float = 0.0):
+        self.calls: list[tuple[str, object]] = []
+        self.matrices = {}
+        self.drift = drift
+
+    def set_matrix(self, key, rowptr, col, shape):
+        self.matrices[key] = (rowptr, col, shape)
+
+    def evaluate(self, spec, matrix_key, n, dtype, config, timeout_s):
+        assert matrix_key in self.matrices
+        self.calls.append((spec.key, config))
+        score = int(hashlib.sha256(spec.key.encode()).hexdigest()[:6], 16)
+        record = EvalRecord(key=spec.key, family=spec.family, params=spec.params, op=spec.plan.op,
+                            n=n, dtype=dtype, compiled=True)
+        if score % 5 == 0:
+            return record.fail(ErrorKind.WRONG, "fake")
+        record.correct = True
+        record.runtime_us = 10.0 + score % 1000 + (self.drift if config is FINAL_CONFIG else 0.0)
+        record.cusparse_us = 500.0
+        return record
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def cora():
+    return ts.load_matrix("cora")
+
+
+@pytest.mark.parametrize("op, n", [("spmv", 1), ("spmm", 32), ("spmm", 7)])
+def test_space_renders_distinct_parseable_candidates(cora, op, n):
+    features = structural_features(cora.indptr, cora.indices, cora.shape)
+    specs = candidates(op, n, "f32", features)
+    assert len(specs) >= 10
+    assert len({s.key for s in specs}) == len(specs)
+    for spec in specs:
+        assert spec.plan.op == op and spec.plan.n in (None, n) and spec.family
+
+
+def test_tune_returns_the_fastest_correct_finalist(cora):
+    box = FakeSandbox()
+    result = tune(cora, op="spmm", n=32, sandbox=box, top_k=3, budget_s=1e9)
+    screens = [c for c in box.calls if c[1] is SCREEN_CONFIG]
+    finals = [c for c in box.calls if c[1] is FINAL_CONFIG]
+    assert len(screens) == result.candidates == result.screened and len(finals) == 3
+    correct = [r for r in result.table if r.timing["stage"] == "screen" and r.ok]
+    fastest = sorted(correct, key=lambda r: r.runtime_us)[:3]
+    assert {c[0] for c in finals} == {r.key for r in fastest}
+    assert result.best.key == fastest[0].key and result.best.timing["stage"] == "final"
+    assert result.best_spec.key == result.best.key
+    assert result.speedup == pytest.approx(500.0 / result.best.runtime_us)
+    assert "best" in result.summary()
+
+
+def test_tune_stops_screening_when_the_budget_is_spent(cora):
+    box = FakeSandbox()
+    result = tune(cora, op="spmv", sandbox=box, budget_s=0.0, top_k=2)
+    assert result.budget_exhausted and result.screened == 1 < result.candidates
+    assert result.best is not None  # what was screened still gets its final evaluation
+
+
+def test_tune_reports_no_kernel_when_nothing_is_correct(cora, monkeypatch):
+    box = FakeSandbox()
+    monkeypatch.setattr(box, "evaluate", lambda spec, *a: EvalRecord(key=spec.key, compiled=False).fail(
+        ErrorKind.COMPILE, "fake"))
+    result = tune(cora, op="spmv", sandbox=box)
+    assert result.best is None and "no correct candidate" in result.summary()
+
+
+def test_tune_restricts_to_named_families(cora):
+    box = FakeSandbox()
+    result = tune(cora, op="spmv", sandbox=box, families=["vector_row"])
+    assert result.candidates and {r.family for r in result.table} == {"vector_row"}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(op="sddmm"), "op must be 'spmm' or 'spmv'"),
+    (dict(op="spmv", n=4), "op='spmv' has n=1"),
+    (dict(op="spmm", n=0), "n must be >= 1"),
+    (dict(op="spmm", n=4, dtype="f64"), "expected f32, f16, bf16"),
+])
+def test_tune_names_bad_arguments(cora, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tune(cora, sandbox=FakeSandbox(), **kwargs)
+
+
+def test_tune_names_a_matrix_it_cannot_read():
+    with pytest.raises(TypeError, match="expected a SciPy sparse matrix"):
+        tune([[1, 0], [0, 1]], op="spmv", sandbox=FakeSandbox())

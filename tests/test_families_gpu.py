@@ -1,0 +1,183 @@
+"""Kernel families on the GPU: every family x a few parameter sets x dtypes x n, on named
+patterns, against a float64 reference. Outputs are pre-filled with NaN, so a row a kernel
+leaves unwritten fails. Built with NVRTC (`load_kernel`), prepared with `prepare`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from torch_sparserl import families as F
+from torch_sparserl.dtypes import close_to_reference
+
+pytestmark = pytest.mark.gpu
+
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------- patterns
+
+
+def _random(rng, rows, cols, density):
+    return sp.random(rows, cols, density=density, format="csr", random_state=rng, dtype=np.float64)
+
+
+def _empty_rows_in_the_middle(rng):
+    A = _random(rng, 300, 200, 0.05).tolil()
+    A[100:220, :] = 0
+    return A.tocsr()
+
+
+def _arrow(rng):
+    """One huge row (5000 nonzeros) and a dense column among rows of ~3 nonzeros."""
+    rows, cols = 2000, 5000
+    A = _random(rng, rows, cols, 3 / cols).tolil()
+    A[17, :] = rng.standard_normal(cols)
+    A[:, 3] = rng.standard_normal((rows, 1))
+    return A.tocsr()
+
+
+def _power_law(rng):
+    """Row lengths ~ Zipf: many rows of 1-3 nonzeros, a few of hundreds to thousands."""
+    rows, cols = 3000, 2500
+    lengths = np.minimum(rng.zipf(1.6, rows), cols)
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    indices = np.concatenate([np.sort(rng.choice(cols, size=l, replace=False)) for l in lengths])
+    return sp.csr_matrix((np.ones(indptr[-1]), indices, indptr), shape=(rows, cols))
+
+
+def _banded(rng):
+    return sp.diags([1.0] * 9, list(range(-4, 5)), shape=(700, 700), format="csr")
+
+
+PATTERNS = {
+    "empty rows in the middle": _empty_rows_in_the_middle,
+    "all rows empty": lambda rng: sp.csr_matrix((50, 40), dtype=np.float64),
+    "arrow (one huge row)": _arrow,
+    "power law": _power_law,
+    "banded": _banded,
+    "wide (cols != rows)": lambda rng: _random(rng, 37, 900, 0.08),
+}
+
+
+@pytest.fixture(scope="module")
+def patterns():
+    out = {}
+    for i, (name, make) in enumerate(PATTERNS.items()):
+        rng = np.random.default_rng(i)
+        A = make(rng).tocsr()
+        A.sort_indices()
+        A.data = rng.standard_normal(A.nnz)
+        out[name] = A
+    return out
+
+
+# --------------------------------------------------------------------------- parameter sets
+
+
+def _vec(dtype: str, n: int, widest: int = 8) -> int:
+    return max(v for v in F._vecs(dtype) if n % v == 0 and v <= widest)
+
+
+def _spmv_params(name: str, dtype: str) -> list[dict]:
+    # Rows split across work items are summed with 16-bit atomics in f16/bf16: a hub row cut into
+    # hundreds of pieces loses precision (measured: bf16 arrow row -13.70 summed to -12.63 with
+    # chunk=32). Small pieces are tested in f32; the half types get pieces of >= 256 nonzeros.
+    small = dtype == "f32"
+    return {
+        "vector_row": [{"lanes": 1, "unroll": 1}, {"lanes": 4, "rows": "sorted_desc", "unroll": 4},
+                       {"lanes": 32, "unroll": 2}, {"lanes": 2, "rows": "sorted_desc", "unroll": 1, "block": 64}],
+        "nnz_split": [{"chunk": 32 if small else 256}, {"chunk": 256 if small else 1024},
+                      {"chunk": 2048, "block": 128}],
+        "merge_path": [{"items": 1 if small else 256}, {"items": 7 if small else 512},
+                       {"items": 32 if small else 1024}],
+        "sell": [{"c": 32, "sigma": 128, "unroll": 1}, {"c": 4, "sigma": 4, "unroll": 4},
+                 {"c": 128, "sigma": 1024, "unroll": 2}],
+        "binned": [{}, {"edges": (2, 8, 32, 256, 4096), "lanes": (1, 4, 16, 32, 32, 256)},
+                   {"edges": (1,), "lanes": (1, 256)}, {"edges": (3, 40), "lanes": (2, 32, 128), "block": 128}],
+        "rowchunks": [{"lanes": 1, "seg": 64 if small else 256}, {"lanes": 32, "seg": 256 if small else 1024},
+                      {"lanes": 8, "seg": 7 if small else 500}],
+    }[name]
+
+
+def _spmv_cases():
+    for name in ("vector_row", "nnz_split", "merge_path", "sell", "binned", "rowchunks"):
+        for dtype in TORCH_DTYPES:
+            for i, params in enumerate(_spmv_params(name, dtype)):
+                yield pytest.param(name, params, dtype, 1, id=f"spmv-{name}-{i}-{dtype}")
+
+
+def _spmm_params(name: str, dtype: str, n: int) -> list[dict]:
+    v = _vec(dtype, n)
+    # tiny chunks on a 5000-nonzero row mean thousands of atomics in 16-bit precision: f32 only
+    small = dtype == "f32"
+    return {
+        "group_row": [{"lanes": 8, "vec": v}, {"lanes": 32, "vec": 1, "rows": "sorted_desc", "unroll": 4},
+                      {"lanes": 1, "vec": v, "unroll": 1}, {"lanes": 4, "vec": _vec(dtype, n, 2), "block": 128}],
+        "warp_row_staged": [{"lanes": 8, "vec": v, "stage": "shfl"},
+                            {"lanes": 32, "vec": 1, "stage": "smem", "rows": "sorted_desc"},
+                            {"lanes": 16, "vec": v, "stage": "smem"}],
+        "nnz_split": [{"lanes": 8, "vec": v, "chunk": 64 if small else 256},
+                      {"lanes": 1, "vec": 1, "chunk": 7 if small else 300, "unroll": 4},
+                      {"lanes": 32, "vec": v, "chunk": 1000}],
+        "rowchunks": [{"lanes": 8, "vec": v, "seg": 16 if small else 128}, {"lanes": 32, "vec": 1, "seg": 1 if small else 200},
+                      {"lanes": 4, "vec": v, "seg": 500}],
+    }[name]
+
+
+def _spmm_cases():
+    for name in ("group_row", "warp_row_staged", "nnz_split", "rowchunks"):
+        for dtype in TORCH_DTYPES:
+            for n in (1, 5, 32, 64, 130):
+                for i, params in enumerate(_spmm_params(name, dtype, n)):
+                    yield pytest.param(name, params, dtype, n, id=f"spmm-{name}-{i}-{dtype}-n{n}")
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _check(name, params, op, dtype, n, patterns):
+    from torch_sparserl.build import load_kernel
+    from torch_sparserl.prepare import prepare
+
+    spec = F.render(name, params, op=op, dtype=dtype, n=n)
+    kernel = load_kernel(spec)
+    tdtype = TORCH_DTYPES[dtype]
+    failures = []
+    for pattern, A in patterns.items():
+        rows, cols = A.shape
+        rowptr = torch.from_numpy(A.indptr.astype(np.int32)).cuda()
+        col = torch.from_numpy(A.indices.astype(np.int32)).cuda()
+        val = torch.from_numpy(A.data).to(device="cuda", dtype=tdtype)
+        g = torch.Generator().manual_seed(rows * 31 + n)
+        x = torch.randn((cols, n) if op == "spmm" else (cols,), generator=g, dtype=torch.float64).to("cuda", tdtype)
+        y = torch.full((rows, n) if op == "spmm" else (rows,), float("nan"), dtype=tdtype, device="cuda")
+        prep = prepare(spec.plan, rowptr, col, (rows, cols), n)
+        kernel(rowptr, col, val, x, y, prep)
+        torch.cuda.synchronize()
+        A64 = sp.csr_matrix((val.double().cpu().numpy(), A.indices, A.indptr), shape=A.shape)
+        ref = torch.from_numpy(np.asarray(A64 @ x.double().cpu().numpy()))
+        ok, why = close_to_reference(y, ref, tdtype)
+        if not ok:
+            failures.append(f"{pattern}: {why}")
+    assert not failures, f"{spec.describe()} op={op} dtype={dtype} n={n}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("name,params,dtype,n", list(_spmv_cases()))
+def test_spmv_family_matches_reference(name, params, dtype, n, patterns):
+    _check(name, params, "spmv", dtype, n, patterns)
+
+
+@pytest.mark.parametrize("name,params,dtype,n", list(_spmm_cases()))
+def test_spmm_family_matches_reference(name, params, dtype, n, patterns):
+    _check(name, params, "spmm", dtype, n, patterns)
+
+
+@pytest.mark.parametrize("op,n", [("spmv", 1), ("spmm", 32)])
+def test_space_candidates_match_reference_on_power_law(op, n, patterns):
+    """Every candidate of the default space for one shape (what the autotuner screens)."""
+    A = {"power law": patterns["power law"]}
+    for name, params in F.space(op, "f32", n):
+        _check(name, params, op, "f32", n, A)
