@@ -31,7 +31,7 @@ class Pattern:
     """Derived data of one CSR pattern. Create through :func:`lookup`."""
 
     __slots__ = ("_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
-                 "validated", "_row_indices", "_transpose", "_lock", "__weakref__")
+                 "validated", "fingerprint", "_row_indices", "_transpose", "_lock", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int):
         self._col_ref = weakref.ref(col)
@@ -42,6 +42,7 @@ class Pattern:
         self.device = col.device
         self.index_dtype = col.dtype
         self.validated = False
+        self.fingerprint: str | None = None  # set by fingerprint.fingerprint()
         self._row_indices: torch.Tensor | None = None
         self._transpose: tuple[Pattern, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()
