@@ -31,7 +31,7 @@ class Pattern:
     """Derived data of one CSR pattern. Create through :func:`lookup`."""
 
     __slots__ = ("_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
-                 "validated", "fingerprint", "_row_indices", "_transpose", "_lock", "__weakref__")
+                 "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_lock", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int):
         self._col_ref = weakref.ref(col)
@@ -43,6 +43,7 @@ class Pattern:
         self.index_dtype = col.dtype
         self.validated = False
         self.fingerprint: str | None = None  # set by fingerprint.fingerprint()
+        self.specializations: dict = {}  # (op, n, dtype) -> runtime state (runtime.py)
         self._row_indices: torch.Tensor | None = None
         self._transpose: tuple[Pattern, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()
