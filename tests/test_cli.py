@@ -1,5 +1,6 @@
 """The command line and the shipped matrices."""
 
+import shutil
 import subprocess
 import sys
 
@@ -37,3 +38,29 @@ def test_demo_runs_on_cpu():
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all checks passed" in out.stdout and "0 graph breaks" in out.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_tune_without_a_gpu_runs_the_compile_tier(capsys):
+    from torch_sparserl.cli import main
+
+    assert main(["tune", "cora", "--op", "spmv", "--families", "vector_row", "--compile-only"]) == 0
+    out = capsys.readouterr().out
+    assert "compiling the" in out and "candidates compile cleanly" in out and "vector_row(" in out
+
+
+def test_cache_commands(tmp_path, capsys):
+    from torch_sparserl.cache import CacheEntry, KernelCache
+    from torch_sparserl.cli import main
+    from torch_sparserl.fingerprint import SpecializationKey
+
+    key = SpecializationKey(pattern="feed", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
+    KernelCache(tmp_path).put(CacheEntry(key, None, reason="none beat cuSPARSE"))
+    assert main(["cache", "list", "--dir", str(tmp_path)]) == 0
+    assert "1 entries" in capsys.readouterr().out
+    assert main(["cache", "info", key.digest()[:8], "--dir", str(tmp_path)]) == 0
+    assert '"reason": "none beat cuSPARSE"' in capsys.readouterr().out
+    assert main(["cache", "info", "zzzz", "--dir", str(tmp_path)]) == 2
+    assert "expected one entry starting with 'zzzz', found 0" in capsys.readouterr().err
+    assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out

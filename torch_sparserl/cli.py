@@ -9,6 +9,8 @@ against ``torch.sparse.mm`` on the same data.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -118,6 +120,78 @@ def info(args) -> int:
     return 0
 
 
+def tune_command(args) -> int:
+    """Search the kernel space for one matrix: on a GPU the exhaustive autotuner (candidates
+    run in the sandbox, timed against cuSPARSE); without one, the compile tier with nvcc."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .autotune import candidates, tune
+    from .features import structural_features
+
+    A = load_matrix(args.matrix).tocsr()
+    n = 1 if args.op == "spmv" else args.n
+    features = structural_features(A.indptr, A.indices, A.shape)
+    print(f"matrix   {args.matrix}: {A.shape[0]} x {A.shape[1]}, {A.nnz} nonzeros, "
+          f"row mean {features['row_mean']:.1f}, max {features['row_max']}, cv {features['row_cv']:.2f}")
+    if torch.cuda.is_available() and not args.compile_only:
+        result = tune(A, op=args.op, n=n, dtype=args.dtype, budget_s=args.budget_s,
+                      families=args.families.split(",") if args.families else None)
+        finals = sorted((r for r in result.table if r.timing.get("stage") == "final" and r.ok),
+                        key=lambda r: r.runtime_us)
+        for r in finals:
+            print(f"final    {r.family:16s} {r.runtime_us:9.2f} us  cuSPARSE {r.cusparse_us:9.2f} us  "
+                  f"{r.speedup:5.2f}x  {r.params}")
+        failed = [r for r in result.table if not r.ok]
+        print(f"result   {result.summary()}; {len(failed)} candidate(s) rejected")
+        if result.best_spec is not None and args.show_source:
+            print(result.best_spec.source)
+        return 0 if result.best is not None else 1
+
+    from .evaluate.compile_tier import compile_only
+
+    families = args.families.split(",") if args.families else None
+    specs = candidates(args.op, n, args.dtype, features, families)
+    print(f"note     no GPU{' (or --compile-only)' if torch.cuda.is_available() else ''}: compiling the "
+          f"{len(specs)} candidates with nvcc for sm_90, not running them")
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        records = list(pool.map(compile_only, specs))
+    for spec, record in zip(specs, records):
+        status = "ok" if record.compiled and record.error_kind is None else str(record.error_kind)
+        print(f"compile  {spec.describe():70s} {status:9s} regs={record.registers} spills={record.spill_bytes}")
+    bad = [r for r in records if not r.compiled or r.error_kind is not None]
+    print(f"result   {len(records) - len(bad)}/{len(records)} candidates compile cleanly")
+    return 1 if bad else 0
+
+
+def cache_command(args) -> int:
+    from .cache import KernelCache
+
+    cache = KernelCache(args.dir) if args.dir else KernelCache()
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.root}")
+        return 0
+    if args.action == "list":
+        paths = cache.entries()
+        print(f"{len(paths)} entries in {cache.root}")
+        for path in paths:
+            try:
+                payload = json.loads(path.read_text())["payload"]
+                key = payload["key"]
+                what = payload["family"] + str(payload["params"]) if payload["spec_source"] else "cuSPARSE"
+                print(f"{path.stem}  {key['op']} n={key['n']} {key['dtype']} {key['arch']} "
+                      f"pattern={key['pattern'][:12]}  -> {what}  ({payload['reason']})")
+            except (ValueError, KeyError, TypeError) as exc:
+                print(f"{path.stem}  unreadable: {exc}")
+        return 0
+    matches = [p for p in cache.entries() if p.stem.startswith(args.key or "")]
+    if len(matches) != 1:
+        print(f"sparserl cache info: expected one entry starting with {args.key!r}, found {len(matches)}",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(json.loads(matches[0].read_text()), indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=demo)
     p = commands.add_parser("info", help="versions, operators and shipped matrices")
     p.set_defaults(run=info)
+    p = commands.add_parser("tune", help="search the kernel space for a matrix (GPU), or compile it (no GPU)")
+    p.add_argument("matrix", help="shipped name or .npz/.mtx path")
+    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
+    p.add_argument("--n", type=int, default=32, help="dense columns for spmm (default 32)")
+    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    p.add_argument("--budget-s", type=float, default=60.0, help="screening budget in seconds (default 60)")
+    p.add_argument("--families", help="comma-separated families to search (default: all)")
+    p.add_argument("--compile-only", action="store_true", help="only the compile tier, even with a GPU")
+    p.add_argument("--show-source", action="store_true", help="print the best kernel's source")
+    p.set_defaults(run=tune_command)
+    p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear")
+    p.add_argument("action", choices=["list", "info", "clear"])
+    p.add_argument("key", nargs="?", help="entry digest (or its prefix) for info")
+    p.add_argument("--dir", help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
+    p.set_defaults(run=cache_command)
     args = parser.parse_args(argv)
     return args.run(args)
 
