@@ -13,19 +13,20 @@ hangs costs its own record and a worker restart, never the caller.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from .abi import KernelSpec
 from .evaluate.config import EvalConfig
 from .evaluate.record import EvalRecord, dtype_name
 from .evaluate.sandbox import Sandbox
 from .features import structural_features
+from .fingerprint import pattern_hash
 
 log = logging.getLogger("torch_sparserl.autotune")
 
@@ -88,14 +89,6 @@ def _pattern_arrays(matrix):
     return rowptr.astype(np.int32), col.astype(np.int32), (int(shape[0]), int(shape[1]))
 
 
-def pattern_key(rowptr: np.ndarray, col: np.ndarray, shape) -> str:
-    h = hashlib.sha256()
-    h.update(np.asarray(shape, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(rowptr).tobytes())
-    h.update(np.ascontiguousarray(col).tobytes())
-    return h.hexdigest()[:16]
-
-
 def candidates(op: str, n: int, dtype: str, features: dict, families: list[str] | None = None) -> list[KernelSpec]:
     """Render the families' parameter space for this problem (deduplicated by source)."""
     from . import families as fam
@@ -136,7 +129,7 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
                         candidates=len(specs))
     own = sandbox is None
     box = Sandbox() if own else sandbox
-    key = pattern_key(rowptr, col, shape)
+    key = pattern_hash(torch.from_numpy(rowptr), torch.from_numpy(col), shape[1])
     try:
         box.set_matrix(key, rowptr, col, shape)
         screened: list[tuple[EvalRecord, KernelSpec]] = []

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .abi import DTYPES
 from .cache import CacheEntry, KernelCache
 from .fingerprint import SpecializationKey, fingerprint
 from .pattern import Pattern
@@ -41,7 +42,7 @@ from .pattern import Pattern
 log = logging.getLogger("torch_sparserl.runtime")
 
 MODES = ("background", "sync", "off")
-DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
 
 
 class SpecializationError(RuntimeError):

@@ -155,6 +155,11 @@ def ensure_context() -> None:
         check(libcuda().cuCtxSetCurrent(current), "cuCtxSetCurrent")
 
 
+def pack_params(params: list) -> ctypes.Array:
+    """The ``void**`` array of argument addresses that cuLaunchKernel / cudaLaunchKernel take."""
+    return (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
+
+
 class Module:
     """A loaded cubin and one function of it."""
 
@@ -179,8 +184,7 @@ class Module:
             check(lib.cuFuncSetAttribute(self.function, ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                   f"raising dynamic shared memory to {smem} bytes")
             self._dynamic_smem = smem
-        pointers = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
-        check(lib.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, smem, stream, pointers, None),
+        check(lib.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, smem, stream, pack_params(params), None),
               f"cuLaunchKernel(grid={grid}, block={block}, smem={smem})")
 
     def __del__(self):

@@ -29,6 +29,7 @@ import torch
 
 from ..abi import KERNEL_NAME, KernelSpec
 from ..paths import cache_dir
+from .driver import pack_params
 from .errors import CompileError, LaunchError
 from .kernel import Kernel
 
@@ -96,8 +97,7 @@ def _bind(lib: ctypes.CDLL, spec: KernelSpec) -> Kernel:
         raise CompileError(f"inline build: cudaFuncGetAttributes failed ({code}) for {spec.describe()}")
 
     def launch(grid: int, block: int, smem: int, stream: int, params: list) -> None:
-        pointers = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
-        err = launch_fn(grid, block, smem, stream, pointers)
+        err = launch_fn(grid, block, smem, stream, pack_params(params))
         if err != 0:
             raise LaunchError(f"sparserl kernel launch: cudaLaunchKernel failed with cudaError {err} "
                               f"(grid={grid}, block={block}, smem={smem})")

@@ -30,7 +30,6 @@ import os
 import re
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +39,7 @@ import torch
 from ..abi import MAX_SMEM_BYTES, KernelSpec, PlanError
 from ..build import CompileError, LaunchError, load_kernel
 from ..dtypes import close_to_reference
-from ..kernels import reference
+from ..kernels import cusparse, reference
 from ..pattern import Pattern
 from ..prepare import Prepared, prepare
 from .config import EvalConfig
@@ -503,9 +502,7 @@ def _baseline(problem: _Problem):
     out = torch.empty(problem.y_shape, dtype=torch.float32, device=problem.device)
     if problem.matrix.nnz == 0 or rows == 0 or cols == 0:
         return out.zero_, widened, out  # cusparse.py returns zeros without calling cuSPARSE
-    with torch.sparse.check_sparse_tensor_invariants(enable=False), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        a = torch.sparse_csr_tensor(problem.matrix.rowptr, problem.matrix.col, val, (rows, cols))
+    a = cusparse._as_torch_csr(problem.pattern, problem.matrix.rowptr, problem.matrix.col, val)
     if problem.op == "spmm":
         return (lambda: torch.addmm(out, a, x, beta=0, alpha=1, out=out)), widened, out
     return (lambda: torch.addmv(out, a, x, beta=0, alpha=1, out=out)), widened, out
