@@ -48,7 +48,9 @@ def main(argv=None) -> int:
     if cell is None or not cell.get("best"):
         parser.error(f"no cell with a best kernel for {args.matrix} {args.op} n={args.n} {args.dtype}")
     best = cell["best"]
-    spec = families.render(best["family"], best["params"], op=args.op, dtype=args.dtype, n=args.n)
+    # JSON turned the tuple-valued parameters (binned edges and lanes) into lists.
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in best["params"].items()}
+    spec = families.render(best["family"], params, op=args.op, dtype=args.dtype, n=args.n)
     if spec.key != best["key"]:
         print(f"note: the re-rendered source differs from the benchmarked one ({spec.key} != {best['key']})")
 
