@@ -1,7 +1,13 @@
-import pytest
-import torch
+import os
 
-from torch_sparserl import intercept
+# The operator tests exercise cuSPARSE and the reference path on many random patterns; the
+# JIT runtime is tested on its own (test_runtime*.py), which configures it explicitly.
+os.environ.setdefault("SPARSERL_JIT", "off")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from torch_sparserl import intercept  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -19,7 +19,7 @@ SOURCE = "// sparserl: op=spmm dtype=f32 block=32 grid=1\n"
 
 class Fakes:
     def __init__(self, entry_source=SOURCE, fail_specialize=False, fail_install=False, gate=None):
-        self.specialized, self.installed = [], []
+        self.specialized, self.installed, self.launched = [], [], []
         self.entry_source, self.fail_specialize, self.fail_install, self.gate = (
             entry_source, fail_specialize, fail_install, gate)
 
@@ -38,7 +38,8 @@ class Fakes:
             raise OSError("the build failed")
         rows = crow.numel() - 1
 
-        def launch(val, X):
+        def launch(crow, col, val, X):
+            self.launched.append((X.is_contiguous(), X.data_ptr() % 16, val.is_contiguous()))
             return torch.sparse_csr_tensor(crow, col, val, (rows, ncols)).to_dense() @ X
 
         return launch
@@ -70,7 +71,7 @@ def test_sync_mode_specializes_once_and_reuses(tmp_path):
     assert len(fakes.specialized) == 1 and len(fakes.installed) == 1
     assert runtime.stats["installed_calls"] == 3
     entry = patterns.lookup(crow, col, A.shape[1])
-    assert runtime.explain("spmm", entry, 8, torch.float32) == "installed: fake{'p': 1}"
+    assert runtime.explain("spmm", entry, 8, torch.float32) == "installed: fake{'p': 1} (2.0x cuSPARSE)"
 
 
 def test_background_mode_serves_cusparse_until_the_kernel_is_ready(tmp_path):
@@ -134,12 +135,14 @@ def test_no_kernel_faster_than_cusparse_is_a_decision_not_a_failure(tmp_path):
     assert fakes.installed == []
 
 
-def test_operands_the_kernels_cannot_take_fall_back_per_call(tmp_path):
+def test_the_kernels_get_contiguous_aligned_operands(tmp_path):
     runtime, fakes, A, crow, col, val, X = setup(tmp_path)
     wide = torch.randn(A.shape[1], 16)[:, :8]  # non-contiguous view
-    assert call(runtime, A, crow, col, val, wide) is None
-    assert call(runtime, A, crow, col, val, X) is not None
-    assert call(runtime, A, crow, col, val, torch.randn(A.shape[1], 16)[:, :8]) is None
+    shifted = torch.randn(A.shape[1] * 8 + 1)[1:].view(A.shape[1], 8)  # contiguous, 4 bytes off alignment
+    strided_val = torch.randn(val.numel() * 2)[::2]
+    for X_in, val_in in ((wide, val), (shifted, val), (X, strided_val)):
+        torch.testing.assert_close(call(runtime, A, crow, col, val_in, X_in), expected(A, crow, col, val_in, X_in))
+    assert fakes.launched == [(True, 0, True)] * 3
 
 
 def test_off_mode_and_other_devices_never_specialize(tmp_path):
@@ -151,6 +154,66 @@ def test_off_mode_and_other_devices_never_specialize(tmp_path):
     assert call(cuda_only, A, crow, col, val, X) is None and call(off, A, crow, col, val, X) is None
     assert call(runtime, A, crow, col, val.double(), X.double()) is None  # float64: no kernels
     assert fakes.specialized == []
+    entry = patterns.lookup(crow, col, A.shape[1])
+    assert runtime.explain("spmm", entry, 8, torch.float64).startswith("cuSPARSE: torch.float64 is not a kernel dtype")
+
+
+def test_products_outside_the_kernel_abi_are_decided_without_specializing(tmp_path):
+    runtime, fakes, A, crow, col, val, X = setup(tmp_path, strict=True)
+    entry = patterns.lookup(crow, col, A.shape[1])
+    assert runtime.call("sddmm", entry, crow, col, val, X) is None  # no kernel space: a decision
+    assert runtime.call("spmm", entry, crow, col, val, X[:, :0]) is None  # N = 0
+    assert runtime.explain("spmm", entry, 0, torch.float32) == "cuSPARSE: empty product"
+    assert fakes.specialized == []
+
+
+def test_states_belong_to_their_runtime(tmp_path):
+    runtime, fakes, A, crow, col, val, X = setup(tmp_path)
+    call(runtime, A, crow, col, val, X)
+    other = Fakes(fail_specialize=True)
+    second = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path / "other"),
+                     specializer=other.specializer, installer=other.installer, devices=("cpu",))
+    assert call(second, A, crow, col, val, X) is None  # not the first runtime's installed kernel
+    entry = patterns.lookup(crow, col, A.shape[1])
+    assert runtime.explain("spmm", entry, 8, torch.float32).startswith("installed")
+    assert second.explain("spmm", entry, 8, torch.float32).startswith("cuSPARSE: specialization failed")
+
+
+def test_prespecialize_decides_before_the_first_product(tmp_path):
+    runtime, fakes, A, crow, col, val, X = setup(tmp_path)
+    entry = patterns.lookup(crow, col, A.shape[1])
+    state = runtime.prespecialize("spmm", entry, crow, col, 8, torch.float32)
+    assert runtime.explain("spmm", entry, 8, torch.float32).startswith("installed") and state is not None
+    call(runtime, A, crow, col, val, X)
+    assert len(fakes.specialized) == 1 and runtime.stats["installed_calls"] == 1
+
+
+def test_settings_from_the_environment():
+    settings = RuntimeSettings.from_env({"SPARSERL_JIT": "sync", "SPARSERL_JIT_BUDGET_S": "5",
+                                         "SPARSERL_JIT_MARGIN": "1.2", "SPARSERL_JIT_STRICT": "yes"})
+    assert settings == RuntimeSettings(mode="sync", budget_s=5.0, margin=1.2, strict=True)
+    assert RuntimeSettings.from_env({}) == RuntimeSettings()
+    with pytest.raises(ValueError, match="SPARSERL_JIT_BUDGET_S: cannot read 'soon' as float"):
+        RuntimeSettings.from_env({"SPARSERL_JIT_BUDGET_S": "soon"})
+    with pytest.raises(ValueError, match="SPARSERL_JIT_STRICT: cannot read 'maybe' as bool"):
+        RuntimeSettings.from_env({"SPARSERL_JIT_STRICT": "maybe"})
+    with pytest.raises(ValueError, match="mode must be one of"):
+        RuntimeSettings.from_env({"SPARSERL_JIT": "eager"})
+
+
+def test_configure_replaces_the_active_runtime_and_keeps_the_rest():
+    from torch_sparserl import runtime as rt
+
+    before = rt.active()
+    try:
+        changed = rt.configure(mode="off", margin=1.5)
+        assert rt.active() is changed and changed is not before
+        assert changed.settings.mode == "off" and changed.settings.margin == 1.5
+        assert changed.settings.budget_s == before.settings.budget_s
+        with pytest.raises(TypeError):
+            rt.configure(colour="blue")
+    finally:
+        rt.configure(before.settings)
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(mode="eager"), "mode must be one of"),
@@ -159,3 +222,45 @@ def test_off_mode_and_other_devices_never_specialize(tmp_path):
 def test_settings_name_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RuntimeSettings(**kwargs)
+
+
+# ------------------------------------------------------------------ the operators use the runtime
+
+
+@pytest.fixture
+def routed(tmp_path):
+    """The operators' runtime replaced by one with fakes that serves the CPU."""
+    from torch_sparserl import runtime as rt
+
+    fakes = Fakes()
+    previous = rt.set_active(Runtime(RuntimeSettings(mode="sync", strict=True), cache=KernelCache(tmp_path),
+                                     specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",)))
+    yield fakes
+    rt.set_active(previous) if previous is not None else None
+
+
+@pytest.mark.parametrize("name", ["random", "cora (real)"])
+def test_every_product_of_the_operators_goes_through_the_runtime(routed, name):
+    import torch_sparserl as ts
+
+    M = make_pattern(name)
+    A = ts.csr(M, dtype=torch.float32)
+    dense = torch.from_numpy(M.toarray()).float()
+    X = torch.randn(M.shape[1], 8, requires_grad=True)
+    x = torch.randn(M.shape[1])
+    G = torch.randn(5, M.shape[0])
+
+    Y = A @ X
+    torch.testing.assert_close(Y, dense @ X)
+    torch.testing.assert_close(A @ x, dense @ x)
+    torch.testing.assert_close(G @ A, G @ dense)  # Aᵀ Gᵀ on the transposed pattern, N = 5
+    Y.sum().backward()  # grad X = Aᵀ @ 1: the transposed pattern again, N = 8
+    torch.testing.assert_close(X.grad, dense.t() @ torch.ones(M.shape[0], 8))
+
+    seen = {(key.op, key.n) for key in routed.specialized}
+    assert seen == {("spmm", 8), ("spmv", 1), ("spmm", 5)}
+    assert len(routed.launched) == 4
+    if name == "random":  # A's pattern and its transpose, the transpose with N = 5 and N = 8
+        assert len({key.pattern for key in routed.specialized}) == 2 and len(routed.specialized) == 4
+    else:  # cora is symmetric: its transpose has the same fingerprint, so Aᵀ reuses A's N = 8 kernel
+        assert len({key.pattern for key in routed.specialized}) == 1 and len(routed.specialized) == 3

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import pattern as patterns
+from . import runtime
 from .kernels import cusparse, reference
 from .dtypes import VALUE_DTYPES
 from .validation import check_csr_meta, check_dense, check_tensor, require
@@ -30,9 +31,16 @@ __all__ = ["spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm", "NAMES
 NAMESPACE = "sparserl"
 
 
-def _kernels(device: torch.device):
-    """The implementation module for a device (CUDA: cuSPARSE; elsewhere: reference)."""
-    return cusparse if device.type == "cuda" else reference
+def _product(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: Tensor, X: Tensor) -> Tensor:
+    """``A @ X`` (``op="spmm"``) or ``A @ x`` (``"spmv"``) on validated operands.
+
+    The runtime's specialized kernel for this pattern when one is installed (it serves CUDA
+    devices); otherwise cuSPARSE on CUDA and the reference implementation elsewhere.
+    """
+    out = runtime.active().call(op, entry, crow, col, val, X)
+    if out is not None:
+        return out
+    return getattr(cusparse if X.device.type == "cuda" else reference, op)(entry, crow, col, val, X)
 
 
 def _pattern(op: str, crow: Tensor, col: Tensor, val: Tensor | None, ncols: int) -> patterns.Pattern:
@@ -50,7 +58,7 @@ def spmm(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tenso
     """A @ X for the CSR matrix A = (crow, col, val) with ``ncols`` columns."""
     entry = _pattern("sparserl.spmm", crow, col, val, ncols)
     check_dense("sparserl.spmm", "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
-    return _kernels(X.device).spmm(entry, crow, col, val, X)
+    return _product("spmm", entry, crow, col, val, X)
 
 
 @spmm.register_fake
@@ -86,7 +94,7 @@ def spmm_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tenso
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "G", G, dim=2, rows=entry.nrows, rows_name="nrows", like=val)
     entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
-    return _kernels(G.device).spmm(entry_t, crow_t, col_t, val.index_select(0, perm), G)
+    return _product("spmm", entry_t, crow_t, col_t, val.index_select(0, perm), G)
 
 
 @spmm_transposed.register_fake
@@ -115,7 +123,7 @@ def spmv(crow: Tensor, col: Tensor, val: Tensor, ncols: int, x: Tensor) -> Tenso
     """A @ x for the CSR matrix A = (crow, col, val) and a vector x of length ``ncols``."""
     entry = _pattern("sparserl.spmv", crow, col, val, ncols)
     check_dense("sparserl.spmv", "x", x, dim=1, rows=ncols, rows_name="ncols", like=val)
-    return _kernels(x.device).spmv(entry, crow, col, val, x)
+    return _product("spmv", entry, crow, col, val, x)
 
 
 @spmv.register_fake
@@ -145,7 +153,7 @@ def spmv_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, g: Tenso
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "g", g, dim=1, rows=entry.nrows, rows_name="nrows", like=val)
     entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
-    return _kernels(g.device).spmv(entry_t, crow_t, col_t, val.index_select(0, perm), g)
+    return _product("spmv", entry_t, crow_t, col_t, val.index_select(0, perm), g)
 
 
 @spmv_transposed.register_fake

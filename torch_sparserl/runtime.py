@@ -1,32 +1,39 @@
 """The JIT runtime: which kernel serves a (pattern, op, n, dtype), decided once, then reused.
 
-State per key lives on the pattern's cache entry (:class:`~torch_sparserl.pattern.Pattern`,
-keyed by tensor identity and version), so the hot path is a dictionary lookup:
+Every CUDA product of the ``sparserl`` operators asks the process's runtime first
+(:func:`active`); the transposed operators ask it for the transposed pattern, which is a
+pattern like any other. State per key lives on the pattern's cache entry
+(:class:`~torch_sparserl.pattern.Pattern`, keyed by tensor identity and version), so the
+hot path is a dictionary lookup and a launch:
 
-* ``Installed`` — a validated specialized kernel with its prepared plan data: launched.
+* ``Installed`` — a validated specialized kernel bound to its prepared plan data: launched.
 * ``Pending`` — specialization runs in the background; this call is served by cuSPARSE.
-* ``Fallback`` — no kernel (none beat cuSPARSE by the margin, or specialization failed, with
-  the reason logged once): cuSPARSE serves, and the decision is not revisited.
+* ``Fallback`` — no kernel (none beat cuSPARSE by the margin, the problem is outside the
+  kernel ABI, or specialization failed, with the reason logged once): cuSPARSE serves, and
+  the decision is not revisited.
 
 A miss computes the pattern's fingerprint, asks the :class:`~torch_sparserl.cache.KernelCache`
 (memory, then disk, shared between processes), and otherwise specializes: at once in
-``mode="sync"`` (tests, benchmarks), in a background thread in ``mode="background"``. The
-*specializer* decides (by default: the autotuner, every candidate evaluated in the sandbox's
-child process, installed only when it beats cuSPARSE by ``margin``); the *installer* turns a
-cache entry into a launchable kernel (by default: the lean extension build). Both are
-injectable, which is how every fallback path is tested without a GPU.
+``mode="sync"`` (tests, benchmarks), in a background thread in ``mode="background"`` (the
+default). The *specializer* decides (by default: the autotuner, every candidate evaluated in
+the sandbox's child process, installed only when it beats cuSPARSE by ``margin``); the
+*installer* turns a cache entry into a launchable kernel (by default: the lean extension
+build). Both are injectable, which is how every fallback path is tested without a GPU.
 
 ``strict=True`` raises :class:`SpecializationError` from the call where the runtime would
 fall back because something failed (a decision that cuSPARSE is faster is not a failure).
 :meth:`Runtime.call` returns None when cuSPARSE should serve the call.
 
-Status: not yet called by the operators — issue 4 connects ``ops._kernels`` to it once the
-GPU path has run on the device.
+Settings come from :func:`configure` or the environment: ``SPARSERL_JIT`` (``background``,
+``sync``, ``off``), ``SPARSERL_JIT_BUDGET_S``, ``SPARSERL_JIT_MARGIN``, ``SPARSERL_JIT_STRICT``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +49,9 @@ from .pattern import Pattern
 log = logging.getLogger("torch_sparserl.runtime")
 
 MODES = ("background", "sync", "off")
+OPS = ("spmm", "spmv")  # kernel ops; the transposed operators use these on the transposed pattern
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
+_INT32_LIMIT = 2**31 - 1
 
 
 class SpecializationError(RuntimeError):
@@ -55,7 +64,7 @@ class RuntimeSettings:
     """``background``: cuSPARSE serves while a kernel is specialized in a thread; ``sync``:
     specialize before returning; ``off``: always cuSPARSE."""
     strict: bool = False
-    """Raise instead of falling back (tests)."""
+    """Raise instead of falling back after a failure (tests)."""
     margin: float = 1.05
     """Install a kernel only when it is at least this much faster than cuSPARSE."""
     budget_s: float = 20.0
@@ -66,17 +75,48 @@ class RuntimeSettings:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"RuntimeSettings: mode must be one of {MODES} (got {self.mode!r})")
-        if self.margin < 1.0:
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"RuntimeSettings: strict must be a bool (got {self.strict!r})")
+        if not self.margin >= 1.0:
             raise ValueError(f"RuntimeSettings: margin must be >= 1.0 (got {self.margin})")
-        if self.budget_s <= 0:
+        if not self.budget_s > 0:
             raise ValueError(f"RuntimeSettings: budget_s must be > 0 (got {self.budget_s})")
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> RuntimeSettings:
+        """Defaults, overridden by ``SPARSERL_JIT``, ``SPARSERL_JIT_BUDGET_S``, ``SPARSERL_JIT_MARGIN``
+        and ``SPARSERL_JIT_STRICT``."""
+        changes = {}
+        for name, field_name, parse in (("SPARSERL_JIT", "mode", str), ("SPARSERL_JIT_BUDGET_S", "budget_s", float),
+                                        ("SPARSERL_JIT_MARGIN", "margin", float),
+                                        ("SPARSERL_JIT_STRICT", "strict", _parse_bool)):
+            raw = environ.get(name)
+            if raw:
+                try:
+                    changes[field_name] = parse(raw)
+                except ValueError:
+                    raise ValueError(f"{name}: cannot read {raw!r} as {parse.__name__}") from None
+        return cls(**changes)
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+_parse_bool.__name__ = "bool"
 
 
 @dataclass
 class Installed:
     key: SpecializationKey
-    launch: Callable  # launch(val, X) -> Y, on the pattern's device and stream
+    launch: Callable  # launch(crow, col, val, X) -> Y, on the current stream
     description: str = ""
+    reason: str = ""
 
 
 @dataclass
@@ -95,12 +135,28 @@ class Fallback:
 Specializer = Callable[[SpecializationKey, torch.Tensor, torch.Tensor, int], CacheEntry]
 Installer = Callable[[CacheEntry, torch.Tensor, torch.Tensor, int], Callable]
 
+_GENERATIONS = itertools.count()
+
 
 def _device_arch(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
+
+
+def outside_abi(op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str | None:
+    """Why the kernel ABI cannot serve this problem, or None when it can."""
+    if op not in OPS:
+        return f"no kernel space for {op!r}"
+    if dtype not in DTYPE_NAMES:
+        return f"{dtype} is not a kernel dtype ({', '.join(DTYPES)})"
+    if pattern.nnz == 0 or pattern.nrows == 0 or pattern.ncols == 0 or n == 0:
+        return "empty product"
+    if max(pattern.nnz, pattern.nrows, pattern.ncols) > _INT32_LIMIT or pattern.ncols * n > _INT32_LIMIT \
+            or pattern.nrows * n > _INT32_LIMIT:
+        return "sizes beyond the int32 indexing of the kernel ABI"
+    return None
 
 
 class Runtime:
@@ -112,9 +168,13 @@ class Runtime:
         self.specializer = specializer or autotune_specializer(self.settings)
         self.installer = installer or inline_installer
         self.devices = devices
+        self._generation = next(_GENERATIONS)  # states of another Runtime on a Pattern are not ours
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()  # reentrant: sync mode specializes inside _resolve
-        self.stats = {"installed_calls": 0, "fallback_calls": 0, "specialized": 0, "fallbacks": 0}
+        self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
+        # calls served by a kernel / by cuSPARSE; kernels installed (from the cache or freshly
+        # specialized: the cache's own stats count the builds); fallback decisions taken
+        self.stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0}
 
     @property
     def cache(self) -> KernelCache:
@@ -125,38 +185,54 @@ class Runtime:
     # ------------------------------------------------------------------ hot path
     def call(self, op: str, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
              X: torch.Tensor) -> torch.Tensor | None:
-        """``A @ X`` with the pattern's specialized kernel, or None: cuSPARSE serves this call."""
-        if self.settings.mode == "off" or X.device.type not in self.devices or val.dtype not in DTYPE_NAMES:
-            return None
-        n = X.shape[1] if X.dim() == 2 else 1
-        state = pattern.specializations.get((op, n, val.dtype))
+        """``A @ X`` with the pattern's specialized kernel, or None: cuSPARSE serves this call.
+
+        ``op`` is ``spmm`` (X of shape (ncols, N)) or ``spmv`` (x of length ncols); the
+        operands have been validated by the operator.
+        """
+        n = X.shape[1] if op == "spmm" else 1
+        state = pattern.specializations.get((self._generation, op, n, val.dtype))
         if state is None:
-            state = self._resolve(op, n, pattern, crow, col, val.dtype)
-        elif isinstance(state, Pending) and state.future.done():
-            state = pattern.specializations[(op, n, val.dtype)]
-        if isinstance(state, Fallback) and self.settings.strict and not state.decided:
-            raise SpecializationError(f"sparserl runtime: {op} n={n} {DTYPE_NAMES[val.dtype]}: {state.reason}")
-        if isinstance(state, Installed):
-            if not (X.is_contiguous() and val.is_contiguous() and X.data_ptr() % 16 == 0):
-                # The kernels' vector loads need contiguous, 16-byte-aligned operands.
-                self.stats["fallback_calls"] += 1
+            if self.settings.mode == "off" or X.device.type not in self.devices:
                 return None
+            state = self._resolve(op, n, pattern, crow, col, val.dtype)
+        elif state.__class__ is Pending and state.future.done():
+            state = pattern.specializations[(self._generation, op, n, val.dtype)]
+        if state.__class__ is Installed:
+            if not X.is_contiguous() or X.data_ptr() % 16:
+                X = X.clone(memory_format=torch.contiguous_format)  # vector loads: contiguous, 16-byte aligned
+            if not val.is_contiguous():
+                val = val.contiguous()
             self.stats["installed_calls"] += 1
-            return state.launch(val, X)
+            return state.launch(crow, col, val, X)
+        if state.__class__ is Fallback and self.settings.strict and not state.decided:
+            raise SpecializationError(f"sparserl runtime: {op} n={n} {DTYPE_NAMES[val.dtype]}: {state.reason}")
         self.stats["fallback_calls"] += 1
         return None
 
     # ------------------------------------------------------------------ decisions
+    def prespecialize(self, op: str, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, n: int,
+                      dtype: torch.dtype):
+        """Decide the kernel for a product that has not run yet (the backend calls this at
+        compile time); returns the state, Pending in background mode."""
+        if self.settings.mode == "off" or col.device.type not in self.devices:
+            return None
+        slot = (self._generation, op, n, dtype)
+        return pattern.specializations.get(slot) or self._resolve(op, n, pattern, crow, col, dtype)
+
     def _key(self, op: str, n: int, pattern: Pattern, crow, col, dtype) -> SpecializationKey:
         return SpecializationKey(pattern=fingerprint(pattern, crow, col), op=op, n=n, dtype=DTYPE_NAMES[dtype],
                                  arch=_device_arch(col.device), policy=self.settings.policy)
 
     def _resolve(self, op, n, pattern, crow, col, dtype):
-        slot = (op, n, dtype)
+        slot = (self._generation, op, n, dtype)
         with self._lock:
             state = pattern.specializations.get(slot)
             if state is not None:
                 return state
+            why = outside_abi(op, pattern, n, dtype)
+            if why is not None:
+                return self._fallback(pattern, slot, None, why, None, quiet=True)
             try:
                 key = self._key(op, n, pattern, crow, col, dtype)
             except Exception as exc:  # noqa: BLE001 - fingerprinting must not break a product
@@ -169,12 +245,16 @@ class Runtime:
             # The worker's final state is written under this lock, so it cannot be
             # overwritten by the Pending set here.
             future = self._pool().submit(self._specialize, pattern, slot, key, crow, col)
-            pattern.specializations[slot] = Pending(key, future)
-            return pattern.specializations[slot]
+            state = Pending(key, future)
+            pattern.specializations[slot] = state
+            log.info("sparserl: %s n=%d %s: specializing in the background; cuSPARSE serves meanwhile",
+                     op, n, key.dtype)
+            return state
 
     def _specialize(self, pattern, slot, key, crow, col):
         try:
-            entry = self.cache.get_or_create(key, lambda k: self.specializer(k, crow, col, pattern.ncols))
+            with self._specialize_lock:
+                entry = self.cache.get_or_create(key, lambda k: self.specializer(k, crow, col, pattern.ncols))
         except Exception as exc:  # noqa: BLE001 - any failure falls back, loudly
             return self._fallback(pattern, slot, key, f"specialization failed: {type(exc).__name__}: {exc}", exc)
         return self._install(pattern, slot, key, entry, crow, col)
@@ -186,9 +266,9 @@ class Runtime:
             launch = self.installer(entry, crow, col, pattern.ncols)
         except Exception as exc:  # noqa: BLE001
             return self._fallback(pattern, slot, key, f"installing {entry.family} failed: {exc}", exc)
-        state = Installed(key, launch, f"{entry.family}{entry.params}")
+        state = Installed(key, launch, f"{entry.family}{entry.params}", entry.reason)
         self._set(pattern, slot, state)
-        self.stats["specialized"] += 1
+        self.stats["installs"] += 1
         log.info("sparserl: %s n=%d %s -> %s (%s)", key.op, key.n, key.dtype, state.description, entry.reason)
         return state
 
@@ -200,7 +280,7 @@ class Runtime:
         state = Fallback(key, reason, decided=quiet)
         self._set(pattern, slot, state)
         self.stats["fallbacks"] += 1
-        what = f"{slot[0]} n={slot[1]} {DTYPE_NAMES.get(slot[2], slot[2])}"
+        what = f"{slot[1]} n={slot[2]} {DTYPE_NAMES.get(slot[3], slot[3])}"
         (log.info if quiet else log.warning)("sparserl: %s falls back to cuSPARSE: %s", what, reason,
                                              exc_info=exc if exc is not None and not quiet else None)
         return state
@@ -215,58 +295,150 @@ class Runtime:
         if self._executor is not None:
             self._executor.submit(lambda: None).result(timeout)
 
+    def state(self, op: str, pattern: Pattern, n: int, dtype: torch.dtype):
+        """The state of one (op, n, dtype) on ``pattern``, or None when it was never asked for."""
+        return pattern.specializations.get((self._generation, op, n, dtype))
+
     def explain(self, op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str:
-        state = pattern.specializations.get((op, n, dtype))
+        state = self.state(op, pattern, n, dtype)
         if state is None:
             return "not specialized yet"
         if isinstance(state, Installed):
-            return f"installed: {state.description}"
+            return f"installed: {state.description}" + (f" ({state.reason})" if state.reason else "")
         if isinstance(state, Pending):
             return "specializing in the background"
         return f"cuSPARSE: {state.reason}"
 
+    def close(self) -> None:
+        """Stop the background thread and the specializer's worker process."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        closer = getattr(self.specializer, "close", None)
+        if closer is not None:
+            closer()
+
+
+# ------------------------------------------------------------------------- the process's runtime
+
+_ACTIVE: Runtime | None = None
+_ACTIVE_LOCK = threading.Lock()
+
+
+def active() -> Runtime:
+    """The runtime the operators use, created on first use from the environment."""
+    global _ACTIVE
+    runtime = _ACTIVE
+    if runtime is None:
+        with _ACTIVE_LOCK:
+            if _ACTIVE is None:
+                _ACTIVE = Runtime(RuntimeSettings.from_env())
+            runtime = _ACTIVE
+    return runtime
+
+
+def set_active(runtime: Runtime) -> Runtime:
+    """Make ``runtime`` the one the operators use (tests inject fakes this way); returns the
+    previous one, which the caller owns (and may :meth:`~Runtime.close`)."""
+    global _ACTIVE
+    if not isinstance(runtime, Runtime):
+        raise TypeError(f"set_active: expected a Runtime (got {type(runtime).__name__})")
+    with _ACTIVE_LOCK:
+        previous, _ACTIVE = active_or_none(), runtime
+    return previous
+
+
+def active_or_none() -> Runtime | None:
+    return _ACTIVE
+
+
+def configure(settings: RuntimeSettings | None = None, **changes) -> Runtime:
+    """Replace the process's runtime: ``configure(mode="sync")``, ``configure(strict=True)``.
+
+    Unnamed settings keep their current values. Decisions of the previous runtime are not
+    reused (they may have been taken under other settings); its disk cache is.
+    """
+    global _ACTIVE
+    with _ACTIVE_LOCK:
+        previous = _ACTIVE
+        base = settings or (previous.settings if previous is not None else RuntimeSettings.from_env())
+        new_settings = dataclasses.replace(base, **changes)
+        _ACTIVE = Runtime(new_settings, cache=previous._cache if previous is not None else None)
+    if previous is not None:
+        previous.close()
+    return _ACTIVE
+
 
 # ---------------------------------------------------------------------------- defaults
 
-def autotune_specializer(settings: RuntimeSettings) -> Specializer:
-    """Candidates from the exhaustive autotuner, each run first in the sandbox's child process."""
+class autotune_specializer:  # noqa: N801 - used like a function
+    """Candidates from the autotuner under the settings' budget, each run first in the
+    sandbox's child process; one sandbox is kept for the runtime's life."""
 
-    def specialize(key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
+    def __init__(self, settings: RuntimeSettings):
+        self.settings = settings
+        self._sandbox = None
+
+    def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
         from .autotune import tune
+        from .evaluate.sandbox import Sandbox
 
-        op = "spmv" if key.op == "spmv" else "spmm"
+        if self._sandbox is None:
+            self._sandbox = Sandbox()
+        settings = self.settings
         rows = crow.numel() - 1
-        result = tune((crow.cpu(), col.cpu(), (rows, ncols)), op=op, n=key.n, dtype=key.dtype,
-                      budget_s=settings.budget_s)
+        result = tune((crow.cpu(), col.cpu(), (rows, ncols)), op=key.op, n=key.n, dtype=key.dtype,
+                      budget_s=settings.budget_s, sandbox=self._sandbox)
         best = result.best
+        searched = f"{result.screened}/{result.candidates} candidates screened in {result.elapsed_s:.1f} s"
         if best is None:
-            return CacheEntry(key, None, reason=f"no correct candidate among {result.screened}")
+            return CacheEntry(key, None, reason=f"no correct candidate ({searched})")
         if (best.speedup or 0) < settings.margin:
             return CacheEntry(key, None, family=best.family, params=best.params, record=best.to_dict(),
-                              reason=f"best {best.family} is {best.speedup:.2f}x cuSPARSE, "
-                                     f"under the {settings.margin}x margin")
+                              reason=f"the best, {best.family}, is {best.speedup or 0:.2f}x cuSPARSE, under the "
+                                     f"{settings.margin}x margin ({searched})")
         return CacheEntry(key, result.best_spec.source, family=best.family, params=best.params,
-                          record=best.to_dict(), reason=f"{best.speedup:.2f}x cuSPARSE")
+                          record=best.to_dict(), reason=f"{best.speedup:.2f}x cuSPARSE ({searched})")
 
-    return specialize
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
 
 
 def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
-    """Build (or load from disk) the entry's kernel and prepare its plan data once."""
+    """Build (or load from disk) the entry's kernel, prepare its plan data once, bind them."""
     from .abi import KernelSpec
     from .build import inline
     from .prepare import prepare
 
     spec = KernelSpec(entry.spec_source, entry.family, tuple(sorted(entry.params.items())))
     kernel = inline.build([spec])[spec.key]
-    rowptr32, col32 = crow.to(torch.int32).contiguous(), col.to(torch.int32).contiguous()
-    rows = rowptr32.numel() - 1
-    op, n = spec.plan.op, entry.key.n
+    rows = crow.numel() - 1
+    n = entry.key.n
+    # int64 patterns get int32 copies, owned here; int32 ones are used as passed, never
+    # held, so an installed kernel does not keep the user's adjacency alive.
+    copies = None
+    if crow.dtype != torch.int32 or col.dtype != torch.int32:
+        copies = (crow.to(torch.int32).contiguous(), col.to(torch.int32).contiguous())
+    rowptr32, col32 = copies or (crow.contiguous(), col.contiguous())
     prepared = prepare(spec.plan, rowptr32, col32, (rows, ncols), n)
+    # prepare() ran on this thread's stream (maybe a background thread's): finish it before
+    # any stream uses the plan data.
+    torch.cuda.synchronize(col.device)
+    bound = kernel.bind(prepared)
+    del rowptr32, col32
+    shape = (rows, n) if spec.plan.op == "spmm" else (rows,)
+    device_index = col.device.index if col.device.index is not None else torch.cuda.current_device()
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    current_stream = ((lambda: raw_stream(device_index)) if raw_stream is not None
+                      else (lambda: torch.cuda.current_stream(device_index).cuda_stream))
 
-    def launch(val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-        y = torch.empty((rows, n) if X.dim() == 2 else (rows,), dtype=val.dtype, device=val.device)
-        kernel(rowptr32, col32, val, X, y, prepared, check=False)
-        return y
+    def launch(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+        if copies is not None:
+            crow, col = copies
+        y = torch.empty(shape, dtype=val.dtype, device=val.device)
+        return bound(crow, col, val, X, y, current_stream())
 
+    launch.kernel = bound  # for explain and the benchmarks
     return launch

@@ -178,13 +178,14 @@ class Module:
         check(libcuda().cuFuncGetAttribute(ctypes.byref(value), which, self.function), "cuFuncGetAttribute")
         return value.value
 
-    def launch(self, grid: int, block: int, smem: int, stream: int, params: list) -> None:
+    def launch(self, grid: int, block: int, smem: int, stream: int, params: ctypes.Array) -> None:
+        """Launch with ``params`` already packed by :func:`pack_params`."""
         lib = libcuda()
         if smem > self._dynamic_smem:
             check(lib.cuFuncSetAttribute(self.function, ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                   f"raising dynamic shared memory to {smem} bytes")
             self._dynamic_smem = smem
-        check(lib.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, smem, stream, pack_params(params), None),
+        check(lib.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, smem, stream, params, None),
               f"cuLaunchKernel(grid={grid}, block={block}, smem={smem})")
 
     def __del__(self):

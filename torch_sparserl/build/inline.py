@@ -29,7 +29,6 @@ import torch
 
 from ..abi import KERNEL_NAME, KernelSpec
 from ..paths import cache_dir
-from .driver import pack_params
 from .errors import CompileError, LaunchError
 from .kernel import Kernel
 
@@ -96,8 +95,8 @@ def _bind(lib: ctypes.CDLL, spec: KernelSpec) -> Kernel:
     if code != 0:
         raise CompileError(f"inline build: cudaFuncGetAttributes failed ({code}) for {spec.describe()}")
 
-    def launch(grid: int, block: int, smem: int, stream: int, params: list) -> None:
-        err = launch_fn(grid, block, smem, stream, pack_params(params))
+    def launch(grid: int, block: int, smem: int, stream: int, params: ctypes.Array) -> None:
+        err = launch_fn(grid, block, smem, stream, params)
         if err != 0:
             raise LaunchError(f"sparserl kernel launch: cudaLaunchKernel failed with cudaError {err} "
                               f"(grid={grid}, block={block}, smem={smem})")

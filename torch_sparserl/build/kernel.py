@@ -9,15 +9,17 @@ sizes): a launch with wrong operands would be a memory error, so it is refused i
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 
 import torch
 
 from ..abi import KernelSpec
 from ..prepare import Prepared
+from .driver import pack_params
 from .errors import LaunchError
 
-LaunchFn = Callable[[int, int, int, int, list], None]  # (grid, block, smem, stream, params)
+LaunchFn = Callable[[int, int, int, int, ctypes.Array], None]  # (grid, block, smem, stream, packed params)
 
 
 def _expect(cond: bool, what: str) -> None:
@@ -66,20 +68,62 @@ class Kernel:
                  stream: torch.cuda.Stream | None = None, check: bool = True) -> torch.Tensor:
         if check:
             self.check_operands(rowptr, col, val, x, y, prepared)
-        if prepared.init_zero:
-            y.zero_()
-        if prepared.work_numel and work is None:
-            work = torch.zeros(prepared.work_numel, dtype=torch.float32, device=y.device)
-        elif work is not None:
+        if work is not None:
             _expect(work.numel() >= prepared.work_numel and work.dtype == torch.float32,
                     f"work must be float32 with >= {prepared.work_numel} elements")
-            work.zero_()
+        stream = stream if stream is not None else torch.cuda.current_stream(y.device)
+        return self.bind(prepared)(rowptr, col, val, x, y, stream.cuda_stream, work=work)
+
+    def bind(self, prepared: Prepared) -> "BoundKernel":
+        """This kernel with its plan data, ready for repeated launches (the runtime's hot path)."""
+        return BoundKernel(self, prepared)
+
+
+class BoundKernel:
+    """A kernel bound to one pattern's :class:`Prepared` data, its argument array packed once.
+
+    A call writes five pointers into the packed array and launches: no per-call ctypes
+    objects, no checks. The caller (the runtime) guarantees the operands: the pattern's own
+    int32 indices, and ``val``, ``x``, ``y`` contiguous, of the plan's dtype, on the device.
+    """
+
+    __slots__ = ("kernel", "prepared", "_slots", "_ints", "_params", "_lock", "_geometry")
+
+    def __init__(self, kernel: Kernel, prepared: Prepared):
+        _expect(prepared.plan == kernel.plan, "prepared for a different plan")
+        _expect(prepared.block <= kernel.max_threads,
+                f"block={prepared.block} exceeds the {kernel.max_threads} threads this kernel can run "
+                f"with {kernel.registers} registers per thread")
+        self.kernel = kernel
+        self.prepared = prepared
+        self._slots = [ctypes.c_void_p(0) for _ in range(7)]  # rowptr col val x y aux work
+        aux = prepared.aux
+        self._slots[5].value = aux.data_ptr() if aux is not None and aux.numel() else 0
+        self._ints = [ctypes.c_int(v) for v in (prepared.rows, prepared.cols, prepared.n, prepared.nnz,
+                                                prepared.parts)]
+        self._params = pack_params(self._slots + self._ints)  # holds addresses of the objects above
+        self._geometry = (prepared.grid, prepared.block, prepared.smem)
+        self._lock = threading.Lock()  # the pointer slots are shared: one launch at a time
+
+    def __call__(self, rowptr, col, val, x, y, stream: int, *, work: torch.Tensor | None = None) -> torch.Tensor:
+        prepared = self.prepared
+        if prepared.init_zero:
+            y.zero_()
+        if prepared.work_numel:
+            if work is None:
+                work = torch.zeros(prepared.work_numel, dtype=torch.float32, device=y.device)
+            else:
+                work.zero_()
         if prepared.grid == 0:
             return y
-        aux = prepared.aux
-        params = [ctypes.c_void_p(t.data_ptr() if t is not None and t.numel() else 0)
-                  for t in (rowptr, col, val, x, y, aux, work)]
-        params += [ctypes.c_int(v) for v in (prepared.rows, prepared.cols, prepared.n, prepared.nnz, prepared.parts)]
-        stream = stream if stream is not None else torch.cuda.current_stream(y.device)
-        self._launch(prepared.grid, prepared.block, prepared.smem, stream.cuda_stream, params)
+        with self._lock:
+            slots = self._slots
+            slots[0].value = rowptr.data_ptr()
+            slots[1].value = col.data_ptr()
+            slots[2].value = val.data_ptr() if val.numel() else 0
+            slots[3].value = x.data_ptr() if x.numel() else 0
+            slots[4].value = y.data_ptr()
+            slots[6].value = work.data_ptr() if work is not None else 0
+            grid, block, smem = self._geometry
+            self.kernel._launch(grid, block, smem, stream, self._params)
         return y
