@@ -304,3 +304,21 @@ def test_cli_list_and_quick_run_with_a_fake_tune(tmp_path, capsys):
     again = json.loads((elsewhere / written[0]).read_text())
     assert len(again["cells"]) == 6 and len(again["runs"]) == 3
     assert (elsewhere / written[0].replace(".json", "-tables.jsonl")).exists()
+
+
+def test_bench_runtime_summary_and_markdown():
+    runtime_bench = _load("bench_runtime")
+    cell = dict(op="spmm", n=32, rows=10, cols=10, nnz=30, correct=True, installed=True, cold_s=3.0, hot_us=5.0,
+                op_us=20.0, torch_sparse_us=10.0, decision="installed: group_row{}")
+    document = {"env": {"gpu": "H100", "torch": "2.11"}, "command": "python benchmarks/bench_runtime.py", "budget_s": 8,
+                "cells": [dict(cell, matrix="a", speedup=2.0), dict(cell, matrix="b", speedup=0.5, installed=False),
+                          {"matrix": "c", "op": "spmm", "n": 32, "failure": "RuntimeError: boom"}],
+                "warm": {"cells": [{"matrix": "a", "op": "spmm", "n": 32, "warm_ms": 42.0}]}}
+    document["summary"] = runtime_bench._summary(document)
+    s = document["summary"]["spmm n=32"]
+    assert s["cells"] == 2 and abs(s["geomean_speedup"] - 1.0) < 1e-12 and s["installed"] == 1
+    assert s["slower_than_cusparse"] == 1
+    text = runtime_bench.markdown(document)
+    assert "| spmm n=32 | 2 | 1.00x | 1 | 2 | 1 | 3.0 s |" in text
+    assert "| a | spmm n=32 | 10 | 30 | 3.0 | 42 | 5.0 | 20.0 | 10.0 | 2.00x | installed: group_row{} |" in text
+    assert "failed: RuntimeError: boom" in text

@@ -64,3 +64,40 @@ def test_cache_commands(tmp_path, capsys):
     assert "expected one entry starting with 'zzzz', found 0" in capsys.readouterr().err
     assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
+
+
+def test_explain_reads_the_decisions_for_a_matrix(tmp_path, capsys):
+    import numpy as np
+    import torch
+
+    from torch_sparserl.cache import CacheEntry, KernelCache
+    from torch_sparserl.cli import main
+    from torch_sparserl.fingerprint import SpecializationKey, pattern_hash
+
+    M = ts.load_matrix("rajat01")
+    crow = torch.from_numpy(M.indptr.astype(np.int32))
+    col = torch.from_numpy(M.indices.astype(np.int32))
+    key = SpecializationKey(pattern=pattern_hash(crow, col, M.shape[1]), op="spmm", n=32, dtype="f32",
+                            arch="sm_90", policy="autotune")
+    other = SpecializationKey(pattern="feed", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
+    cache = KernelCache(tmp_path)
+    cache.put(CacheEntry(key, "// sparserl: ...", family="group_row", params={"lanes": 8},
+                         record={"runtime_us": 10.0, "cusparse_us": 21.0}, reason="2.10x cuSPARSE"))
+    cache.put(CacheEntry(other, None, reason="none beat cuSPARSE"))
+    assert main(["explain", "rajat01", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "spmm n=32 f32 int32 indices, sm_90" in out and "kernel group_row{'lanes': 8} because 2.10x cuSPARSE" in out
+    assert "measured 10.0 us vs cuSPARSE 21.0 us" in out and "none beat" not in out
+    assert main(["explain", "rajat01", "--transposed", "--dir", str(tmp_path)]) == 0
+    assert "no decision in" in capsys.readouterr().out  # rajat01 is not symmetric
+
+
+def test_bench_says_it_needs_a_gpu(capsys):
+    import torch
+
+    from torch_sparserl.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", "cora"]) == 2
+    assert "sparserl bench: needs a CUDA GPU" in capsys.readouterr().err

@@ -140,3 +140,49 @@ def test_transpose_and_dense_gradients(pattern):
     w = A.values().detach().clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda v: A.with_values(v).t().to_dense(), (w,))
     assert torch.autograd.gradcheck(lambda v: (3 * A.with_values(v)).to(torch.float64).to_dense(), (w,))
+
+
+# ------------------------------------------------------------------ the direct eager path
+
+
+def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_sparserl import ops
+
+    calls = []
+    real = ops.direct
+    monkeypatch.setattr(ops, "direct", lambda op, *args: calls.append(op) or real(op, *args))
+    M = make_pattern("random")
+    A = ts.csr(M, dtype=torch.float32)
+    dense = torch.from_numpy(M.toarray()).float()
+    X = torch.randn(M.shape[1], 4)
+    G = torch.randn(3, M.shape[0])
+
+    torch.testing.assert_close(A @ X, dense @ X)
+    torch.testing.assert_close(G @ A, G @ dense)
+    torch.testing.assert_close(A @ X[:, 0], dense @ X[:, 0])
+    assert calls == ["spmm", "spmm_transposed", "spmv"]
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    calls.clear()
+    with Seen() as seen:
+        A @ X  # a dispatch mode must see the operator
+    assert "sparserl.spmm.default" in seen.ops and calls == []
+    Xg = X.clone().requires_grad_()
+    (A @ Xg).sum().backward()  # autograd needs the operator
+    torch.testing.assert_close(Xg.grad, dense.t() @ torch.ones(M.shape[0], 4))
+    assert calls == []
+    with torch.no_grad():
+        A @ Xg  # nothing to differentiate under no_grad
+    assert calls == ["spmm"]
+    with pytest.raises(ValueError, match="sparserl.spmm: X must have ncols"):
+        A @ torch.randn(M.shape[1] + 1, 4)  # same checks, same errors on the direct path

@@ -236,7 +236,7 @@ def routed(tmp_path):
     previous = rt.set_active(Runtime(RuntimeSettings(mode="sync", strict=True), cache=KernelCache(tmp_path),
                                      specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",)))
     yield fakes
-    rt.set_active(previous) if previous is not None else None
+    rt.set_active(previous)
 
 
 @pytest.mark.parametrize("name", ["random", "cora (real)"])

@@ -27,6 +27,7 @@ from torch_sparserl import runtime as rt
 from torch_sparserl.abi import KernelSpec
 from torch_sparserl.cache import KernelCache
 from torch_sparserl.dtypes import assert_close_to_reference
+from torch_sparserl.evaluate.record import EvalRecord
 
 pytestmark = pytest.mark.gpu
 
@@ -81,8 +82,8 @@ def test_sync_specialization_is_correct_on_shipped_matrices(jit, poison_uninitia
     if isinstance(state, rt.Fallback):
         assert state.decided, state.reason  # strict: a failure would have raised already
     else:
-        record = jit.cache.get(state.key).record
-        assert record["speedup"] >= jit.settings.margin  # measured against cuSPARSE in the same run
+        record = EvalRecord.from_dict(jit.cache.get(state.key).record)
+        assert record.speedup >= jit.settings.margin  # measured against cuSPARSE in the same run
 
 
 def test_installed_kernels_exist_and_were_faster(jit):
@@ -108,7 +109,7 @@ def test_half_precision_through_the_runtime(jit, poison_uninitialized, dtype):
 
 
 def test_training_step_uses_specialized_forward_and_backward(jit, poison_uninitialized):
-    M = ts.load_matrix("citeseer")  # not symmetric: the backward runs on a transposed pattern
+    M = ts.load_matrix("rajat01")  # not symmetric: the backward runs on a transposed pattern
     Md = M.astype(np.float64)
     A = ts.csr(M, dtype=torch.float32, index_dtype=torch.int64, device="cuda")
     X = torch.randn(M.shape[1], 32, device="cuda", requires_grad=True)

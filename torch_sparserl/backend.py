@@ -3,12 +3,16 @@
 Registered through the ``torch_dynamo_backends`` entry point, so
 ``torch.compile(model, backend="sparserl")`` needs no import. Graphs go to Inductor's
 ``compile_fx`` with :class:`~torch_sparserl.passes.SparseOpsPass` as the post-grad pass.
+Before that, the products of the graph's CSRMatrix inputs (module buffers, constants,
+arguments) are handed to the JIT runtime (:mod:`~torch_sparserl.prespecialize`), so their
+kernels are being specialized while Inductor compiles.
 """
 
 from __future__ import annotations
 
 from . import intercept
 from .passes import SparseOpsPass
+from .prespecialize import prespecialize_graph
 from .settings import Settings
 
 
@@ -20,6 +24,8 @@ def sparserl_backend(gm, example_inputs, *, options=None, mode=None):
     settings = Settings.from_options(options)
     if settings.intercept_sparse:
         intercept.activate_for_backend()
+    if settings.prespecialize:
+        prespecialize_graph(gm, example_inputs)
     patches = dict(list_mode_options(mode)) if mode else {}
     patches["post_grad_custom_post_pass"] = SparseOpsPass(
         settings, chained=inductor_config.post_grad_custom_post_pass)

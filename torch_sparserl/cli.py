@@ -2,8 +2,13 @@
 
 ``sparserl demo`` is the README's main job: on a shipped matrix it checks the operators
 against a float64 reference, compiles a two-layer GCN whole with the ``sparserl`` backend
-(forward and backward, compared with eager), and times ``torch.ops.sparserl.spmm``
-against ``torch.sparse.mm`` on the same data.
+(forward and backward, compared with eager), and runs the JIT pipeline: on a GPU it
+specializes ``A @ X``, shows the kernel and times it against ``torch.sparse.mm``; without
+one it generates the candidate kernels and compiles them with nvcc.
+
+``tune`` searches the kernel space for a matrix; ``bench`` measures the runtime end to end;
+``explain`` says which kernel serves a matrix's products and why; ``cache`` manages the
+specialization cache. ``SPARSERL_LOG=info`` (or ``debug``) logs the runtime's decisions.
 """
 
 from __future__ import annotations
@@ -94,20 +99,67 @@ def demo(args) -> int:
           f"{breaks} graph breaks; forward {'= eager' if ok_fwd else 'FAILED: ' + why_fwd}, "
           f"backward {'= eager' if ok_bwd else 'FAILED: ' + why_bwd}")
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's "sparse CSR support is in beta" notice
-        raw = torch.sparse_csr_tensor(A.crow, A.col, A.val, tuple(A.shape), check_invariants=False)
-    t_sparserl = _time_ms(lambda: torch.ops.sparserl.spmm(A.crow, A.col, A.val, A.shape[1], X), device)
-    t_torch = _time_ms(lambda: torch.sparse.mm(raw, X), device)
-    print(f"time     sparserl.spmm {t_sparserl * 1e3:.1f} us, torch.sparse.mm {t_torch * 1e3:.1f} us "
-          f"(ratio {t_torch / t_sparserl:.2f}x, median of 50)")
-    if device.type == "cuda":
-        print("note     both sides call cuSPARSE today (the ratio is dispatch, not specialization); "
-              "pattern-specialized kernels arrive with the JIT runtime")
-    else:
-        print("note     CPU path: vectorized torch reference kernels; specialized CUDA kernels need a GPU")
+    failures += _demo_kernels(args, M, A, X, device)
     print("result   " + ("all checks passed" if not failures else f"{failures} check(s) FAILED"))
     return 1 if failures else 0
+
+
+def _demo_kernels(args, M, A, X, device: torch.device) -> int:
+    """The JIT pipeline on the demo matrix: on a GPU, specialize ``A @ X`` and time it against
+    ``torch.sparse.mm``; without one, generate the candidate kernels and compile them with nvcc."""
+    from . import measure
+    from . import pattern as patterns
+    from . import runtime as rt
+    from .autotune import candidates
+    from .features import structural_features
+    from .fingerprint import fingerprint
+
+    features = structural_features(M.indptr, M.indices, M.shape)
+    entry = patterns.lookup(A.crow, A.col, M.shape[1])
+    print(f"pattern  fingerprint {fingerprint(entry, A.crow, A.col)}; row mean {features['row_mean']:.1f}, "
+          f"max {features['row_max']}, cv {features['row_cv']:.2f}")
+    specs = candidates("spmm", args.n, "f32", features)
+    print(f"space    {len(specs)} candidate kernels for spmm N={args.n} f32 from "
+          f"{len({s.family for s in specs})} families")
+    if device.type != "cuda":
+        return _demo_compile_tier(specs)
+    runtime = rt.configure(mode="sync", budget_s=args.budget_s)
+    result = measure.product(M, "spmm", args.n, runtime=runtime)
+    failures = 0 if result["correct"] else 1
+    print(f"jit      first A @ X specialized in {result['cold_s']:.1f} s (autotuner, budget {args.budget_s:g} s): "
+          f"{result['decision']}")
+    print(f"check    specialized A @ X against float64: {'ok' if result['correct'] else 'FAILED: ' + str(result['error'])}")
+    state = runtime.state("spmm", entry, args.n, torch.float32)
+    if isinstance(state, rt.Installed):
+        source = runtime.cache.get(state.key).spec_source.splitlines()
+        shown = source if args.show_source else source[:12]
+        print("kernel   " + "\n         ".join(shown) + ("" if args.show_source else
+                                                       f"\n         ... ({len(source)} lines; --show-source for all)"))
+    print(f"time     A @ X {result['hot_us']:.1f} us, torch.sparse.mm {result['torch_sparse_us']:.1f} us per call "
+          f"(dispatch included): {result['speedup']:.2f}x; torch.ops.sparserl.spmm {result['op_us']:.1f} us")
+    return failures
+
+
+def _demo_compile_tier(specs) -> int:
+    import shutil
+
+    from .evaluate.compile_tier import compile_only
+
+    if shutil.which("nvcc") is None:
+        print("note     no GPU and no nvcc: kernels are neither built nor run here")
+        return 0
+    sample = list({spec.family: spec for spec in specs}.values())  # one per family
+    bad = 0
+    for spec in sample:
+        record = compile_only(spec)
+        ok = record.compiled and record.error_kind is None
+        bad += not ok
+        print(f"compile  {spec.describe():64s} {'ok' if ok else record.error_kind} (nvcc, sm_90, "
+              f"{record.registers} registers)")
+    print(f"plan     {sample[0].source.splitlines()[0]}")
+    print("note     no GPU: kernels compiled for sm_90 but not run; on a GPU the runtime specializes, "
+          "validates and times them against cuSPARSE")
+    return 1 if bad else 0
 
 
 def info(args) -> int:
@@ -163,6 +215,74 @@ def tune_command(args) -> int:
     return 1 if bad else 0
 
 
+def bench_command(args) -> int:
+    """The runtime end to end on a GPU: cold specialization, correctness, and the time per call
+    of ``A @ X`` against ``torch.sparse.mm``, dispatch included."""
+    from . import measure
+    from . import runtime as rt
+    from .dtypes import VALUE_DTYPES
+
+    if not torch.cuda.is_available():
+        print("sparserl bench: needs a CUDA GPU (the runtime specializes CUDA kernels); "
+              "`sparserl tune MATRIX` compiles the kernel space without one", file=sys.stderr)
+        return 2
+    dtype = {str(d).replace("torch.", ""): d for d in VALUE_DTYPES}[args.dtype]
+    runtime = rt.configure(mode="sync", budget_s=args.budget_s)
+    n = 1 if args.op == "spmv" else args.n
+    rows, failures = [], 0
+    for name in args.matrices:
+        result = {"matrix": name, **measure.product(load_matrix(name), args.op, n, dtype, runtime=runtime)}
+        rows.append(result)
+        failures += not result["correct"]
+        print(f"{name:24s} {args.op} n={n:<4d} cold {result['cold_s']:6.1f} s  A@X {result['hot_us']:9.1f} us  "
+              f"torch.sparse {result['torch_sparse_us']:9.1f} us  {result['speedup']:5.2f}x  "
+              f"{'ok' if result['correct'] else 'WRONG'}  {result['decision']}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, handle, indent=1)
+    return 1 if failures else 0
+
+
+def explain_command(args) -> int:
+    """What the cache says about a matrix: which kernel serves each product, or why none does."""
+    from .cache import CacheEntry, KernelCache
+    from .fingerprint import pattern_hash
+
+    M = load_matrix(args.matrix).tocsr()
+    if args.transposed:
+        M = M.T.tocsr()
+    hashes = {}
+    for index_dtype in (torch.int32, torch.int64):
+        crow = torch.from_numpy(M.indptr.astype(np.int64)).to(index_dtype)
+        col = torch.from_numpy(M.indices.astype(np.int64)).to(index_dtype)
+        hashes[pattern_hash(crow, col, M.shape[1])] = str(index_dtype).replace("torch.", "")
+    cache = KernelCache(args.dir) if args.dir else KernelCache()
+    print(f"matrix   {args.matrix}{' (transposed)' if args.transposed else ''}: {M.shape[0]} x {M.shape[1]}, "
+          f"{M.nnz} nonzeros; fingerprints " + ", ".join(f"{h[:12]} ({d})" for h, d in hashes.items()))
+    found = 0
+    for path in cache.entries():
+        try:
+            entry = CacheEntry.from_payload(json.loads(path.read_text())["payload"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        key = entry.key
+        if key.pattern not in hashes or (args.op and key.op != args.op) or (args.n and key.n != args.n):
+            continue
+        found += 1
+        what = f"kernel {entry.family}{entry.params}" if entry.spec_source else "cuSPARSE"
+        record = entry.record or {}
+        timing = ""
+        if record.get("runtime_us") and record.get("cusparse_us"):
+            timing = f"; measured {record['runtime_us']:.1f} us vs cuSPARSE {record['cusparse_us']:.1f} us"
+        print(f"{key.op} n={key.n} {key.dtype} {hashes[key.pattern]} indices, {key.arch}, policy {key.policy}, "
+              f"torch {key.torch_version}: {what} because {entry.reason}{timing}  [{path.stem[:12]}]")
+    if not found:
+        print(f"no decision in {cache.root} for this pattern"
+              f"{' and ' + args.op if args.op else ''}{f' n={args.n}' if args.n else ''}: it is decided the first "
+              f"time the product runs on a GPU (or run `sparserl bench {args.matrix}`)")
+    return 0
+
+
 def cache_command(args) -> int:
     from .cache import KernelCache
 
@@ -199,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matrix", default=DEFAULT_MATRIX, help=f"shipped name or .npz/.mtx path (default {DEFAULT_MATRIX})")
     p.add_argument("--n", type=int, default=32, help="dense columns N (default 32)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--budget-s", type=float, default=20.0, help="autotuning budget of the JIT (default 20)")
+    p.add_argument("--show-source", action="store_true", help="print the whole specialized kernel")
     p.set_defaults(run=demo)
     p = commands.add_parser("info", help="versions, operators and shipped matrices")
     p.set_defaults(run=info)
@@ -212,6 +334,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-only", action="store_true", help="only the compile tier, even with a GPU")
     p.add_argument("--show-source", action="store_true", help="print the best kernel's source")
     p.set_defaults(run=tune_command)
+    p = commands.add_parser("bench", help="the runtime end to end against torch.sparse.mm (GPU)")
+    p.add_argument("matrices", nargs="+", help="shipped names or .npz/.mtx paths")
+    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
+    p.add_argument("--n", type=int, default=32, help="dense columns for spmm (default 32)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--budget-s", type=float, default=20.0, help="autotuning budget per product (default 20)")
+    p.add_argument("--json", help="write the results to this file")
+    p.set_defaults(run=bench_command)
+    p = commands.add_parser("explain", help="why a kernel was or was not installed for a matrix")
+    p.add_argument("matrix", help="shipped name or .npz/.mtx path")
+    p.add_argument("--op", choices=["spmm", "spmv"], help="only this op")
+    p.add_argument("--n", type=int, help="only this N")
+    p.add_argument("--transposed", action="store_true", help="the transposed pattern (what the backward uses)")
+    p.add_argument("--dir", help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
+    p.set_defaults(run=explain_command)
     p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear")
     p.add_argument("action", choices=["list", "info", "clear"])
     p.add_argument("key", nargs="?", help="entry digest (or its prefix) for info")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import ops
 from . import pattern as patterns
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES
 from .validation import check_csr_meta
@@ -168,12 +169,21 @@ def values_of(A: CSRMatrix) -> Tensor:
     return _Values.apply(A) if A.requires_grad else A.val
 
 
+def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
+    """``torch.ops.sparserl.<op>`` on A's parts, or its implementation directly when nothing
+    (autograd, a tracer, a mode) needs to see the operator (:func:`ops.direct_ok`)."""
+    val = values_of(A)
+    if ops.direct_ok(val, X):
+        return ops.direct(op, A.crow, A.col, val, A.shape[1], X)
+    return getattr(_ops, op)(A.crow, A.col, val, A.shape[1], X)
+
+
 def _spmm(A: CSRMatrix, X: Tensor) -> Tensor:
-    return _ops.spmm(A.crow, A.col, values_of(A), A.shape[1], X)
+    return _product("spmm", A, X)
 
 
 def _spmv(A: CSRMatrix, x: Tensor) -> Tensor:
-    return _ops.spmv(A.crow, A.col, values_of(A), A.shape[1], x)
+    return _product("spmv", A, x)
 
 
 def _matmul(a, b, op: str = "CSRMatrix.matmul", vectors: bool = True) -> Tensor:
@@ -191,9 +201,9 @@ def _matmul(a, b, op: str = "CSRMatrix.matmul", vectors: bool = True) -> Tensor:
     if not isinstance(a, Tensor):
         _fail_operand(op, "the dense operand", a, "a torch.Tensor")
     if a.dim() == 2:
-        return _ops.spmm_transposed(b.crow, b.col, values_of(b), b.shape[1], a.t()).t()
+        return _product("spmm_transposed", b, a.t()).t()
     if a.dim() == 1 and vectors:
-        return _ops.spmv_transposed(b.crow, b.col, values_of(b), b.shape[1], a)
+        return _product("spmv_transposed", b, a)
     _fail_operand(op, "the dense operand", a, "2-D" if not vectors else "1-D or 2-D")
 
 

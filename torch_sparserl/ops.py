@@ -53,12 +53,16 @@ def _pattern(op: str, crow: Tensor, col: Tensor, val: Tensor | None, ncols: int)
 # --------------------------------------------------------------------------- spmm
 
 
-@torch.library.custom_op("sparserl::spmm", mutates_args=())
-def spmm(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
-    """A @ X for the CSR matrix A = (crow, col, val) with ``ncols`` columns."""
+def _spmm(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
     entry = _pattern("sparserl.spmm", crow, col, val, ncols)
     check_dense("sparserl.spmm", "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
     return _product("spmm", entry, crow, col, val, X)
+
+
+@torch.library.custom_op("sparserl::spmm", mutates_args=())
+def spmm(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+    """A @ X for the CSR matrix A = (crow, col, val) with ``ncols`` columns."""
+    return _spmm(crow, col, val, ncols, X)
 
 
 @spmm.register_fake
@@ -87,14 +91,18 @@ spmm.register_autograd(_spmm_backward, setup_context=_spmm_setup)
 # ------------------------------------------------------------------ spmm_transposed
 
 
-@torch.library.custom_op("sparserl::spmm_transposed", mutates_args=())
-def spmm_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
-    """Aᵀ @ G for the CSR matrix A = (crow, col, val); G is (nrows, N), the result (ncols, N)."""
+def _spmm_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
     op = "sparserl.spmm_transposed"
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "G", G, dim=2, rows=entry.nrows, rows_name="nrows", like=val)
     entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
     return _product("spmm", entry_t, crow_t, col_t, val.index_select(0, perm), G)
+
+
+@torch.library.custom_op("sparserl::spmm_transposed", mutates_args=())
+def spmm_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
+    """Aᵀ @ G for the CSR matrix A = (crow, col, val); G is (nrows, N), the result (ncols, N)."""
+    return _spmm_transposed(crow, col, val, ncols, G)
 
 
 @spmm_transposed.register_fake
@@ -118,12 +126,16 @@ spmm_transposed.register_autograd(_spmm_transposed_backward, setup_context=_spmm
 # --------------------------------------------------------------------------- spmv
 
 
-@torch.library.custom_op("sparserl::spmv", mutates_args=())
-def spmv(crow: Tensor, col: Tensor, val: Tensor, ncols: int, x: Tensor) -> Tensor:
-    """A @ x for the CSR matrix A = (crow, col, val) and a vector x of length ``ncols``."""
+def _spmv(crow: Tensor, col: Tensor, val: Tensor, ncols: int, x: Tensor) -> Tensor:
     entry = _pattern("sparserl.spmv", crow, col, val, ncols)
     check_dense("sparserl.spmv", "x", x, dim=1, rows=ncols, rows_name="ncols", like=val)
     return _product("spmv", entry, crow, col, val, x)
+
+
+@torch.library.custom_op("sparserl::spmv", mutates_args=())
+def spmv(crow: Tensor, col: Tensor, val: Tensor, ncols: int, x: Tensor) -> Tensor:
+    """A @ x for the CSR matrix A = (crow, col, val) and a vector x of length ``ncols``."""
+    return _spmv(crow, col, val, ncols, x)
 
 
 @spmv.register_fake
@@ -146,14 +158,18 @@ spmv.register_autograd(_spmv_backward, setup_context=_spmm_setup)
 # ------------------------------------------------------------------ spmv_transposed
 
 
-@torch.library.custom_op("sparserl::spmv_transposed", mutates_args=())
-def spmv_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, g: Tensor) -> Tensor:
-    """Aᵀ @ g for the CSR matrix A = (crow, col, val) and a vector g of length nrows."""
+def _spmv_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, g: Tensor) -> Tensor:
     op = "sparserl.spmv_transposed"
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "g", g, dim=1, rows=entry.nrows, rows_name="nrows", like=val)
     entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
     return _product("spmv", entry_t, crow_t, col_t, val.index_select(0, perm), g)
+
+
+@torch.library.custom_op("sparserl::spmv_transposed", mutates_args=())
+def spmv_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, g: Tensor) -> Tensor:
+    """Aᵀ @ g for the CSR matrix A = (crow, col, val) and a vector g of length nrows."""
+    return _spmv_transposed(crow, col, val, ncols, g)
 
 
 @spmv_transposed.register_fake
@@ -222,6 +238,34 @@ def _sddmm_backward(ctx, grad):
 
 
 sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
+
+
+# ------------------------------------------------------------- the direct eager path
+
+_DIRECT_DEVICES = ("cuda", "cpu")  # not meta: fake tensors go through the operator's fake implementation
+_DIRECT = {"spmm": _spmm, "spmv": _spmv, "spmm_transposed": _spmm_transposed, "spmv_transposed": _spmv_transposed}
+
+
+def direct_ok(val: Tensor, X: Tensor) -> bool:
+    """Whether calling an operator's implementation directly is indistinguishable from
+    calling the operator: eager code on plain CPU or CUDA tensors with nothing to
+    differentiate, and no tracer, dispatch mode or functorch transform that should see the call.
+
+    The operator's dispatch (custom_op, autograd wrapper) costs tens of microseconds of
+    CPU per call, as much as a whole cuSPARSE product on a small graph; ``CSRMatrix``
+    products take this path when they can (:func:`direct`).
+    """
+    return (type(X) is Tensor and type(val) is Tensor and X.device.type in _DIRECT_DEVICES
+            and not (torch.is_grad_enabled() and (X.requires_grad or val.requires_grad))
+            and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+def direct(op: str, crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+    """``torch.ops.sparserl.<op>(crow, col, val, ncols, X)`` without the dispatcher; only
+    where :func:`direct_ok` holds. Same checks, same errors, same kernels."""
+    return _DIRECT[op](crow, col, val, ncols, X)
 
 
 def registered_ops() -> list[str]:

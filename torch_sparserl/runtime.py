@@ -337,12 +337,13 @@ def active() -> Runtime:
     return runtime
 
 
-def set_active(runtime: Runtime) -> Runtime:
-    """Make ``runtime`` the one the operators use (tests inject fakes this way); returns the
-    previous one, which the caller owns (and may :meth:`~Runtime.close`)."""
+def set_active(runtime: Runtime | None) -> Runtime | None:
+    """Make ``runtime`` the one the operators use (tests inject fakes this way; None: create
+    one from the environment on next use); returns the previous one, which the caller owns
+    (and may :meth:`~Runtime.close`)."""
     global _ACTIVE
-    if not isinstance(runtime, Runtime):
-        raise TypeError(f"set_active: expected a Runtime (got {type(runtime).__name__})")
+    if runtime is not None and not isinstance(runtime, Runtime):
+        raise TypeError(f"set_active: expected a Runtime or None (got {type(runtime).__name__})")
     with _ACTIVE_LOCK:
         previous, _ACTIVE = active_or_none(), runtime
     return previous

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 DEFAULT_STRICT = False
 DEFAULT_INTERCEPT_SPARSE = True
+DEFAULT_PRESPECIALIZE = True
 
 logger = logging.getLogger("torch_sparserl")
 if os.environ.get("SPARSERL_LOG"):
@@ -32,6 +33,11 @@ class Settings:
     intercept_sparse: bool = DEFAULT_INTERCEPT_SPARSE
     """Route eager products of raw ``torch.sparse_csr`` tensors, which Dynamo cannot trace,
     to the sparserl operators while a model compiled with this backend runs."""
+
+    prespecialize: bool = DEFAULT_PRESPECIALIZE
+    """Start specializing the kernels of the graph's CSRMatrix inputs (module buffers,
+    constants, arguments) at compile time, for the product and its backward. How (in the
+    background, or before compilation returns) is the JIT runtime's ``mode``."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | "Settings" | None) -> "Settings":

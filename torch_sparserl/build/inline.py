@@ -108,8 +108,6 @@ def _bind(lib: ctypes.CDLL, spec: KernelSpec) -> Kernel:
 def build(specs: list[KernelSpec], arch: str | None = None, *, directory: Path | None = None,
           verbose: bool = False) -> dict[str, Kernel]:
     """Build (or load from disk) one library holding ``specs``; return kernels by spec key."""
-    from torch.utils.cpp_extension import load
-
     if not specs:
         return {}
     specs = list({s.key: s for s in specs}.values())
@@ -122,6 +120,9 @@ def build(specs: list[KernelSpec], arch: str | None = None, *, directory: Path |
     done = build_dir / f"{name}.ok"  # written after a complete build: a half-linked .so never loads
     with _exclusive(build_dir):
         if not done.exists():
+            # Imported here: loading a built library must not pay for torch's builder.
+            from torch.utils.cpp_extension import load
+
             sources = []
             for spec in specs:
                 path = build_dir / f"k_{spec.key}.cu"

@@ -1,0 +1,79 @@
+"""Compile-time specialization: which products the backend finds, and that it starts them (CPU, fakes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_sparserl as ts
+from torch_sparserl import prespecialize
+from torch_sparserl import runtime as rt
+from torch_sparserl.cache import KernelCache
+
+from helpers import make_pattern
+from test_runtime import Fakes
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, A):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("adj", A)
+
+    def forward(self, x, y, z):
+        h = self.adj @ self.lin(x)             # spmm n=16, X requires grad: its backward too
+        v = torch.mv(self.adj, y)              # spmv on a plain input: no backward
+        r = z.unsqueeze(0) @ self.adj          # dense @ A: the transpose, n = 1 row
+        s = torch.sparse.mm(self.adj, x[:, :3])  # n = 3
+        return h.sum() + v.sum() + r.sum() + s.sum()
+
+
+def _capture(model, *args):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch.compile(model, backend=backend, fullgraph=True)(*args)
+    return graphs
+
+
+def test_plan_graph_finds_each_product_and_its_backward():
+    M = make_pattern("random")
+    A = ts.csr(M, dtype=torch.float32)
+    model = _Model(A)
+    (gm, inputs), = _capture(model, torch.randn(M.shape[1], 16), torch.randn(M.shape[1]), torch.randn(M.shape[0]))
+    planned = {(p.op, p.n, p.transposed) for p in prespecialize.plan_graph(gm, inputs, devices=("cpu",))}
+    assert planned == {("spmm", 16, False), ("spmm", 16, True), ("spmv", 1, False), ("spmm", 1, True),
+                       ("spmm", 3, False)}
+    assert prespecialize.plan_graph(gm, inputs) == []  # CUDA only by default: the matrix is on the CPU
+
+
+def test_the_backend_starts_specialization_at_compile_time(tmp_path):
+    fakes = Fakes()
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path),
+                         specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
+    previous = rt.set_active(runtime)
+    try:
+        M = make_pattern("random")
+        A = ts.csr(M, dtype=torch.float32)
+        model = torch.compile(_Model(A), backend="sparserl", fullgraph=True)
+        x, y, z = torch.randn(M.shape[1], 16), torch.randn(M.shape[1]), torch.randn(M.shape[0])
+        model(x, y, z).backward()
+        specialized = sorted((key.op, key.n) for key in fakes.specialized)
+        assert specialized == [("spmm", 1), ("spmm", 3), ("spmm", 16), ("spmm", 16), ("spmv", 1)]
+        assert runtime.stats["installed_calls"] >= 4  # the compiled products found the installed kernels
+    finally:
+        rt.set_active(previous)
+
+
+def test_specialize_names_bad_arguments():
+    A = ts.csr(make_pattern("random"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="specialize: op must be one of"):
+        prespecialize.specialize(A, "sddmm")
+    with pytest.raises(ValueError, match="op='spmv' has n=1"):
+        prespecialize.specialize(A, "spmv", 4)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        prespecialize.specialize(A, "spmm", 0)
+    assert prespecialize.specialize(A, "spmm", 8) is None  # the default runtime serves CUDA only
