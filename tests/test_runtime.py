@@ -264,3 +264,37 @@ def test_every_product_of_the_operators_goes_through_the_runtime(routed, name):
         assert len({key.pattern for key in routed.specialized}) == 2 and len(routed.specialized) == 4
     else:  # cora is symmetric: its transpose has the same fingerprint, so Aᵀ reuses A's N = 8 kernel
         assert len({key.pattern for key in routed.specialized}) == 1 and len(routed.specialized) == 3
+
+
+def test_a_matrix_keeps_its_installed_kernel_for_the_next_product(routed):
+    import torch_sparserl as ts
+    from torch_sparserl import runtime as rt
+
+    M = make_pattern("random")
+    A = ts.csr(M, dtype=torch.float32)
+    X = torch.randn(M.shape[1], 8)
+    dense = torch.from_numpy(M.toarray()).float()
+    torch.testing.assert_close(A @ X, dense @ X)  # decided, installed, remembered on A
+    assert (2, 8) in A.__dict__["_hot"]
+    lookups = patterns.stats()["lookups"]
+    torch.testing.assert_close(A @ X, dense @ X)
+    assert patterns.stats()["lookups"] == lookups  # served from A itself: no pattern lookup
+    assert len(routed.launched) == 2
+
+    with torch.no_grad():
+        A.col[0] = (A.col[0] + 1) % M.shape[1]  # an in-place change of the pattern
+    changed = torch.sparse_csr_tensor(A.crow, A.col, A.val, A.shape).to_dense()
+    torch.testing.assert_close(A @ X, changed @ X)  # not the stale kernel: specialized again
+    assert len(routed.specialized) == 2
+
+    Xg = X.clone().requires_grad_()
+    (A @ Xg).sum().backward()  # autograd: the operator, not the remembered launch
+    torch.testing.assert_close(Xg.grad, changed.t() @ torch.ones(M.shape[0], 8))
+    other = rt.Runtime(rt.RuntimeSettings(mode="off"), devices=("cpu",))
+    previous = rt.set_active(other)
+    try:
+        launched = len(routed.launched)
+        torch.testing.assert_close(A @ X, changed @ X)  # another runtime: the remembered kernel is not its own
+        assert len(routed.launched) == launched
+    finally:
+        rt.set_active(previous)

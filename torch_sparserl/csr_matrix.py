@@ -89,6 +89,17 @@ class CSRMatrix(Tensor):
             "(@, mm, sparse.mm, matmul, mv, addmm, addmv), t(), to_dense(), scaling by a "
             "scalar and moves/casts. Use A.to_dense() for anything else.")
 
+    # -- the hot path ---------------------------------------------------------------
+
+    def __matmul__(self, other):
+        # Eager ``A @ X`` with an installed kernel: straight to its launch (see _hot_product);
+        # anything else takes torch's route through __torch_function__ below.
+        if type(other) is Tensor:
+            out = _hot_product(self, other)
+            if out is not None:
+                return out
+        return Tensor.__matmul__(self, other)
+
     # -- conveniences --------------------------------------------------------------
 
     @property
@@ -174,8 +185,54 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
     (autograd, a tracer, a mode) needs to see the operator (:func:`ops.direct_ok`)."""
     val = values_of(A)
     if ops.direct_ok(val, X):
-        return ops.direct(op, A.crow, A.col, val, A.shape[1], X)
+        out = ops.direct(op, A.crow, A.col, val, A.shape[1], X)
+        if op in ("spmm", "spmv"):
+            _remember_installed(A, op, X)
+        return out
     return getattr(_ops, op)(A.crow, A.col, val, A.shape[1], X)
+
+
+def _remember_installed(A: CSRMatrix, op: str, X: Tensor) -> None:
+    """After a direct product, keep the runtime's installed kernel on the matrix itself, so
+    the next ``A @ X`` of this shape skips torch's function dispatch, the checks and the
+    pattern lookup (:func:`_hot_product`)."""
+    from . import runtime as rt
+
+    runtime = rt.active_or_none()
+    if runtime is None:
+        return
+    n = X.shape[1] if op == "spmm" else 1
+    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    state = runtime.state(op, entry, n, A.val.dtype)
+    if isinstance(state, rt.Installed):
+        hot = A.__dict__.setdefault("_hot", {})
+        hot[(X.dim(), n)] = (runtime, state.launch, patterns.versions(A.crow, A.col), X.device, A.val.dtype)
+
+
+def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
+    """``A @ X`` by the kernel :func:`_remember_installed` kept, when every condition of the
+    direct path still holds and the pattern is unchanged; None otherwise."""
+    hot = A.__dict__.get("_hot")
+    if not hot:
+        return None
+    dim = X.dim()
+    found = hot.get((dim, X.shape[1] if dim == 2 else 1))
+    if found is None:
+        return None
+    from . import runtime as rt
+
+    runtime, launch, versions, device, dtype = found
+    val, crow, col = A.val, A.crow, A.col
+    if (runtime is not rt._ACTIVE or X.dtype != dtype or val.dtype != dtype or X.device != device
+            or X.shape[0] != A.shape[1] or val.shape[0] != col.shape[0] or A.requires_grad
+            or patterns.versions(crow, col) != versions or not ops.direct_ok(val, X)):
+        return None
+    if not X.is_contiguous() or X.data_ptr() % 16:
+        X = X.clone(memory_format=torch.contiguous_format)
+    if not val.is_contiguous():
+        val = val.contiguous()
+    runtime.stats["installed_calls"] += 1
+    return launch(crow, col, val, X)
 
 
 def _spmm(A: CSRMatrix, X: Tensor) -> Tensor:

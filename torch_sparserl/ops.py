@@ -44,6 +44,11 @@ def _product(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: T
 
 
 def _pattern(op: str, crow: Tensor, col: Tensor, val: Tensor | None, ncols: int) -> patterns.Pattern:
+    entry = patterns.validated(crow, col, ncols)
+    if entry is not None and (val is None or (
+            isinstance(val, Tensor) and val.dim() == 1 and val.shape[0] == entry.nnz and val.device == entry.device
+            and val.dtype in VALUE_DTYPES and val.layout == torch.strided)):
+        return entry  # crow and col are the validated ones, unchanged; val fits them
     check_csr_meta(op, crow, col, val, ncols)
     entry = patterns.lookup(crow, col, ncols)
     entry.validate(op, crow, col)

@@ -27,6 +27,11 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+def versions(crow: torch.Tensor, col: torch.Tensor) -> tuple[int, int]:
+    """The version counters that say whether ``crow``/``col`` were changed in place."""
+    return (_version(crow), _version(col))
+
+
 class Pattern:
     """Derived data of one CSR pattern. Create through :func:`lookup`."""
 
@@ -111,6 +116,18 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
             entry = Pattern(crow, col, ncols)
             _CACHE[crow] = entry
         return entry
+
+
+def validated(crow, col, ncols) -> Pattern | None:
+    """The cached entry of ``(crow, col, ncols)`` if it exists, matches and was validated
+    (its metadata and index values checked); else None. The operators' fast lookup."""
+    if not isinstance(crow, torch.Tensor):
+        return None
+    entry = _CACHE.get(crow)
+    if entry is not None and entry.validated and entry.matches(crow, col, ncols):
+        _STATS["lookups"] += 1
+        return entry
+    return None
 
 
 def stats() -> dict[str, int]:
