@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import ops
 from . import pattern as patterns
+from . import runtime as rt
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES
 from .validation import check_csr_meta
 
@@ -196,22 +197,27 @@ def _remember_installed(A: CSRMatrix, op: str, X: Tensor) -> None:
     """After a direct product, keep the runtime's installed kernel on the matrix itself, so
     the next ``A @ X`` of this shape skips torch's function dispatch, the checks and the
     pattern lookup (:func:`_hot_product`)."""
-    from . import runtime as rt
-
     runtime = rt.active_or_none()
-    if runtime is None:
+    if runtime is None or A.requires_grad:
         return
     n = X.shape[1] if op == "spmm" else 1
     entry = patterns.lookup(A.crow, A.col, A.shape[1])
     state = runtime.state(op, entry, n, A.val.dtype)
     if isinstance(state, rt.Installed):
         hot = A.__dict__.setdefault("_hot", {})
-        hot[(X.dim(), n)] = (runtime, state.launch, patterns.versions(A.crow, A.col), X.device, A.val.dtype)
+        hot[(X.dim(), n)] = (runtime, state.launch, patterns.versions(A.crow, A.col), X.device, A.val.dtype,
+                             A.shape[1])
 
 
 def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
     """``A @ X`` by the kernel :func:`_remember_installed` kept, when every condition of the
-    direct path still holds and the pattern is unchanged; None otherwise."""
+    direct path still holds and the pattern is unchanged; None otherwise.
+
+    Every check here is a plain attribute read: a property of the wrapper itself (its
+    shape, its requires_grad) would cost a torch function dispatch, so what is fixed for
+    the matrix's life (its columns; that it needs no gradient, since requires_grad_ is
+    refused and the setter clears this cache) was stored with the kernel.
+    """
     hot = A.__dict__.get("_hot")
     if not hot:
         return None
@@ -219,13 +225,14 @@ def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
     found = hot.get((dim, X.shape[1] if dim == 2 else 1))
     if found is None:
         return None
-    from . import runtime as rt
-
-    runtime, launch, versions, device, dtype = found
+    runtime, launch, versions, device, dtype, ncols = found
     val, crow, col = A.val, A.crow, A.col
     if (runtime is not rt._ACTIVE or X.dtype != dtype or val.dtype != dtype or X.device != device
-            or X.shape[0] != A.shape[1] or val.shape[0] != col.shape[0] or A.requires_grad
-            or patterns.versions(crow, col) != versions or not ops.direct_ok(val, X)):
+            or X.shape[0] != ncols or val.shape[0] != col.shape[0]
+            or (torch.is_grad_enabled() and (X.requires_grad or val.requires_grad))
+            or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or (crow._version, col._version) != versions or crow.is_inference()):
         return None
     if not X.is_contiguous() or X.data_ptr() % 16:
         X = X.clone(memory_format=torch.contiguous_format)
@@ -233,6 +240,12 @@ def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
         val = val.contiguous()
     runtime.stats["installed_calls"] += 1
     return launch(crow, col, val, X)
+
+
+def _set_requires_grad(A: CSRMatrix, value: bool) -> None:
+    A.__dict__.pop("_hot", None)  # remembered kernels were for a matrix without gradient
+    with torch._C.DisableTorchFunctionSubclass():
+        Tensor.requires_grad.__set__(A, value)
 
 
 def _spmm(A: CSRMatrix, X: Tensor) -> Tensor:
@@ -398,6 +411,7 @@ _FUNCTIONS = {
     Tensor.detach: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val, A.shape),
     Tensor.clone: lambda A, **_: CSRMatrix(A.crow.clone(), A.col.clone(), values_of(A).clone(), A.shape),
     Tensor.requires_grad_: _requires_grad_,
+    Tensor.requires_grad.__set__: _set_requires_grad,
     Tensor.values: values_of,
     Tensor.crow_indices: lambda A: A.crow,
     Tensor.col_indices: lambda A: A.col,

@@ -438,8 +438,7 @@ def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, n
     def launch(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
         if copies is not None:
             crow, col = copies
-        y = torch.empty(shape, dtype=val.dtype, device=val.device)
-        return bound(crow, col, val, X, y, current_stream())
+        return bound(crow, col, val, X, X.new_empty(shape), current_stream())  # X: the dtype and device of val
 
     launch.kernel = bound  # for explain and the benchmarks
     return launch
