@@ -287,6 +287,13 @@ def test_a_matrix_keeps_its_installed_kernel_for_the_next_product(routed):
     torch.testing.assert_close(A @ X, changed @ X)  # not the stale kernel: specialized again
     assert len(routed.specialized) == 2
 
+    A @ X
+    assert A.__dict__.get("_hot")
+    B = ts.csr(M, dtype=torch.float32)
+    B @ X
+    B.requires_grad = True  # the setter forgets the kernels remembered for a matrix without gradient
+    assert not B.__dict__.get("_hot")
+
     Xg = X.clone().requires_grad_()
     (A @ Xg).sum().backward()  # autograd: the operator, not the remembered launch
     torch.testing.assert_close(Xg.grad, changed.t() @ torch.ones(M.shape[0], 8))

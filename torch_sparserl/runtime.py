@@ -435,10 +435,14 @@ def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, n
     current_stream = ((lambda: raw_stream(device_index)) if raw_stream is not None
                       else (lambda: torch.cuda.current_stream(device_index).cuda_stream))
 
+    init_zero = prepared.init_zero
+
     def launch(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
         if copies is not None:
             crow, col = copies
-        return bound(crow, col, val, X, X.new_empty(shape), current_stream())  # X: the dtype and device of val
+        # X has the dtype and device of val; one allocation call, zeroed when the plan says so
+        y = X.new_zeros(shape) if init_zero else X.new_empty(shape)
+        return bound(crow, col, val, X, y, current_stream(), zeroed=init_zero)
 
     launch.kernel = bound  # for explain and the benchmarks
     return launch

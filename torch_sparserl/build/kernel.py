@@ -105,9 +105,11 @@ class BoundKernel:
         self._geometry = (prepared.grid, prepared.block, prepared.smem)
         self._lock = threading.Lock()  # the pointer slots are shared: one launch at a time
 
-    def __call__(self, rowptr, col, val, x, y, stream: int, *, work: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, rowptr, col, val, x, y, stream: int, *, work: torch.Tensor | None = None,
+                 zeroed: bool = False) -> torch.Tensor:
+        """Launch on ``stream``; ``zeroed=True`` says ``y`` is already zero (plans with ``init=zero``)."""
         prepared = self.prepared
-        if prepared.init_zero:
+        if prepared.init_zero and not zeroed:
             y.zero_()
         if prepared.work_numel:
             if work is None:

@@ -1,8 +1,13 @@
 """cuSPARSE through ``torch.sparse``: the CUDA baseline and the fallback.
 
-Calls go through the ``out=`` overloads of ``aten::addmm`` / ``aten::addmv`` on purpose:
-while :mod:`torch_sparserl.intercept` overrides the functional overloads for CSR tensors,
-these still reach cuSPARSE directly, so the fallback never re-enters the override.
+Products go through the functional ``torch.sparse.mm`` / ``torch.mv``, as a user's would.
+While :mod:`torch_sparserl.intercept` overrides those for CSR tensors, calls go through the
+``out=`` overloads of ``aten::addmm`` / ``aten::addmv`` instead, which still reach cuSPARSE
+directly, so the fallback never re-enters the override.
+
+The CSR tensor is built per call (it references ``val``, which may change every step):
+with ``check_invariants=False`` and no context managers, a few microseconds. torch warns
+once per process that CSR support is in beta; the first construction silences that.
 """
 
 from __future__ import annotations
@@ -11,16 +16,25 @@ import warnings
 
 import torch
 
+from .. import intercept
 from ..dtypes import HALF_DTYPES
 from ..pattern import Pattern
+
+
+_BETA_WARNING_SEEN = False
 
 
 def _as_torch_csr(pattern: Pattern, crow, col, val) -> torch.Tensor:
     # The pattern was validated once (pattern.py): opt out of torch's per-call invariant
     # check explicitly, which also keeps torch from warning that it was skipped.
-    with torch.sparse.check_sparse_tensor_invariants(enable=False), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "sparse CSR support is in beta state"
-        return torch.sparse_csr_tensor(crow, col, val, (pattern.nrows, pattern.ncols))
+    global _BETA_WARNING_SEEN
+    if not _BETA_WARNING_SEEN:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse CSR support is in beta state", once per process
+            csr = torch.sparse_csr_tensor(crow, col, val, (pattern.nrows, pattern.ncols), check_invariants=False)
+        _BETA_WARNING_SEEN = True
+        return csr
+    return torch.sparse_csr_tensor(crow, col, val, (pattern.nrows, pattern.ncols), check_invariants=False)
 
 
 def spmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
@@ -32,10 +46,12 @@ def spmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Ten
     n = X.shape[1]
     if pattern.nnz == 0 or n == 0 or pattern.nrows == 0 or pattern.ncols == 0:
         return torch.zeros(pattern.nrows, n, dtype=val.dtype, device=val.device)
+    A = _as_torch_csr(pattern, crow, col, val)
+    if not intercept.installed():
+        return torch.sparse.mm(A, X.contiguous())
     out = torch.empty(pattern.nrows, n, dtype=val.dtype, device=val.device)  # (nrows, N)
     # beta=0: cuSPARSE does not read `out`, so its uninitialized contents cannot leak in.
-    torch.addmm(out, _as_torch_csr(pattern, crow, col, val), X.contiguous(),
-                beta=0, alpha=1, out=out)
+    torch.addmm(out, A, X.contiguous(), beta=0, alpha=1, out=out)
     return out
 
 
@@ -45,7 +61,9 @@ def spmv(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Ten
         return spmv(pattern, crow, col, val.float(), x.float()).to(val.dtype)
     if pattern.nnz == 0 or pattern.nrows == 0 or pattern.ncols == 0:
         return torch.zeros(pattern.nrows, dtype=val.dtype, device=val.device)
+    A = _as_torch_csr(pattern, crow, col, val)
+    if not intercept.installed():
+        return torch.mv(A, x.contiguous())
     out = torch.empty(pattern.nrows, dtype=val.dtype, device=val.device)
-    torch.addmv(out, _as_torch_csr(pattern, crow, col, val), x.contiguous(),
-                beta=0, alpha=1, out=out)
+    torch.addmv(out, A, x.contiguous(), beta=0, alpha=1, out=out)
     return out
