@@ -172,6 +172,22 @@ def info(args) -> int:
     return 0
 
 
+def _progress(what: str):
+    """A one-line progress bar on stderr for long work (only when stderr is a terminal)."""
+    start = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        width = 30
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                         f"{time.monotonic() - start:5.1f} s" + ("\n" if done >= total else ""))
+        sys.stderr.flush()
+
+    return report
+
+
 def tune_command(args) -> int:
     """Search the kernel space for one matrix: on a GPU the exhaustive autotuner (candidates
     run in the sandbox, timed against cuSPARSE); without one, the compile tier with nvcc."""
@@ -187,7 +203,7 @@ def tune_command(args) -> int:
           f"row mean {features['row_mean']:.1f}, max {features['row_max']}, cv {features['row_cv']:.2f}")
     if torch.cuda.is_available() and not args.compile_only:
         result = tune(A, op=args.op, n=n, dtype=args.dtype, budget_s=args.budget_s,
-                      families=args.families.split(",") if args.families else None)
+                      families=args.families.split(",") if args.families else None, progress=_progress("screening"))
         finals = sorted((r for r in result.table if r.timing.get("stage") == "final" and r.ok),
                         key=lambda r: r.runtime_us)
         for r in finals:
