@@ -9,10 +9,6 @@ record (measured in the same run as cuSPARSE) — the end-to-end timing is the b
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,7 +17,7 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import autotune
+from torch_sparserl import autotune, measure
 from torch_sparserl import pattern as patterns
 from torch_sparserl import runtime as rt
 from torch_sparserl.abi import KernelSpec
@@ -179,41 +175,14 @@ def test_a_hostile_candidate_never_reaches_the_user(kernel_dir, monkeypatch, poi
             assert isinstance(state, rt.Fallback) and state.decided, state
 
 
-def test_a_new_process_starts_warm_from_the_disk_cache(jit, kernel_dir, tmp_path):
+def test_a_new_process_starts_warm_from_the_disk_cache(jit, kernel_dir):
     """The decisions of this module's runtime are on disk: a new process installs cora's
-    kernel without specializing, and its first product is correct."""
+    kernel without specializing (its specializer refuses), and its first product is correct."""
     M = ts.load_matrix("cora")
     A = ts.csr(M, dtype=torch.float32, device="cuda")
     A @ torch.randn(M.shape[1], 32, device="cuda")  # make sure the entry exists
-    script = textwrap.dedent(f"""
-        import json, time, torch, numpy as np
-        import torch_sparserl as ts
-        from torch_sparserl import runtime as rt
-        from torch_sparserl.cache import KernelCache
-        def refuse(*args):
-            raise AssertionError("specialized again although the cache holds the decision")
-        runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", strict=True), cache=KernelCache({str(kernel_dir)!r}),
-                             specializer=refuse)
-        rt.set_active(runtime)
-        M = ts.load_matrix("cora")
-        A = ts.csr(M, dtype=torch.float32, device="cuda")
-        X = torch.randn(M.shape[1], 32, device="cuda")
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        Y = A @ X
-        torch.cuda.synchronize()
-        first_ms = (time.perf_counter() - start) * 1e3
-        ref = M.astype(np.float64) @ X.double().cpu().numpy()
-        err = float(np.abs(Y.double().cpu().numpy() - ref).max())
-        print(json.dumps({{"first_ms": first_ms, "err": err, "stats": runtime.stats,
-                          "cache": runtime.cache.stats}}))
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "SPARSERL_JIT": "off"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    import json
-
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["err"] < 1e-3
-    assert result["stats"]["installs"] == 1 and result["cache"]["builds"] == 0
-    print("warm start, first product in a new process:", round(result["first_ms"], 1), "ms")
+    warm = measure.warm_start([("cora", "spmm", 32)], str(kernel_dir), timeout_s=300)
+    cell, = warm["cells"]
+    assert cell["from_disk"] and warm["cache"]["builds"] == 0 and warm["cache"]["disk_hits"] == 1
+    assert cell["max_abs_err"] < 1e-3
+    print("warm start, first product in a new process:", round(cell["warm_ms"], 1), "ms")

@@ -193,6 +193,17 @@ class KernelCache:
     def entries(self) -> list[Path]:
         return sorted(self.root.glob("*.json"))
 
+    def listing(self) -> list[tuple[Path, CacheEntry | None, str]]:
+        """Every entry on disk as ``(path, entry, problem)``: the entry, or None with why it
+        cannot be read (for listings; :meth:`get` is what checks an entry against its key)."""
+        out = []
+        for path in self.entries():
+            try:
+                out.append((path, CacheEntry.from_payload(json.loads(path.read_text())["payload"]), ""))
+            except (ValueError, KeyError, TypeError) as exc:
+                out.append((path, None, f"{type(exc).__name__}: {exc}"))
+        return out
+
     def clear(self) -> int:
         removed = 0
         for path in self.entries():

@@ -270,7 +270,7 @@ def bench_command(args) -> int:
 
 def explain_command(args) -> int:
     """What the cache says about a matrix: which kernel serves each product, or why none does."""
-    from .cache import CacheEntry, KernelCache
+    from .cache import KernelCache
     from .fingerprint import pattern_hash
 
     M = load_matrix(args.matrix).tocsr()
@@ -285,10 +285,8 @@ def explain_command(args) -> int:
     print(f"matrix   {args.matrix}{' (transposed)' if args.transposed else ''}: {M.shape[0]} x {M.shape[1]}, "
           f"{M.nnz} nonzeros; fingerprints " + ", ".join(f"{h[:12]} ({d})" for h, d in hashes.items()))
     found = 0
-    for path in cache.entries():
-        try:
-            entry = CacheEntry.from_payload(json.loads(path.read_text())["payload"])
-        except (ValueError, KeyError, TypeError):
+    for path, entry, _ in cache.listing():
+        if entry is None:
             continue
         key = entry.key
         if key.pattern not in hashes or (args.op and key.op != args.op) or (args.n and key.n != args.n):
@@ -316,17 +314,16 @@ def cache_command(args) -> int:
         print(f"removed {cache.clear()} entries from {cache.root}")
         return 0
     if args.action == "list":
-        paths = cache.entries()
-        print(f"{len(paths)} entries in {cache.root}")
-        for path in paths:
-            try:
-                payload = json.loads(path.read_text())["payload"]
-                key = payload["key"]
-                what = payload["family"] + str(payload["params"]) if payload["spec_source"] else "cuSPARSE"
-                print(f"{path.stem}  {key['op']} n={key['n']} {key['dtype']} {key['arch']} "
-                      f"pattern={key['pattern'][:12]}  -> {what}  ({payload['reason']})")
-            except (ValueError, KeyError, TypeError) as exc:
-                print(f"{path.stem}  unreadable: {exc}")
+        listing = cache.listing()
+        print(f"{len(listing)} entries in {cache.root}")
+        for path, entry, problem in listing:
+            if entry is None:
+                print(f"{path.stem}  unreadable: {problem}")
+                continue
+            key = entry.key
+            what = entry.family + str(entry.params) if entry.spec_source else "cuSPARSE"
+            print(f"{path.stem}  {key.op} n={key.n} {key.dtype} {key.arch} "
+                  f"pattern={key.pattern[:12]}  -> {what}  ({entry.reason})")
         return 0
     matches = [p for p in cache.entries() if p.stem.startswith(args.key or "")]
     if len(matches) != 1:

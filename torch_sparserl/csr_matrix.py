@@ -186,19 +186,20 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
     (autograd, a tracer, a mode) needs to see the operator (:func:`ops.direct_ok`)."""
     val = values_of(A)
     if ops.direct_ok(val, X):
+        runtime = rt.active_or_none()
+        served = runtime.stats["installed_calls"] if runtime is not None else None
         out = ops.direct(op, A.crow, A.col, val, A.shape[1], X)
-        if op in ("spmm", "spmv"):
-            _remember_installed(A, op, X)
+        if op in ("spmm", "spmv") and runtime is not None and runtime.stats["installed_calls"] != served:
+            _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
         return out
     return getattr(_ops, op)(A.crow, A.col, val, A.shape[1], X)
 
 
-def _remember_installed(A: CSRMatrix, op: str, X: Tensor) -> None:
-    """After a direct product, keep the runtime's installed kernel on the matrix itself, so
-    the next ``A @ X`` of this shape skips torch's function dispatch, the checks and the
-    pattern lookup (:func:`_hot_product`)."""
-    runtime = rt.active_or_none()
-    if runtime is None or A.requires_grad:
+def _remember_installed(A: CSRMatrix, runtime: rt.Runtime, op: str, X: Tensor) -> None:
+    """After a direct product a kernel served, keep it on the matrix itself, so the next
+    ``A @ X`` of this shape skips torch's function dispatch, the checks and the pattern
+    lookup (:func:`_hot_product`)."""
+    if A.requires_grad:
         return
     n = X.shape[1] if op == "spmm" else 1
     entry = patterns.lookup(A.crow, A.col, A.shape[1])
@@ -229,17 +230,9 @@ def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
     val, crow, col = A.val, A.crow, A.col
     if (runtime is not rt._ACTIVE or X.dtype != dtype or val.dtype != dtype or X.device != device
             or X.shape[0] != ncols or val.shape[0] != col.shape[0]
-            or (torch.is_grad_enabled() and (X.requires_grad or val.requires_grad))
-            or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._functorch.peek_interpreter_stack() is not None
-            or (crow._version, col._version) != versions or crow.is_inference()):
+            or patterns.versions(crow, col) != versions or not ops.direct_ok(val, X)):
         return None
-    if not X.is_contiguous() or X.data_ptr() % 16:
-        X = X.clone(memory_format=torch.contiguous_format)
-    if not val.is_contiguous():
-        val = val.contiguous()
-    runtime.stats["installed_calls"] += 1
-    return launch(crow, col, val, X)
+    return runtime.launch(launch, crow, col, val, X)
 
 
 def _set_requires_grad(A: CSRMatrix, value: bool) -> None:

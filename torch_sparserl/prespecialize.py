@@ -119,11 +119,7 @@ def prespecialize_graph(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[
     for item in plan_graph(gm, example_inputs, runtime.devices):
         A = example_inputs[item.input_index]
         try:
-            specialize(A, item.op, item.n, transposed=item.transposed, runtime=runtime)
-            entry = patterns.lookup(A.crow, A.col, A.shape[1])
-            if item.transposed:
-                entry = entry.transpose(A.crow, A.col)[0]
-            verdict = runtime.explain(item.op, entry, item.n, A.dtype)
+            verdict = runtime.describe(specialize(A, item.op, item.n, transposed=item.transposed, runtime=runtime))
         except rt.SpecializationError:
             raise
         except Exception as exc:  # noqa: BLE001 - a product that will fail says so when it runs

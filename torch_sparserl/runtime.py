@@ -199,16 +199,21 @@ class Runtime:
         elif state.__class__ is Pending and state.future.done():
             state = pattern.specializations[(self._generation, op, n, val.dtype)]
         if state.__class__ is Installed:
-            if not X.is_contiguous() or X.data_ptr() % 16:
-                X = X.clone(memory_format=torch.contiguous_format)  # vector loads: contiguous, 16-byte aligned
-            if not val.is_contiguous():
-                val = val.contiguous()
-            self.stats["installed_calls"] += 1
-            return state.launch(crow, col, val, X)
+            return self.launch(state.launch, crow, col, val, X)
         if state.__class__ is Fallback and self.settings.strict and not state.decided:
             raise SpecializationError(f"sparserl runtime: {op} n={n} {DTYPE_NAMES[val.dtype]}: {state.reason}")
         self.stats["fallback_calls"] += 1
         return None
+
+    def launch(self, launch: Callable, crow, col, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+        """Run an installed kernel's launch on operands it can take: the kernels' vector loads
+        need ``X`` contiguous and 16-byte aligned and ``val`` contiguous, so others are copied."""
+        if not X.is_contiguous() or X.data_ptr() % 16:
+            X = X.clone(memory_format=torch.contiguous_format)
+        if not val.is_contiguous():
+            val = val.contiguous()
+        self.stats["installed_calls"] += 1
+        return launch(crow, col, val, X)
 
     # ------------------------------------------------------------------ decisions
     def prespecialize(self, op: str, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, n: int,
@@ -300,7 +305,11 @@ class Runtime:
         return pattern.specializations.get((self._generation, op, n, dtype))
 
     def explain(self, op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str:
-        state = self.state(op, pattern, n, dtype)
+        return self.describe(self.state(op, pattern, n, dtype))
+
+    @staticmethod
+    def describe(state) -> str:
+        """One line on a state: which kernel, or why cuSPARSE serves."""
         if state is None:
             return "not specialized yet"
         if isinstance(state, Installed):
