@@ -1,4 +1,5 @@
-"""The JIT runtime on a GPU, end to end: real specializer (autotuner in the sandbox), real
+"""The JIT runtime on a GPU, end to end: real specializer (the learned policy by default, its
+samples evaluated in the sandbox; the autotuner where a test says so), real
 installer (lean extension build), the operators routed through it.
 
 Run on the device: ``pytest -m gpu tests/test_runtime_gpu.py``. Correctness is checked
@@ -152,14 +153,22 @@ def _adversarial(name: str) -> KernelSpec:
     return KernelSpec((ADVERSARIAL / name).read_text(), "adversarial", (("file", name),))
 
 
-def test_a_hostile_candidate_never_reaches_the_user(kernel_dir, monkeypatch, poison_uninitialized):
+@pytest.mark.parametrize("policy", ["autotune", "learned"])
+def test_a_hostile_candidate_never_reaches_the_user(kernel_dir, monkeypatch, poison_uninitialized, policy):
     """Every candidate but one is broken in a way that could look fast (half the rows, a
     value cached from the first trial, an input written, out-of-bounds writes, a race); the
-    runtime installs the correct one or none, and the result is right either way."""
+    runtime installs the correct one or none, and the result is right either way -- whether
+    the candidates come from the autotuner's space or from the policy's samples."""
+    from torch_sparserl.policy import propose as proposing
+    from torch_sparserl.policy.model import Sample
+
     hostile = ["partial.cu", "cached_value.cu", "modifies_input.cu", "oob_near.cu", "race.cu", "wild_write.cu"]
     specs = [_adversarial(name) for name in hostile] + [_adversarial("good_spmm_f32.cu")]
     monkeypatch.setattr(autotune, "candidates", lambda *args, **kwargs: list(specs))
-    with _using(rt.RuntimeSettings(mode="sync", budget_s=120, margin=1.0), kernel_dir / "hostile") as runtime:
+    monkeypatch.setattr(proposing, "propose", lambda *args, **kwargs: [
+        proposing.Proposal(Sample(s.source, [], 0.0, True), s.source, s) for s in specs])
+    settings = rt.RuntimeSettings(mode="sync", budget_s=120, margin=1.0, policy=policy, k=len(specs))
+    with _using(settings, kernel_dir / f"hostile-{policy}") as runtime:
         M = ts.load_matrix("cora")
         A = ts.csr(M, dtype=torch.float32, device="cuda")
         X = torch.randn(M.shape[1], 16, device="cuda")

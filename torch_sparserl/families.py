@@ -36,6 +36,7 @@ warp_row_staged           spmm   coalesced (col,val) batches broadcast by shfl o
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -504,8 +505,38 @@ def _check_call(family: str, op: str, dtype: str, n: int) -> Family:
     return fam
 
 
-def render(family: str, params: dict | None = None, *, op: str, dtype: str, n: int) -> KernelSpec:
-    """One ABI translation unit for ``family`` with ``params`` (missing ones take defaults)."""
+# The shared headers of the ABI: a kernel may include them by these names instead of carrying
+# their text (the policy writes the short form); expand_headers() inlines them before a build.
+HEADERS = {"sparserl/prelude.cuh": "prelude.cuh", "sparserl/spmm_common.cuh": "spmm_common.cuh"}
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"(sparserl/[^"]*)"[ \t]*$', re.M)
+
+
+def expand_headers(source: str) -> str:
+    """Inline ``#include "sparserl/prelude.cuh"``-style lines with the shipped headers' text.
+
+    The result is the self-contained translation unit the builders take; a compact source
+    from :func:`render` ``(compact=True)`` expands to exactly the full rendering. An unknown
+    ``sparserl/`` header raises :class:`~torch_sparserl.abi.PlanError` (a compile-tier failure).
+    """
+    from .abi import PlanError
+
+    def _sub(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in HEADERS:
+            raise PlanError(f"source: unknown ABI header {name!r} (expected one of {', '.join(HEADERS)})")
+        return _read(HEADERS[name])
+
+    return _INCLUDE.sub(_sub, source)
+
+
+def render(family: str, params: dict | None = None, *, op: str, dtype: str, n: int,
+           compact: bool = False) -> KernelSpec:
+    """One ABI translation unit for ``family`` with ``params`` (missing ones take defaults).
+
+    ``compact=True`` names the shared headers with ``#include "sparserl/..."`` lines instead of
+    inlining them: the text the policy learns to write. Pass it through :func:`expand_headers`
+    before building (``KernelSpec.source`` of a compact spec is not self-contained).
+    """
     fam = _check_call(family, op, dtype, n)
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"family {family}: params expected a dict, got {type(params).__name__}")
@@ -523,9 +554,10 @@ def render(family: str, params: dict | None = None, *, op: str, dtype: str, n: i
     defines = {"SR_DTYPE": DTYPE_CODES[dtype], **r.defines, "SR_MINB": minb}
     parts = [line, f"// family: {family}({desc})"]
     parts += [f"#define {k} {v}" for k, v in defines.items()]
-    parts.append(_read("prelude.cuh"))
+    header = (lambda name: f'#include "sparserl/{name}"') if compact else _read
+    parts.append(header("prelude.cuh"))
     if op == "spmm":
-        parts.append(_read("spmm_common.cuh"))
+        parts.append(header("spmm_common.cuh"))
     parts.append(_read(fam.template.format(op=op)))
     return KernelSpec(source="\n".join(parts), family=family, params=full)
 

@@ -48,6 +48,7 @@ from .pattern import Pattern
 
 log = logging.getLogger("torch_sparserl.runtime")
 
+POLICIES = ("learned", "autotune")
 MODES = ("background", "sync", "off")
 OPS = ("spmm", "spmv")  # kernel ops; the transposed operators use these on the transposed pattern
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
@@ -69,8 +70,12 @@ class RuntimeSettings:
     """Install a kernel only when it is at least this much faster than cuSPARSE."""
     budget_s: float = 20.0
     """Autotuning budget per key."""
-    policy: str = "autotune"
-    """Where candidates come from; part of the cache key."""
+    policy: str = "learned"
+    """Where candidates come from: ``learned`` (the shipped policy's K samples, the default;
+    the autotuner when no checkpoint loads) or ``autotune`` (the family grid under the budget).
+    Part of the cache key, with the checkpoint's hash."""
+    k: int = 4
+    """Candidates the learned policy samples per key."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -81,15 +86,20 @@ class RuntimeSettings:
             raise ValueError(f"RuntimeSettings: margin must be >= 1.0 (got {self.margin})")
         if not self.budget_s > 0:
             raise ValueError(f"RuntimeSettings: budget_s must be > 0 (got {self.budget_s})")
+        if self.policy not in POLICIES:
+            raise ValueError(f"RuntimeSettings: policy must be one of {POLICIES} (got {self.policy!r})")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 64:
+            raise ValueError(f"RuntimeSettings: k must be an integer in 1..64 (got {self.k!r})")
 
     @classmethod
     def from_env(cls, environ=os.environ) -> RuntimeSettings:
-        """Defaults, overridden by ``SPARSERL_JIT``, ``SPARSERL_JIT_BUDGET_S``, ``SPARSERL_JIT_MARGIN``
-        and ``SPARSERL_JIT_STRICT``."""
+        """Defaults, overridden by ``SPARSERL_JIT``, ``SPARSERL_JIT_BUDGET_S``, ``SPARSERL_JIT_MARGIN``,
+        ``SPARSERL_JIT_STRICT``, ``SPARSERL_JIT_POLICY`` and ``SPARSERL_JIT_K``."""
         changes = {}
         for name, field_name, parse in (("SPARSERL_JIT", "mode", str), ("SPARSERL_JIT_BUDGET_S", "budget_s", float),
                                         ("SPARSERL_JIT_MARGIN", "margin", float),
-                                        ("SPARSERL_JIT_STRICT", "strict", _parse_bool)):
+                                        ("SPARSERL_JIT_STRICT", "strict", _parse_bool),
+                                        ("SPARSERL_JIT_POLICY", "policy", str), ("SPARSERL_JIT_K", "k", int)):
             raw = environ.get(name)
             if raw:
                 try:
@@ -165,7 +175,7 @@ class Runtime:
                  devices: tuple[str, ...] = ("cuda",)):
         self.settings = settings or RuntimeSettings()
         self._cache = cache
-        self.specializer = specializer or autotune_specializer(self.settings)
+        self.specializer = specializer or default_specializer(self.settings)
         self.installer = installer or inline_installer
         self.devices = devices
         self._generation = next(_GENERATIONS)  # states of another Runtime on a Pattern are not ours
@@ -227,7 +237,14 @@ class Runtime:
 
     def _key(self, op: str, n: int, pattern: Pattern, crow, col, dtype) -> SpecializationKey:
         return SpecializationKey(pattern=fingerprint(pattern, crow, col), op=op, n=n, dtype=DTYPE_NAMES[dtype],
-                                 arch=_device_arch(col.device), policy=self.settings.policy)
+                                 arch=_device_arch(col.device), policy=self.policy_id)
+
+    @property
+    def policy_id(self) -> str:
+        """Names where kernels come from in the cache key (the learned policy with its checkpoint
+        hash). A specializer may say; otherwise the settings decide, so that a process with a
+        custom specializer reads the same cache entries as one with the default."""
+        return getattr(self.specializer, "policy_id", None) or settings_policy_id(self.settings)
 
     def _resolve(self, op, n, pattern, crow, col, dtype):
         slot = (self._generation, op, n, dtype)
@@ -414,6 +431,75 @@ class autotune_specializer:  # noqa: N801 - used like a function
         if self._sandbox is not None:
             self._sandbox.close()
             self._sandbox = None
+
+
+class learned_specializer(autotune_specializer):  # noqa: N801 - used like a function
+    """Candidates from the shipped policy: K samples, the distinct ones screened in the sandbox,
+    the fastest validated with the full evaluation. When the checkpoint does not load, every
+    key goes to the autotuner instead (logged once)."""
+
+    def __init__(self, settings: RuntimeSettings, checkpoint=None):
+        super().__init__(settings)
+        from . import policy as _policy
+
+        self.checkpoint = checkpoint or _policy.CHECKPOINT_DIR
+        self._policy = None
+        self.unavailable: str | None = None
+        try:
+            self.policy_id = f"learned:{_policy.checkpoint_id(self.checkpoint)}"
+        except OSError as exc:
+            self.unavailable = str(exc)
+            self.policy_id = "autotune"
+            log.warning("runtime: the learned policy is unavailable (%s); the autotuner specializes instead", exc)
+
+    def _load(self, device):
+        if self._policy is None:
+            from .policy import load_default
+
+            self._policy = load_default(device, self.checkpoint)
+        return self._policy
+
+    def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
+        if self.unavailable is not None:
+            return super().__call__(key, crow, col, ncols)
+        from .evaluate.sandbox import Sandbox
+        from .policy.propose import policy_tune
+
+        if self._sandbox is None:
+            self._sandbox = Sandbox()
+        policy = self._load(col.device if col.is_cuda else "cpu")
+        rows = crow.numel() - 1
+        result, proposals, _ = policy_tune((crow.cpu(), col.cpu(), (rows, ncols)), op=key.op, n=key.n,
+                                           dtype=key.dtype, policy=policy, k=self.settings.k,
+                                           sandbox=self._sandbox)
+        best = result.best
+        searched = (f"{result.screened} distinct of {len(proposals)} policy samples in "
+                    f"{result.elapsed_s:.1f} s")
+        if best is None:
+            return CacheEntry(key, None, reason=f"no correct policy sample ({searched})")
+        if (best.speedup or 0) < self.settings.margin:
+            return CacheEntry(key, None, family=best.family, params=best.params, record=best.to_dict(),
+                              reason=f"the best sample, {best.family}, is {best.speedup or 0:.2f}x cuSPARSE, "
+                                     f"under the {self.settings.margin}x margin ({searched})")
+        return CacheEntry(key, result.best_spec.source, family=best.family, params=best.params,
+                          record=best.to_dict(), reason=f"{best.speedup:.2f}x cuSPARSE ({searched})")
+
+
+def settings_policy_id(settings: RuntimeSettings) -> str:
+    """``learned:<checkpoint hash>`` for the learned policy (``autotune`` when no checkpoint
+    is shipped, as :class:`learned_specializer` then does), else the policy's name."""
+    if settings.policy != "learned":
+        return settings.policy
+    from . import policy as _policy
+
+    try:
+        return f"learned:{_policy.checkpoint_id()}"
+    except OSError:
+        return "autotune"
+
+
+def default_specializer(settings: RuntimeSettings):
+    return learned_specializer(settings) if settings.policy == "learned" else autotune_specializer(settings)
 
 
 def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:

@@ -1,0 +1,362 @@
+"""The kernel policy: a small causal LM (Llama architecture, from a config) reading the matrix
+encoder's prefix embeddings and writing a compact ABI kernel source.
+
+Sequence layout (training and sampling alike)::
+
+    [encoder prefix: samples + 1 positions] <bos> request tokens | completion tokens <eos>
+
+The request is the start of the plan line (``// sparserl: op=spmm dtype=f32 n=32``), stated by
+the caller; the policy writes the rest: the plan, the family and its parameters, the kernel.
+A checkpoint is a folder with ``config.json`` (this module's :class:`PolicyConfig` plus
+metadata), ``model.safetensors`` (float16 weights, the tied LM head left out) and
+``tokenizer.json``: loaded by building the model from the config, so it does not depend on
+``transformers``' serialisation format and loads under any 5.x.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .corpus import prompt_text
+from .encoder import PatternEncoder, PatternInput, collate
+from .tokenizer import EOS, BOS, PAD, load_tokenizer, special_ids
+
+CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.json"
+
+
+@dataclass
+class PolicyConfig:
+    vocab_size: int = 8192
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    intermediate: int = 704
+    max_positions: int = 1024
+    samples: int = 128          # sampled nonzeros: prefix positions
+    pe_dim: int = 64            # sinusoidal width per coordinate (row and column each)
+    coords: str = "sinusoidal"  # or "raw" (the ablation)
+    max_new_tokens: int = 320   # longest completion sampled
+
+
+def _llama(config: PolicyConfig, ids: dict[str, int]):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden,
+                      intermediate_size=config.intermediate, num_hidden_layers=config.layers,
+                      num_attention_heads=config.heads, num_key_value_heads=config.heads,
+                      max_position_embeddings=config.max_positions, tie_word_embeddings=True,
+                      pad_token_id=ids[PAD], bos_token_id=ids[BOS], eos_token_id=ids[EOS],
+                      rms_norm_eps=1e-5)
+    try:
+        cfg._attn_implementation = "sdpa"
+    except Exception:  # pragma: no cover - attribute moved in some release
+        pass
+    return LlamaForCausalLM(cfg)
+
+
+@dataclass
+class Sample:
+    """One sampled completion: its text, its token ids and their log-probabilities."""
+
+    text: str
+    tokens: list[int]
+    logprob: float
+    finished: bool
+    token_logprobs: list[float] = field(default_factory=list)
+
+
+class KernelPolicy(nn.Module):
+    def __init__(self, config: PolicyConfig, tokenizer):
+        super().__init__()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.ids = special_ids(tokenizer)
+        if tokenizer.get_vocab_size() > config.vocab_size:
+            raise ValueError(f"policy: the tokenizer has {tokenizer.get_vocab_size()} tokens, "
+                             f"more than vocab_size={config.vocab_size}")
+        self.lm = _llama(config, self.ids)
+        self.encoder = PatternEncoder(config.hidden, config.pe_dim, config.coords)
+        self.meta: dict = {}
+
+    # ------------------------------------------------------------------ text <-> ids
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def request_ids(self, op: str, dtype: str, n: int) -> list[int]:
+        return [self.ids[BOS]] + self.encode(prompt_text(op, dtype, n))
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.model.embed_tokens.weight.device
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ------------------------------------------------------------------ forward passes
+    def prefix(self, inputs: list[PatternInput]) -> torch.Tensor:
+        batch = {k: v.to(self.device) for k, v in collate(inputs).items()}
+        return self.encoder(**batch)
+
+    def lm_loss(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Plain next-token loss over padded ``ids`` (pretraining: no prefix)."""
+        labels = ids.masked_fill(mask == 0, -100)
+        return self.lm(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def _sequences(self, inputs: list[PatternInput], requests: list[list[int]], completions: list[list[int]]):
+        """inputs_embeds, attention mask, and the (batch, position) of every completion token."""
+        prefix = self.prefix(inputs)
+        b, p, h = prefix.shape
+        lengths = [len(r) + len(c) for r, c in zip(requests, completions)]
+        t = max(lengths)
+        tok = torch.full((b, t), self.ids[PAD], dtype=torch.long)
+        mask = torch.zeros((b, p + t), dtype=torch.long)
+        mask[:, :p] = 1
+        for i, (r, c) in enumerate(zip(requests, completions)):
+            tok[i, :len(r) + len(c)] = torch.tensor(r + c)
+            mask[i, p:p + len(r) + len(c)] = 1
+        tok, mask = tok.to(self.device), mask.to(self.device)
+        embeds = torch.cat([prefix, self.lm.model.embed_tokens(tok)], dim=1)
+        return embeds, mask, tok, p
+
+    def completion_logprobs(self, inputs: list[PatternInput], requests: list[list[int]],
+                            completions: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per-token log-probabilities of each completion (with gradient) under the policy
+        at ``temperature`` (softmax of logits / temperature)."""
+        embeds, mask, tok, p = self._sequences(inputs, requests, completions)
+        logits = self.lm(inputs_embeds=embeds, attention_mask=mask).logits.float() / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        out = []
+        for i, (r, c) in enumerate(zip(requests, completions)):
+            # the token at sequence position p + j is predicted by the logits at p + j - 1
+            pos = torch.arange(p + len(r) - 1, p + len(r) + len(c) - 1, device=logits.device)
+            out.append(logp[i, pos, tok[i, len(r):len(r) + len(c)]])
+        return out
+
+    def sft_loss(self, inputs: list[PatternInput], requests: list[list[int]],
+                 completions: list[list[int]]) -> torch.Tensor:
+        """Mean negative log-likelihood per completion token."""
+        lps = self.completion_logprobs(inputs, requests, completions)
+        return -torch.cat(lps).mean()
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def sample(self, inp: PatternInput, op: str, dtype: str, n: int, k: int = 4, *,
+               temperature: float = 1.0, greedy_first: bool = True, max_new_tokens: int | None = None,
+               generator: torch.Generator | None = None) -> list[Sample]:
+        """``k`` completions for one request, batched; the first greedy when ``greedy_first``."""
+        if k < 1:
+            raise ValueError(f"policy.sample: k must be >= 1 (got {k})")
+        max_new = max_new_tokens or self.config.max_new_tokens
+        request = self.request_ids(op, dtype, n)
+        prefix = self.prefix([inp]).expand(k, -1, -1)
+        req = torch.tensor(request, device=self.device).unsqueeze(0).expand(k, -1)
+        embeds = torch.cat([prefix, self.lm.model.embed_tokens(req)], dim=1)
+        out = self.lm(inputs_embeds=embeds, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1].float()
+        eos = self.ids[EOS]
+        tokens = [[] for _ in range(k)]
+        lps = [[] for _ in range(k)]
+        done = torch.zeros(k, dtype=torch.bool, device=self.device)
+        for _ in range(max_new):
+            logp = torch.log_softmax(logits, dim=-1)
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            else:
+                nxt = logp.argmax(-1)
+            if greedy_first:
+                nxt[0] = logp[0].argmax()
+            nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+            chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
+            for i in range(k):
+                if not done[i]:
+                    tokens[i].append(int(nxt[i]))
+                    lps[i].append(float(chosen[i]))
+            done |= nxt == eos
+            if bool(done.all()):
+                break
+            out = self.lm(input_ids=nxt.unsqueeze(1), past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1].float()
+        samples = []
+        for i in range(k):
+            toks = tokens[i]
+            finished = bool(toks) and toks[-1] == eos
+            body = toks[:-1] if finished else toks
+            samples.append(Sample(text=self.decode(body), tokens=toks, logprob=float(sum(lps[i])),
+                                  finished=finished, token_logprobs=lps[i]))
+        return samples
+
+    # ------------------------------------------------------------------ speculative sampling
+    def _draft_index(self) -> dict:
+        """Token trigrams of the kernel corpus -> (document, position): the draft source."""
+        index = getattr(self, "_ngram_index", None)
+        if index is None:
+            from .corpus import completion_text, kernel_documents
+
+            docs, index = [], {}
+            for op, dtype, n, _, _, text in kernel_documents():
+                ids = self.encode(completion_text(text, op, dtype, n)) + [self.ids[EOS]]
+                d = len(docs)
+                docs.append(ids)
+                for i in range(len(ids) - 3):
+                    index.setdefault(tuple(ids[i:i + 3]), (d, i + 3))
+            self._ngram_docs, self._ngram_index = docs, index
+            index = self._ngram_index
+        return index
+
+    def _draft(self, context: list[int], length: int) -> list[int]:
+        index = self._draft_index()
+        hit = index.get(tuple(context[-3:])) if len(context) >= 3 else None
+        if hit is None:
+            return []
+        doc, pos = hit
+        return self._ngram_docs[doc][pos:pos + length]
+
+    @torch.no_grad()
+    def sample_speculative(self, inp: PatternInput, op: str, dtype: str, n: int, k: int = 4, *,
+                           temperature: float = 1.0, greedy_first: bool = True, max_new_tokens: int | None = None,
+                           generator: torch.Generator | None = None, draft_len: int = 64) -> list[Sample]:
+        """The same distribution as :meth:`sample`, in far fewer forward passes.
+
+        Prompt-lookup speculative decoding: a draft continuation is read from the kernel
+        corpus where the last three tokens occur there, and the model scores the whole draft in
+        one pass. A draft token d is kept with probability p(d) (greedy rows: when it is the
+        argmax); at the first rejection a token is drawn from p with d removed, renormalised
+        -- exact speculative sampling for a point-mass draft -- so the samples follow the
+        policy's distribution and greedy rows equal greedy decoding.
+        """
+        if k < 1:
+            raise ValueError(f"policy.sample: k must be >= 1 (got {k})")
+        max_new = max_new_tokens or self.config.max_new_tokens
+        request = self.request_ids(op, dtype, n)
+        prefix = self.prefix([inp])
+        req = torch.tensor(request, device=self.device).unsqueeze(0)
+        embeds = torch.cat([prefix, self.lm.model.embed_tokens(req)], dim=1)
+        first = self.lm(inputs_embeds=embeds, use_cache=True)
+        eos = self.ids[EOS]
+        samples = []
+        for row in range(k):
+            greedy = temperature <= 0 or (greedy_first and row == 0)
+            cache = first.past_key_values if row == k - 1 else _copy_cache(first.past_key_values)
+            base = embeds.shape[1]
+            dist = first.logits[0, -1].float()
+            tokens, lps = [], []
+
+            def choose(logits: torch.Tensor, draft_token: int | None) -> tuple[int, bool]:
+                """(token, accepted draft) from one position's logits."""
+                if greedy:
+                    t = int(logits.argmax())
+                    return t, t == draft_token
+                probs = torch.softmax(logits / temperature, dim=-1)
+                if draft_token is not None:
+                    u = torch.rand((), generator=generator, device=probs.device) if generator is not None \
+                        else torch.rand((), device=probs.device)
+                    if bool(u < probs[draft_token]):
+                        return draft_token, True
+                    probs = probs.clone()
+                    probs[draft_token] = 0
+                    probs = probs / probs.sum()
+                return int(torch.multinomial(probs, 1, generator=generator)), False
+
+            t, _ = choose(dist, None)
+            tokens.append(t)
+            lps.append(float(torch.log_softmax(dist, -1)[t]))
+            while tokens[-1] != eos and len(tokens) < max_new:
+                draft = self._draft(request + tokens, min(draft_len, max_new - len(tokens)))
+                inp_ids = torch.tensor([[tokens[-1], *draft]], device=self.device)
+                out = self.lm(input_ids=inp_ids, past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, out.logits[0].float()
+                accepted = 0
+                for j, d in enumerate(draft):
+                    t, ok = choose(logits[j], d)
+                    tokens.append(t)
+                    lps.append(float(torch.log_softmax(logits[j], -1)[t]))
+                    if not ok or t == eos or len(tokens) >= max_new:
+                        break
+                    accepted += 1
+                else:
+                    if tokens[-1] != eos and len(tokens) < max_new:
+                        t, _ = choose(logits[len(draft)], None)
+                        tokens.append(t)
+                        lps.append(float(torch.log_softmax(logits[len(draft)], -1)[t]))
+                # keep in the cache what was fed and accepted; the last token is fed next round
+                base += 1 + accepted
+                if accepted < len(draft):
+                    # a negative count removes tokens from the end in every transformers 4.4x/5.x
+                    cache.crop(-(cache.get_seq_length() - base))
+            finished = tokens[-1] == eos
+            body = tokens[:-1] if finished else tokens
+            samples.append(Sample(text=self.decode(body), tokens=tokens, logprob=float(sum(lps)),
+                                  finished=finished, token_logprobs=lps))
+        return samples
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, folder: str | Path, meta: dict | None = None, dtype: torch.dtype = torch.float16) -> Path:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+                 for k, v in self.state_dict().items() if k != "lm.lm_head.weight"}
+        save_file(state, str(folder / WEIGHTS_FILE))
+        self.tokenizer.save(str(folder / TOKENIZER_FILE))
+        info = {"format": "torch_sparserl.policy/1", "config": dataclasses.asdict(self.config),
+                "meta": {**self.meta, **(meta or {})}}
+        (folder / CONFIG_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path, device: str | torch.device = "cpu") -> "KernelPolicy":
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):
+            if not (folder / name).exists():
+                raise FileNotFoundError(f"policy: checkpoint {folder} lacks {name}")
+        info = json.loads((folder / CONFIG_FILE).read_text())
+        if info.get("format") != "torch_sparserl.policy/1":
+            raise ValueError(f"policy: {folder / CONFIG_FILE} is not a torch_sparserl policy checkpoint "
+                             f"(format {info.get('format')!r})")
+        known = {f.name for f in dataclasses.fields(PolicyConfig)}
+        config = PolicyConfig(**{k: v for k, v in info["config"].items() if k in known})
+        policy = cls(config, load_tokenizer(folder / TOKENIZER_FILE))
+        state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
+        missing, unexpected = policy.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "lm.lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"policy: checkpoint {folder} does not match the model "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        policy.lm.tie_weights()
+        if policy.lm.lm_head.weight.data_ptr() != policy.lm.model.embed_tokens.weight.data_ptr():
+            policy.lm.lm_head.weight = policy.lm.model.embed_tokens.weight
+        policy.meta = info.get("meta", {})
+        return policy.to(device).eval()
+
+
+def _copy_cache(cache):
+    """An independent copy of a KV cache (each sampled row extends its own)."""
+    import copy
+
+    return copy.deepcopy(cache)
+
+
+def build(tokenizer, **overrides) -> KernelPolicy:
+    """A freshly initialised policy sized for ``tokenizer``."""
+    config = PolicyConfig(**overrides)
+    if tokenizer.get_vocab_size() != config.vocab_size:
+        config = dataclasses.replace(config, vocab_size=max(tokenizer.get_vocab_size(), 1))
+    return KernelPolicy(config, tokenizer)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))

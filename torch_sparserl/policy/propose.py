@@ -1,0 +1,165 @@
+"""From the policy's samples to a validated kernel: the learned counterpart of ``autotune.tune``.
+
+:func:`propose` samples K completions for one pattern and turns each into a candidate: the
+request plus what the policy wrote is a compact ABI source; its ``#include "sparserl/..."``
+lines are expanded (:func:`torch_sparserl.families.expand_headers`) into the self-contained
+translation unit every builder takes. A completion that cannot become a source (unfinished,
+an unknown header) is still a candidate: the evaluator scores it as a compile-tier failure.
+
+:func:`policy_tune` evaluates the distinct candidates in the sandbox with the screening
+configuration, then validates the fastest correct ones with the full configuration (fresh
+trials, determinism, cuSPARSE timed in the same run), like the autotuner's final stage.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..abi import KernelSpec, PlanError
+from ..autotune import FINAL_CONFIG, SCREEN_CONFIG, TuneResult, _pattern_arrays
+from ..evaluate.config import EvalConfig
+from ..evaluate.record import ErrorKind, EvalRecord, dtype_name
+from ..features import structural_features
+from ..fingerprint import pattern_hash
+from .corpus import request
+from .encoder import PatternInput
+from .model import KernelPolicy, Sample
+
+_FAMILY_LINE = re.compile(r"^// family: ([a-z_]+)\((.*)\)\s*$", re.M)
+
+
+@dataclass
+class Proposal:
+    """One sampled candidate: what the policy wrote and the spec built from it (or why not)."""
+
+    sample: Sample
+    compact: str            # request + completion: the text the policy wrote, headers by name
+    spec: KernelSpec        # the expanded source (the compact text when expansion failed)
+    error: str | None = None
+
+    @property
+    def family(self) -> str:
+        return self.spec.family
+
+
+def _family(text: str) -> tuple[str, tuple]:
+    m = _FAMILY_LINE.search(text)
+    if not m:
+        return "", ()
+    params = tuple((k, v) for k, _, v in (p.partition("=") for p in re.split(r",(?![^()]*\))", m.group(2))) if k)
+    return m.group(1), params
+
+
+def to_proposal(sample: Sample, op: str, dtype: str, n: int) -> Proposal:
+    from ..families import expand_headers
+
+    compact = request(op, dtype, n) + sample.text
+    family, params = _family(compact)
+    error = None if sample.finished else "the completion did not end (no <eos> within the token limit)"
+    try:
+        source = expand_headers(compact)
+    except PlanError as exc:
+        source, error = compact, str(exc)
+    return Proposal(sample, compact, KernelSpec(source, family, params), error)
+
+
+def propose(policy: KernelPolicy, rowptr, col, shape, *, op: str, n: int, dtype: str = "f32",
+            k: int = 4, seed: int = 0, temperature: float = 1.0, features: dict | None = None) -> list[Proposal]:
+    """K candidates for one pattern (the first is the greedy choice, the top-1)."""
+    dtype = dtype_name(dtype)
+    inp = PatternInput.from_pattern(rowptr, col, shape, op, dtype, n, policy.config.samples, seed=seed,
+                                    features=features)
+    gen = torch.Generator(device=policy.device).manual_seed(seed)
+    samples = policy.sample_speculative(inp, op, dtype, n, k=k, temperature=temperature, generator=gen)
+    return [to_proposal(s, op, dtype, n) for s in samples]
+
+
+def _failed(p: Proposal, op: str, n: int, dtype: str) -> EvalRecord:
+    record = EvalRecord(key=p.spec.key, family=p.spec.family, params=dict(p.spec.params), op=op, n=n, dtype=dtype)
+    return record.fail(ErrorKind.PLAN, p.error or "")
+
+
+def _runtime(record: EvalRecord) -> float:
+    return record.runtime_us if record.ok and record.runtime_us else math.inf
+
+
+def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolicy, k: int = 4,
+                sandbox=None, seed: int = 0, temperature: float = 1.0, finalists: int = 1,
+                screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
+                timeout_s: float = 60.0) -> tuple[TuneResult, list[Proposal], list[EvalRecord]]:
+    """Sample ``k`` candidates, screen the distinct ones, validate the best ``finalists``
+    (and the next ones while none has passed the full validation).
+
+    Returns the result (``best`` as the autotuner's), the proposals in sample order, and one
+    record per proposal (duplicates share their record). When the samples hold a single
+    distinct runnable kernel it is validated directly, without a screening run.
+    """
+    from ..evaluate.sandbox import Sandbox
+
+    dtype = dtype_name(dtype)
+    start = time.monotonic()
+    rowptr, col, shape = _pattern_arrays(matrix)
+    features = structural_features(rowptr, col, shape)
+    proposals = propose(policy, rowptr, col, shape, op=op, n=n, dtype=dtype, k=k, seed=seed,
+                        temperature=temperature, features=features)
+    gen_s = time.monotonic() - start
+    result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None, candidates=k)
+    own = sandbox is None
+    box = Sandbox() if own else sandbox
+    records: dict[str, EvalRecord] = {}
+    try:
+        key = pattern_hash(torch.from_numpy(rowptr), torch.from_numpy(col), shape[1])
+        box.set_matrix(key, rowptr, col, shape)
+        runnable = {p.spec.key for p in proposals if p.error is None}
+        # One distinct runnable candidate (a confident policy): nothing to rank, so it goes
+        # straight to the full validation, whose record stands for the screen too.
+        screen = len(runnable) > 1 or finalists < 1
+        finals: dict[str, EvalRecord] = {}
+        for p in proposals:
+            if p.spec.key in records:
+                continue
+            if p.error is not None:
+                record = _failed(p, op, n, dtype)
+            elif screen:
+                record = box.evaluate(p.spec, key, n, dtype, screen_config, timeout_s)
+            else:
+                record = finals[p.spec.key] = box.evaluate(p.spec, key, n, dtype, final_config, timeout_s)
+            record.timing.setdefault("stage", "screen" if screen or p.error is not None else "final")
+            records[p.spec.key] = record
+            result.table.append(record)
+        result.screened = len(records)
+        specs = {p.spec.key: p.spec for p in proposals}
+        ranked = sorted((r for r in records.values() if math.isfinite(_runtime(r))), key=_runtime)
+        best, validated = None, 0
+        for r in ranked:  # fastest first; a finalist failing the full validation passes its turn on
+            if validated >= finalists and best is not None:
+                break
+            final = finals.get(r.key)
+            if final is None:
+                final = box.evaluate(specs[r.key], key, n, dtype, final_config, timeout_s)
+                final.timing["stage"] = "final"
+                result.table.append(final)
+            validated += 1
+            if final.cusparse_us:
+                result.cusparse_us = min(result.cusparse_us or math.inf, final.cusparse_us)
+            if math.isfinite(_runtime(final)) and (best is None or _runtime(final) < _runtime(best)):
+                best = final
+        if best is not None:
+            result.best, result.best_spec = best, specs[best.key]
+    finally:
+        if own:
+            box.close()
+    result.elapsed_s = time.monotonic() - start
+    for r in result.table:
+        r.timing.setdefault("generate_s", round(gen_s, 4))
+    return result, proposals, [records[p.spec.key] for p in proposals]
+
+
+def as_numpy_pattern(matrix) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    return _pattern_arrays(matrix)

@@ -1,0 +1,1 @@
+"""Training the kernel policy: data, pretraining, SFT, RL (GRPO) and evaluation (see README.md)."""
