@@ -114,12 +114,12 @@ def demo(args) -> int:
 
 
 def _demo_kernels(args, M, A, X, device: torch.device) -> int:
-    """The JIT pipeline on the demo matrix: on a GPU, specialize ``A @ X`` and time it against
-    ``torch.sparse.mm``; without one, generate the candidate kernels and compile them with nvcc."""
+    """The JIT pipeline on the demo matrix: on a GPU, specialize ``A @ X`` with the learned
+    policy and time it against ``torch.sparse.mm``; without one, sample the policy's kernels on
+    the CPU and compile them with nvcc."""
     from . import measure
     from . import pattern as patterns
     from . import runtime as rt
-    from .autotune import candidates
     from .features import structural_features
     from .fingerprint import fingerprint
 
@@ -127,20 +127,20 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     entry = patterns.lookup(A.crow, A.col, M.shape[1])
     print(f"pattern  fingerprint {fingerprint(entry, A.crow, A.col)}; row mean {features['row_mean']:.1f}, "
           f"max {features['row_max']}, cv {features['row_cv']:.2f}")
-    specs = candidates("spmm", args.n, "f32", features)
-    print(f"space    {len(specs)} candidate kernels for spmm N={args.n} f32 from "
-          f"{len({s.family for s in specs})} families")
+    settings = rt.RuntimeSettings(mode="sync", budget_s=args.budget_s)
+    print(f"policy   {rt.settings_policy_id(settings)}: {settings.k} kernels sampled per product, "
+          f"validated, the fastest installed if it beats cuSPARSE by {settings.margin}x")
     if device.type != "cuda":
-        return _demo_compile_tier(specs)
+        return _demo_compile_tier(M, args.n, settings.k)
     runtime = rt.configure(mode="sync", budget_s=args.budget_s)
     result = measure.product(M, "spmm", args.n, runtime=runtime)
     failures = 0 if result["correct"] else 1
-    print(f"jit      first A @ X specialized in {result['cold_s']:.1f} s (autotuner, budget {args.budget_s:g} s): "
-          f"{result['decision']}")
+    print(f"jit      first A @ X specialized in {result['cold_s']:.1f} s (one-time: loading the policy and "
+          f"starting the sandbox): {result['decision']}")
     print(f"check    specialized A @ X against float64: {'ok' if result['correct'] else 'FAILED: ' + str(result['error'])}")
-    state = runtime.state("spmm", entry, args.n, torch.float32)
-    if isinstance(state, rt.Installed):
-        source = runtime.cache.get(state.key).spec_source.splitlines()
+    cached = runtime.cache.get(runtime._key("spmm", args.n, entry, A.crow, A.col, torch.float32))
+    if cached is not None and cached.spec_source:
+        source = cached.spec_source.splitlines()
         shown = source if args.show_source else source[:12]
         print("kernel   " + "\n         ".join(shown) + ("" if args.show_source else
                                                        f"\n         ... ({len(source)} lines; --show-source for all)"))
@@ -149,25 +149,36 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     return failures
 
 
-def _demo_compile_tier(specs) -> int:
+def _demo_compile_tier(M, n: int, k: int) -> int:
+    """No GPU: the policy writes K kernels on the CPU; each distinct one is compiled by nvcc."""
     import shutil
+    import time
 
     from .evaluate.compile_tier import compile_only
+    from .policy import load_default
+    from .policy.propose import propose
 
+    start = time.monotonic()
+    proposals = propose(load_default("cpu"), M.indptr, M.indices, M.shape, op="spmm", n=n, k=k)
+    print(f"sample   {k} kernels written on the CPU in {time.monotonic() - start:.1f} s "
+          f"({len({p.spec.key for p in proposals})} distinct); the first (greedy) would be tried first")
     if shutil.which("nvcc") is None:
         print("note     no GPU and no nvcc: kernels are neither built nor run here")
         return 0
-    sample = list({spec.family: spec for spec in specs}.values())  # one per family
-    bad = 0
-    for spec in sample:
-        record = compile_only(spec)
-        ok = record.compiled and record.error_kind is None
+    bad, seen = 0, set()
+    for p in proposals:
+        if p.spec.key in seen:
+            continue
+        seen.add(p.spec.key)
+        record = compile_only(p.spec) if p.error is None else None
+        ok = record is not None and record.compiled and record.error_kind is None
         bad += not ok
-        print(f"compile  {spec.describe():64s} {'ok' if ok else record.error_kind} (nvcc, sm_90, "
-              f"{record.registers} registers)")
-    print(f"plan     {sample[0].source.splitlines()[0]}")
-    print("note     no GPU: kernels compiled for sm_90 but not run; on a GPU the runtime specializes, "
-          "validates and times them against cuSPARSE")
+        why = p.error if record is None else record.error_kind
+        print(f"compile  {p.spec.describe():64s} {'ok' if ok else why} (nvcc, sm_90, "
+              f"{record.registers if record else '-'} registers)")
+    print(f"plan     {proposals[0].spec.source.splitlines()[0]}")
+    print("note     no GPU: kernels compiled for sm_90 but not run; on a GPU the runtime validates "
+          "them and times them against cuSPARSE")
     return 1 if bad else 0
 
 

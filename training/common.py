@@ -190,6 +190,26 @@ class Patterns:
             self._specs = names
         return self._specs
 
+    def available(self, name: str) -> bool:
+        """Whether :meth:`get` can load the matrix (real ones need ../shared or ./shared)."""
+        if name in self._cache or name in self._spec_names():
+            return True
+        try:
+            _real_path(name)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def keep_available(self, items: list, what: str) -> list:
+        """``items`` (with a ``.matrix``) whose matrix loads; says how many were dropped."""
+        kept = [it for it in items if self.available(it.matrix)]
+        if len(kept) < len(items):
+            missing = sorted({it.matrix for it in items} - {it.matrix for it in kept})
+            print(f"{what}: {len(items) - len(kept)} of {len(items)} left out: matrices not found "
+                  f"({', '.join(missing[:6])}{'...' if len(missing) > 6 else ''}; real ones come from "
+                  f"../shared/matrices or ./shared/matrices)", flush=True)
+        return kept
+
     def get(self, name: str):
         """(rowptr int64, col int64, shape, features) of one matrix."""
         if name not in self._cache:
@@ -208,13 +228,19 @@ class Patterns:
 
 
 def _load_real(name: str):
-    from torch_sparserl.datasets import list_matrices, load_matrix
+    from torch_sparserl.datasets import load_matrix
+
+    return load_matrix(_real_path(name))
+
+
+def _real_path(name: str):
+    from torch_sparserl.datasets import list_matrices
 
     if name in list_matrices():
-        return load_matrix(name)
+        return name
     for folder in (REPO.parent / "shared" / "matrices", REPO / "shared" / "matrices"):
         path = folder / f"{name}.npz"
         if path.exists():
-            return load_matrix(path)
+            return path
     raise FileNotFoundError(f"training: matrix {name!r} is neither shipped, in ../shared/matrices, "
                             f"in ./shared/matrices, nor a known synthetic pattern")

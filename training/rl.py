@@ -137,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     for p in reference.parameters():
         p.requires_grad_(False)
     cells = [lab for lab in load_labels(args.labels or None, split="train") if not is_dev(lab.matrix, 10)]
+    patterns = Patterns()
+    cells = patterns.keep_available(cells, "rl")
     rng = random.Random(args.seed)
     rng.shuffle(cells)
     if args.max_cells:
         cells = cells[:args.max_cells]
-    patterns = Patterns()
     inputs = Inputs(patterns, policy.config.samples, 8)
     rewarder = Rewarder(patterns, args.compile_only)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))

@@ -131,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         policy.config = dataclasses.replace(policy.config, coords=args.coords)
         policy.encoder = PatternEncoder(policy.config.hidden, policy.config.pe_dim, args.coords).to(device)
     labels = load_labels(args.labels or None, split="train")
+    patterns = Patterns()
+    labels = patterns.keep_available(labels, "sft")
     examples = make_examples(policy, labels, args.max_examples)
     train = [e for e in examples if not is_dev(e.matrix, args.dev_every)] or examples
     dev = [e for e in examples if is_dev(e.matrix, args.dev_every)]
-    inputs = Inputs(Patterns(), policy.config.samples, args.resamples)
+    inputs = Inputs(patterns, policy.config.samples, args.resamples)
     opt = torch.optim.AdamW([
         {"params": policy.lm.parameters(), "lr": args.lr, "base": args.lr},
         {"params": policy.encoder.parameters(), "lr": args.encoder_lr, "base": args.encoder_lr},
