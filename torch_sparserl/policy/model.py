@@ -228,9 +228,10 @@ class KernelPolicy(nn.Module):
                            generator: torch.Generator | None = None, draft_len: int = 64) -> list[Sample]:
         """The same distribution as :meth:`sample`, in far fewer forward passes.
 
-        Prompt-lookup speculative decoding: a draft continuation is read from the kernel
-        corpus where the last three tokens occur there, and the model scores the whole draft in
-        one pass. A draft token d is kept with probability p(d) (greedy rows: when it is the
+        Prompt-lookup speculative decoding: a draft continuation is read from an earlier row
+        that wrote the same tokens so far, else from the kernel corpus where the last three
+        tokens occur there, and the model scores the whole draft in one pass. The draft never
+        depends on the current row's own random draws, so acceptance stays exact. A draft token d is kept with probability p(d) (greedy rows: when it is the
         argmax); at the first rejection a token is drawn from p with d removed, renormalised
         -- exact speculative sampling for a point-mass draft -- so the samples follow the
         policy's distribution and greedy rows equal greedy decoding.
@@ -272,7 +273,13 @@ class KernelPolicy(nn.Module):
             tokens.append(t)
             lps.append(float(torch.log_softmax(dist, -1)[t]))
             while tokens[-1] != eos and len(tokens) < max_new:
-                draft = self._draft(request + tokens, min(draft_len, max_new - len(tokens)))
+                budget = min(draft_len, max_new - len(tokens))
+                # An earlier row that wrote the same tokens so far is the best draft (a confident
+                # policy writes one kernel K times: then a row costs one or two passes); else the corpus.
+                draft = next((s.tokens[len(tokens):len(tokens) + budget] for s in samples
+                              if len(s.tokens) > len(tokens) and s.tokens[:len(tokens)] == tokens), None)
+                if not draft:
+                    draft = self._draft(request + tokens, budget)
                 inp_ids = torch.tensor([[tokens[-1], *draft]], device=self.device)
                 out = self.lm(input_ids=inp_ids, past_key_values=cache, use_cache=True)
                 cache, logits = out.past_key_values, out.logits[0].float()
