@@ -416,14 +416,19 @@ class autotune_specializer:  # noqa: N801 - used like a function
         rows = crow.numel() - 1
         result = tune((crow.cpu(), col.cpu(), (rows, ncols)), op=key.op, n=key.n, dtype=key.dtype,
                       budget_s=settings.budget_s, sandbox=self._sandbox)
-        best = result.best
-        searched = f"{result.screened}/{result.candidates} candidates screened in {result.elapsed_s:.1f} s"
+        return self._entry(key, result, f"{result.screened}/{result.candidates} candidates screened in "
+                                        f"{result.elapsed_s:.1f} s", "candidate")
+
+    def _entry(self, key: SpecializationKey, result, searched: str, what: str) -> CacheEntry:
+        """The decision for ``key`` from a tuning result: install its best only when it is correct
+        and beats cuSPARSE by the margin."""
+        best, margin = result.best, self.settings.margin
         if best is None:
-            return CacheEntry(key, None, reason=f"no correct candidate ({searched})")
-        if (best.speedup or 0) < settings.margin:
+            return CacheEntry(key, None, reason=f"no correct {what} ({searched})")
+        if (best.speedup or 0) < margin:
             return CacheEntry(key, None, family=best.family, params=best.params, record=best.to_dict(),
-                              reason=f"the best, {best.family}, is {best.speedup or 0:.2f}x cuSPARSE, under the "
-                                     f"{settings.margin}x margin ({searched})")
+                              reason=f"the best {what}, {best.family}, is {best.speedup or 0:.2f}x cuSPARSE, "
+                                     f"under the {margin}x margin ({searched})")
         return CacheEntry(key, result.best_spec.source, family=best.family, params=best.params,
                           record=best.to_dict(), reason=f"{best.speedup:.2f}x cuSPARSE ({searched})")
 
@@ -472,17 +477,8 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
         result, proposals, _ = policy_tune((crow.cpu(), col.cpu(), (rows, ncols)), op=key.op, n=key.n,
                                            dtype=key.dtype, policy=policy, k=self.settings.k,
                                            sandbox=self._sandbox)
-        best = result.best
-        searched = (f"{result.screened} distinct of {len(proposals)} policy samples in "
-                    f"{result.elapsed_s:.1f} s")
-        if best is None:
-            return CacheEntry(key, None, reason=f"no correct policy sample ({searched})")
-        if (best.speedup or 0) < self.settings.margin:
-            return CacheEntry(key, None, family=best.family, params=best.params, record=best.to_dict(),
-                              reason=f"the best sample, {best.family}, is {best.speedup or 0:.2f}x cuSPARSE, "
-                                     f"under the {self.settings.margin}x margin ({searched})")
-        return CacheEntry(key, result.best_spec.source, family=best.family, params=best.params,
-                          record=best.to_dict(), reason=f"{best.speedup:.2f}x cuSPARSE ({searched})")
+        return self._entry(key, result, f"{result.screened} distinct of {len(proposals)} policy samples in "
+                                        f"{result.elapsed_s:.1f} s", "policy sample")
 
 
 def settings_policy_id(settings: RuntimeSettings) -> str:

@@ -135,6 +135,15 @@ class Stage:
     def resuming(self) -> bool:
         return (self.ckpt / "trainer.pt").exists()
 
+    def finish(self, name: str, policy, optimizer, step: int, steps: int, meta: dict) -> int:
+        """Save the last checkpoint and report; 0 when all ``steps`` ran, 3 when the budget
+        stopped the chunk (run again to resume)."""
+        save_checkpoint(self.ckpt, policy, optimizer, step, meta)
+        done = step >= steps
+        print(f"{name}: step {step}/{steps} in {self.budget.elapsed():.0f} s -> {self.ckpt}"
+              f"{'' if done else ' (time budget spent: run again to resume)'}", flush=True)
+        return 0 if done else 3
+
 
 def start_stage(args, name: str) -> Stage:
     """Seed, pick the device and open the stage's metrics under ``args.out``."""

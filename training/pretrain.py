@@ -122,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics.log(step, loss=loss.item(), lr=opt.param_groups[0]["lr"])
         if step % args.save_every == 0:
             save_checkpoint(ckpt, policy, opt, step, {"stage": "pretrain", "args": dataclasses.asdict(args)})
-    save_checkpoint(ckpt, policy, opt, step, {"stage": "pretrain", "args": dataclasses.asdict(args)})
-    done = step >= args.steps
-    print(f"pretrain: step {step}/{args.steps} in {budget.elapsed():.0f} s -> {ckpt}"
-          f"{'' if done else ' (time budget spent: run again to resume)'}", flush=True)
-    return 0 if done else 3
+    return stage.finish("pretrain", policy, opt, step, args.steps,
+                        {"stage": "pretrain", "args": dataclasses.asdict(args)})
 
 
 if __name__ == "__main__":

@@ -199,12 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             save_checkpoint(ckpt, policy, opt, step, {"stage": "rl", "args": dataclasses.asdict(args)})
     finally:
         rewarder.close()
-    if not (ckpt / "trainer.pt").exists():
-        save_checkpoint(ckpt, policy, opt, step, {"stage": "rl", "args": dataclasses.asdict(args)})
-    done = step >= args.steps
-    print(f"rl: step {step}/{args.steps} in {budget.elapsed():.0f} s -> {ckpt}"
-          f"{'' if done else ' (time budget spent: run again to resume)'}", flush=True)
-    return 0 if done else 3
+    return stage.finish("rl", policy, opt, step, args.steps, {"stage": "rl", "args": dataclasses.asdict(args)})
 
 
 def _as_example(label):

@@ -163,12 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             metrics.log(step, loss=loss.item(), **(evaluate_dev(policy, dev, inputs) if dev_now else {}))
         if step % args.save_every == 0:
             save_checkpoint(ckpt, policy, opt, step, {"stage": "sft", "args": dataclasses.asdict(args)})
-    save_checkpoint(ckpt, policy, opt, step, {"stage": "sft", "args": dataclasses.asdict(args),
-                                              "train_examples": len(train), "labels": len(labels)})
-    done = step >= args.steps
-    print(f"sft: step {step}/{args.steps} in {budget.elapsed():.0f} s -> {ckpt}"
-          f"{'' if done else ' (time budget spent: run again to resume)'}", flush=True)
-    return 0 if done else 3
+    return stage.finish("sft", policy, opt, step, args.steps,
+                        {"stage": "sft", "args": dataclasses.asdict(args),
+                         "train_examples": len(train), "labels": len(labels)})
 
 
 if __name__ == "__main__":

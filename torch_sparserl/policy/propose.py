@@ -18,7 +18,6 @@ import re
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..abi import KernelSpec, PlanError
@@ -159,7 +158,3 @@ def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolic
     for r in result.table:
         r.timing.setdefault("generate_s", round(gen_s, 4))
     return result, proposals, [records[p.spec.key] for p in proposals]
-
-
-def as_numpy_pattern(matrix) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
-    return _pattern_arrays(matrix)
