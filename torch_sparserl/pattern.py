@@ -36,7 +36,8 @@ class Pattern:
     """Derived data of one CSR pattern. Create through :func:`lookup`."""
 
     __slots__ = ("_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
-                 "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_lock", "__weakref__")
+                 "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal", "_lock",
+                 "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int):
         self._col_ref = weakref.ref(col)
@@ -51,6 +52,7 @@ class Pattern:
         self.specializations: dict = {}  # (op, n, dtype) -> runtime state (runtime.py)
         self._row_indices: torch.Tensor | None = None
         self._transpose: tuple[Pattern, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._diagonal: tuple | None = None
         self._lock = threading.Lock()
 
     def matches(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> bool:
@@ -93,10 +95,53 @@ class Pattern:
                 _STATS["transposes"] += 1
             return self._transpose
 
+    def with_diagonal(self, crow: torch.Tensor, col: torch.Tensor):
+        """``(crow_d, col_d, src_pos, diag_pos)``: the pattern with every diagonal position
+        ``(i, i)``, ``i < min(nrows, ncols)``, present — the structure of ``A + c·I``.
+
+        ``src_pos[k]`` is where the k-th nonzero of this pattern sits in the new one;
+        ``diag_pos[i]`` is where ``(i, i)`` sits (an existing entry when there was one, its
+        first occurrence if repeated). Rows come out with their columns sorted. The new
+        tensors are registered in the cache, validated, so products on them skip the checks.
+        """
+        with self._lock:
+            if self._diagonal is None:
+                self._diagonal = _with_diagonal(self, crow, col)
+                _STATS["diagonals"] += 1
+            return self._diagonal
+
+
+def _with_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
+    n = min(pattern.nrows, pattern.ncols)
+    device = col.device
+    rows = pattern.row_indices(crow)
+    cols = col.to(torch.int64)
+    on_diagonal = (rows == cols).nonzero().squeeze(1)
+    # first existing entry of each diagonal position, or -1
+    first = torch.full((n,), pattern.nnz, dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, rows[on_diagonal], on_diagonal, reduce="amin")
+    missing = (first == pattern.nnz).nonzero().squeeze(1)
+    all_rows = torch.cat([rows, missing])
+    all_cols = torch.cat([cols, missing])
+    order = torch.argsort(all_rows * max(pattern.ncols, 1) + all_cols, stable=True)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.shape[0], device=device)
+    src_pos = position[:pattern.nnz]
+    diag_pos = torch.where(first < pattern.nnz, src_pos[first.clamp(max=max(pattern.nnz - 1, 0))]
+                           if pattern.nnz else first, torch.zeros_like(first))
+    diag_pos[missing] = position[pattern.nnz:]
+    counts = torch.bincount(all_rows, minlength=pattern.nrows)
+    crow_d = torch.zeros(pattern.nrows + 1, dtype=pattern.index_dtype, device=device)
+    crow_d[1:] = counts.cumsum(0)
+    col_d = all_cols.index_select(0, order).to(pattern.index_dtype)
+    entry = lookup(crow_d, col_d, pattern.ncols)
+    entry.validated = pattern.validated
+    return crow_d, col_d, src_pos, diag_pos
+
 
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _CACHE_LOCK = threading.Lock()
-_STATS = {"lookups": 0, "misses": 0, "transposes": 0}
+_STATS = {"lookups": 0, "misses": 0, "transposes": 0, "diagonals": 0}
 
 
 def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
@@ -131,5 +176,5 @@ def validated(crow, col, ncols) -> Pattern | None:
 
 
 def stats() -> dict[str, int]:
-    """Counters of cache use (lookups, misses, transposes computed); for tests and logs."""
+    """Counters of cache use (lookups, misses, transposes and diagonals computed); for tests and logs."""
     return dict(_STATS)
