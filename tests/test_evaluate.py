@@ -463,3 +463,19 @@ def test_compile_only_kinds():
     assert good.compiled and good.error_kind is None and good.correct is None and good.spill_bytes == 0
     assert good.registers and reward(good) == 0.0
     assert EvalRecord.from_json(good.to_json()) == good
+
+
+def test_sandbox_worker_follows_the_parents_gpu(monkeypatch):
+    """A worker measures on the GPU its parent uses: each DDP rank's own, not cuda:0."""
+    from torch_sparserl.evaluate import sandbox as sandbox_module
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert sandbox_module._parent_cuda_device() == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")
+    assert sandbox_module._parent_cuda_device() == "6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    assert sandbox_module._parent_cuda_device() is None  # an index the parent cannot see: leave it
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert sandbox_module._parent_cuda_device() is None

@@ -305,3 +305,31 @@ def test_a_matrix_keeps_its_installed_kernel_for_the_next_product(routed):
         assert len(routed.launched) == launched
     finally:
         rt.set_active(previous)
+
+
+def test_prewarm_starts_the_specializer_once_before_any_key():
+    from torch_sparserl import runtime as rt
+
+    calls = []
+
+    class Warmable:
+        def __call__(self, key, crow, col, ncols):
+            raise AssertionError("no key was asked for")
+
+        def prewarm(self, device):
+            calls.append(device)
+
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), specializer=Warmable(), devices=("cpu",))
+    seconds = runtime.prewarm("cpu")
+    assert calls == [torch.device("cpu")] and seconds is not None and seconds >= 0
+    runtime.prewarm("cpu", background=True)
+    runtime.wait(10)
+    assert len(calls) == 2
+    off = rt.Runtime(rt.RuntimeSettings(mode="off"), specializer=Warmable(), devices=("cpu",))
+    assert off.prewarm("cpu") is None and len(calls) == 2
+
+    class Failing(Warmable):
+        def prewarm(self, device):
+            raise RuntimeError("no GPU here")
+
+    assert rt.Runtime(rt.RuntimeSettings(mode="sync"), specializer=Failing(), devices=("cpu",)).prewarm("cpu") is None

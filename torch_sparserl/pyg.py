@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 
 import torch
 from torch import Tensor
@@ -244,8 +245,10 @@ def adjacency(edge_index: Tensor, num_nodes: int | None = None, edge_weight: Ten
         raise ValueError(f"{op}: edge_weight must have shape ({edge_index.shape[1]},) "
                          f"(got {tuple(edge_weight.shape)})")
     target, source = edge_index[1], edge_index[0]
-    coo = torch.sparse_coo_tensor(torch.stack([target, source]), edge_weight, (num_nodes, num_nodes))
-    return csr(coo.coalesce(), dtype=dtype)
+    with warnings.catch_warnings():  # torch's "sparse support is in beta" notes, for an internal step
+        warnings.simplefilter("ignore", UserWarning)
+        coo = torch.sparse_coo_tensor(torch.stack([target, source]), edge_weight, (num_nodes, num_nodes))
+        return csr(coo.coalesce(), dtype=dtype)
 
 
 install()

@@ -30,11 +30,13 @@ Settings come from :func:`configure` or the environment: ``SPARSERL_JIT`` (``bac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -275,7 +277,10 @@ class Runtime:
 
     def _specialize(self, pattern, slot, key, crow, col):
         try:
-            with self._specialize_lock:
+            # The pattern's GPU is this thread's current device while specializing, so the
+            # sandbox's worker starts on it (a background thread would otherwise say cuda:0).
+            on_device = torch.cuda.device(col.device) if col.device.type == "cuda" else contextlib.nullcontext()
+            with self._specialize_lock, on_device:
                 entry = self.cache.get_or_create(key, lambda k: self.specializer(k, crow, col, pattern.ncols))
         except Exception as exc:  # noqa: BLE001 - any failure falls back, loudly
             return self._fallback(pattern, slot, key, f"specialization failed: {type(exc).__name__}: {exc}", exc)
@@ -311,6 +316,35 @@ class Runtime:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-specialize")
         return self._executor
+
+    def prewarm(self, device=None, *, background: bool = False) -> float | None:
+        """Start now what the first specialization of a process waits for: the sandbox's
+        worker and the learned policy (about 10 s on an H100). In ``background``, a training
+        script overlaps it with loading its data; specializations queue behind it. Returns the
+        seconds it took (None in background, or without CUDA). Failures are logged: the first
+        specialization then tries again and falls back as usual."""
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        prewarm = getattr(self.specializer, "prewarm", None)
+        if self.settings.mode == "off" or device is None or prewarm is None:
+            return None
+        device = torch.device(device)
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+        def work() -> float | None:
+            started = time.perf_counter()
+            try:
+                with self._specialize_lock, on_device:
+                    prewarm(device)
+            except Exception as exc:  # noqa: BLE001 - the first key will try again
+                log.warning("sparserl runtime: prewarm failed: %s", exc)
+                return None
+            return time.perf_counter() - started
+
+        if background:
+            self._pool().submit(work)
+            return None
+        return work()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until background specializations submitted so far are done (tests, benchmarks)."""
@@ -419,6 +453,14 @@ class autotune_specializer:  # noqa: N801 - used like a function
         return self._entry(key, result, f"{result.screened}/{result.candidates} candidates screened in "
                                         f"{result.elapsed_s:.1f} s", "candidate")
 
+    def prewarm(self, device: torch.device) -> None:
+        """Start the sandbox's worker (its CUDA context), as the first key would."""
+        from .evaluate.sandbox import Sandbox
+
+        if self._sandbox is None:
+            self._sandbox = Sandbox()
+        self._sandbox.worker_info  # noqa: B018 - starts the worker
+
     def _entry(self, key: SpecializationKey, result, searched: str, what: str) -> CacheEntry:
         """The decision for ``key`` from a tuning result: install its best only when it is correct
         and beats cuSPARSE by the margin."""
@@ -463,6 +505,11 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
 
             self._policy = load_default(device, self.checkpoint)
         return self._policy
+
+    def prewarm(self, device: torch.device) -> None:
+        super().prewarm(device)
+        if self.unavailable is None:
+            self._load(device)
 
     def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
         if self.unavailable is not None:

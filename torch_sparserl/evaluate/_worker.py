@@ -72,7 +72,9 @@ def _redirect_output(log_path: str) -> None:
 
 
 def main(conn, log_path: str, parent_pid: int, init: str | None, matrix_loader: str | None,
-         health_check: str | None) -> None:
+         health_check: str | None, cuda_visible_devices: str | None = None) -> None:
+    if cuda_visible_devices is not None:  # the parent's device (a DDP rank's own GPU), before torch starts
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     try:
         os.setsid()  # own process group: the parent kills the worker and its children together
     except OSError:

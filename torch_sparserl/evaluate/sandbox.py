@@ -24,6 +24,7 @@ import multiprocessing.connection
 import os
 import runpy
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -81,6 +82,21 @@ def _describe_exit(exitcode: int | None) -> tuple[str, str | None]:
     return f"the worker exited with code {exitcode}", None
 
 
+def _parent_cuda_device() -> str | None:
+    """The physical GPU of this thread's current CUDA device, as ``CUDA_VISIBLE_DEVICES`` names
+    it, so that a worker measures on the GPU its parent uses (each DDP rank its own); None
+    when this process has not started CUDA (the worker then sees what the parent sees)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    index = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    names = [name.strip() for name in visible.split(",") if name.strip()]
+    return names[index] if index < len(names) else None
+
+
 class _Worker:
     """One child process and its end of the pipe."""
 
@@ -89,7 +105,7 @@ class _Worker:
         self.conn, child_conn = context.Pipe(duplex=True)
         arguments = dict(conn=child_conn, log_path=sandbox.log_path, parent_pid=os.getpid(),
                          init=sandbox.init, matrix_loader=sandbox.matrix_loader,
-                         health_check=sandbox.health_check)
+                         health_check=sandbox.health_check, cuda_visible_devices=_parent_cuda_device())
         # runpy.run_path, not a function of this package: the child starts without importing
         # torch_sparserl (and torch); see _worker's docstring.
         self.process = context.Process(

@@ -1,0 +1,554 @@
+"""Epoch time of full-graph GNN training on one fixed graph, four ways.
+
+A two-layer GCN and a two-layer GraphSAGE (mean aggregation), hidden 128 and 256, trained with
+Adam on random features (128) and labels (16 classes, half the nodes for training) of each graph:
+
+* ``eager``    — ``torch.sparse.mm`` on a torch CSR tensor (cuSPARSE), eager PyTorch;
+* ``inductor`` — the same model under ``torch.compile`` (Inductor); the sparse product runs
+  eagerly between the compiled graphs (Dynamo cannot trace sparse tensors);
+* ``pyg``      — PyG's default path: ``GCNConv(cached=True)`` / ``SAGEConv`` on ``edge_index``
+  (gather + scatter), eager;
+* ``sparserl`` — the model of ``eager`` with the adjacency a ``CSRMatrix``, under
+  ``torch.compile(backend="sparserl")``; the JIT runtime specializes every product (sync mode,
+  an empty kernel cache unless ``--cache-dir`` says otherwise).
+
+All four start from the same parameters. The GCN adjacency is ``D^-1/2 (A + I) D^-1/2`` and
+the SAGE one ``D^-1 A``, computed once (A binary, self loops removed, row i = edges into i).
+Per way: 20 epochs whose losses are recorded (the first includes compilation and JIT), then
+``--chunks`` timed chunks of epochs; the epoch time is the median chunk's mean. JIT cost is the
+time the runtime spent specializing (policy, validation, build), summed over every key.
+
+    python benchmarks/bench_gnn.py --out benchmarks/results                       # everything
+    python benchmarks/bench_gnn.py --graphs pubmed --models gcn --hidden 128 --out /tmp/g
+    python benchmarks/bench_gnn.py --report benchmarks/results/gnn-h100-....json  # re-render
+
+Results go to ``gnn-<gpu>-<date>.json`` (``--resume`` adds to an existing file) with ``.md``
+and ``.svg`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import html
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SCHEMA = "torch_sparserl.bench_gnn/1"
+GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000", "rmat:scale=22,edge_factor=8"]
+MODELS = ["gcn", "sage"]
+HIDDEN = [128, 256]
+WAYS = ["eager", "inductor", "pyg", "sparserl"]
+FEATURES = 128
+CLASSES = 16
+LOSS_EPOCHS = 20
+LOSS_RTOL = 1e-3  # fp32 with different summation orders, over 20 Adam steps
+
+
+# ------------------------------------------------------------------------- graphs
+
+
+def load_graph(name: str) -> sp.csr_matrix:
+    """A binary adjacency without self loops; row i lists the sources of the edges into i."""
+    from bench_kernels import select_matrices
+
+    entry = select_matrices([name])[0]
+    A = entry.load().tocsr()
+    A = sp.csr_matrix((np.ones(A.nnz, dtype=np.float32), A.indices, A.indptr), shape=A.shape)
+    A.setdiag(0)
+    A.eliminate_zeros()
+    A.sum_duplicates()
+    A.sort_indices()
+    A.data[:] = 1.0
+    if A.shape[0] != A.shape[1]:
+        raise ValueError(f"bench_gnn: graph {name} is not square ({A.shape})")
+    return A
+
+
+def normalized(A: sp.csr_matrix, model: str) -> sp.csr_matrix:
+    if model == "gcn":
+        looped = (A + sp.identity(A.shape[0], dtype=np.float32, format="csr")).tocsr()
+        inv_sqrt = 1.0 / np.sqrt(np.asarray(looped.sum(axis=1)).ravel())
+        out = sp.diags(inv_sqrt) @ looped @ sp.diags(inv_sqrt)
+    else:
+        deg = np.maximum(np.asarray(A.sum(axis=1)).ravel(), 1.0)
+        out = sp.diags(1.0 / deg) @ A
+    out = out.tocsr().astype(np.float32)
+    out.sort_indices()
+    return out
+
+
+# ------------------------------------------------------------------------- models
+
+
+def _models():
+    import torch
+    from torch import nn
+
+    class GCN(nn.Module):
+        """PyG GCNConv's layout: a bias-free linear map, the product, then the bias."""
+
+        def __init__(self, features, hidden, classes):
+            super().__init__()
+            self.lin1 = nn.Linear(features, hidden, bias=False)
+            self.bias1 = nn.Parameter(torch.zeros(hidden))
+            self.lin2 = nn.Linear(hidden, classes, bias=False)
+            self.bias2 = nn.Parameter(torch.zeros(classes))
+
+        def forward(self, x, aggregate):
+            h = torch.relu(aggregate(self.lin1(x)) + self.bias1)
+            return aggregate(self.lin2(h)) + self.bias2
+
+    class SAGE(nn.Module):
+        """PyG SAGEConv's layout: lin_l(mean of neighbours) + lin_r(self)."""
+
+        def __init__(self, features, hidden, classes):
+            super().__init__()
+            self.lin_l1, self.lin_r1 = nn.Linear(features, hidden), nn.Linear(features, hidden, bias=False)
+            self.lin_l2, self.lin_r2 = nn.Linear(hidden, classes), nn.Linear(hidden, classes, bias=False)
+
+        def forward(self, x, aggregate):
+            h = torch.relu(self.lin_l1(aggregate(x)) + self.lin_r1(x))
+            return self.lin_l2(aggregate(h)) + self.lin_r2(h)
+
+    class Task(nn.Module):
+        """Model + loss on the training nodes; the adjacency product is ``aggregate``."""
+
+        def __init__(self, model, aggregate, x, y, train):
+            super().__init__()
+            self.model, self.aggregate = model, aggregate
+            self.x, self.y, self.train_idx = x, y, train
+
+        def forward(self):
+            out = self.model(self.x, self.aggregate)
+            return nn.functional.cross_entropy(out.index_select(0, self.train_idx), self.y.index_select(0, self.train_idx))
+
+    return GCN, SAGE, Task
+
+
+class Product:
+    """``A @ h`` for a fixed adjacency: a callable object, so Dynamo sees ``A`` as an input."""
+
+    def __init__(self, A, mm):
+        self.A, self.mm = A, mm
+
+    def __call__(self, h):
+        return self.mm(self.A, h)
+
+
+def pyg_task(model_name: str, params: dict, features, hidden, classes, edge_index, x, y, train):
+    import torch
+    from torch_geometric.nn import GCNConv, SAGEConv
+
+    class PygNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if model_name == "gcn":
+                self.c1, self.c2 = GCNConv(features, hidden, cached=True), GCNConv(hidden, classes, cached=True)
+            else:
+                self.c1, self.c2 = SAGEConv(features, hidden), SAGEConv(hidden, classes)
+
+        def forward(self):
+            h = torch.relu(self.c1(x, edge_index))
+            out = self.c2(h, edge_index)
+            return torch.nn.functional.cross_entropy(out.index_select(0, train), y.index_select(0, train))
+
+    net = PygNet().to(x.device)
+    mapping = ({"c1.lin.weight": "lin1.weight", "c1.bias": "bias1", "c2.lin.weight": "lin2.weight", "c2.bias": "bias2"}
+               if model_name == "gcn" else
+               {"c1.lin_l.weight": "lin_l1.weight", "c1.lin_l.bias": "lin_l1.bias", "c1.lin_r.weight": "lin_r1.weight",
+                "c2.lin_l.weight": "lin_l2.weight", "c2.lin_l.bias": "lin_l2.bias", "c2.lin_r.weight": "lin_r2.weight"})
+    state = net.state_dict()
+    missing = set(state) - set(mapping)
+    if missing:
+        raise RuntimeError(f"bench_gnn: PyG parameters without a counterpart: {sorted(missing)}")
+    net.load_state_dict({name: params[ours].clone() for name, ours in mapping.items()})
+    return net
+
+
+# ----------------------------------------------------------------------- training
+
+
+def _sync(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dict:
+    """20 epochs with their losses (the first timed alone: compilation, JIT), then timed chunks."""
+    import torch
+
+    opt = torch.optim.Adam(params, lr=0.01)
+
+    def epoch():
+        opt.zero_grad(set_to_none=True)
+        loss = task()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    _sync(device)
+    start = time.perf_counter()
+    losses = [epoch()]
+    _sync(device)
+    first_s = time.perf_counter() - start
+    for _ in range(LOSS_EPOCHS - 1):
+        losses.append(epoch())
+    _sync(device)
+    start = time.perf_counter()
+    epoch()
+    _sync(device)
+    estimate = max(time.perf_counter() - start, 1e-6)
+    per_chunk = max(3, min(200, math.ceil(min_chunk_s / estimate)))
+    chunk_ms = []
+    for _ in range(chunks):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(per_chunk):
+            epoch()
+        _sync(device)
+        chunk_ms.append((time.perf_counter() - start) * 1e3 / per_chunk)
+    return {"status": "ok", "epoch_ms": statistics.median(chunk_ms), "chunk_ms": chunk_ms,
+            "epochs_per_chunk": per_chunk, "first_epoch_s": first_s,
+            "losses": [float(v) for v in torch.stack(losses).cpu()]}
+
+
+def run_way(way, model_name, hidden, graph, device, args) -> dict:
+    import torch
+    import torch_sparserl as ts
+    from torch_sparserl import runtime as rt
+
+    GCN, SAGE, Task = _models()
+    n = graph["n"]
+    torch.manual_seed(0)
+    model = (GCN if model_name == "gcn" else SAGE)(FEATURES, hidden, CLASSES)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    x, y, train = graph["x"], graph["y"], graph["train"]
+    torch._dynamo.reset()
+    jit = {}
+    if way == "pyg":
+        task = pyg_task(model_name, params, FEATURES, hidden, CLASSES, graph["edge_index"], x, y, train)
+    else:
+        model = model.to(device)
+        if way == "sparserl":
+            runtime = rt.active()  # one runtime for the process (main configures and prewarms it)
+            spent_before = dict(SPECIALIZED)
+            aggregate = Product(graph[f"csr_matrix_{model_name}"], torch.matmul)
+        else:
+            mm = torch.sparse.mm
+            aggregate = Product(graph[f"torch_csr_{model_name}"], torch.compiler.disable(mm) if way == "inductor" else mm)
+        task = Task(model, aggregate, x, y, train)
+        if way in ("inductor", "sparserl"):
+            task = torch.compile(task, backend="inductor" if way == "inductor" else "sparserl",
+                                 mode=None if args.mode == "default" else args.mode)
+    try:
+        result = train_and_time(task, list(task.parameters()), device, args.chunks, args.min_chunk_s)
+    except torch.cuda.OutOfMemoryError as exc:
+        return {"status": "oom", "error": str(exc).splitlines()[0]}
+    finally:
+        torch._dynamo.reset()
+    if way == "sparserl":
+        result["jit_s"] = SPECIALIZED["s"] - spent_before["s"]
+        result["jit_keys"] = SPECIALIZED["keys"] - spent_before["keys"]
+        result["runtime_stats"] = dict(runtime.stats)
+        result["kernels"] = decisions(runtime, graph[f"csr_matrix_{model_name}"])
+    return result
+
+
+SPECIALIZED = {"s": 0.0, "keys": 0}  # time the process's runtime spent specializing, and keys
+
+
+def start_runtime(policy: str, device) -> float | None:
+    """Configure the process's runtime (sync: the first epoch waits for every kernel), count
+    the time its specializer spends, and prewarm it (sandbox worker, policy): returns that time."""
+    from torch_sparserl import runtime as rt
+
+    runtime = rt.configure(mode="sync", policy=policy)
+    specialize = runtime.specializer
+
+    def timed(*a, **k):
+        started = time.perf_counter()
+        try:
+            return specialize(*a, **k)
+        finally:
+            SPECIALIZED["s"] += time.perf_counter() - started
+            SPECIALIZED["keys"] += 1
+
+    timed.policy_id = runtime.policy_id
+    runtime.specializer = timed
+    timed.prewarm = getattr(specialize, "prewarm", None)
+    return runtime.prewarm(device) if device.type == "cuda" else None
+
+
+def decisions(runtime, A) -> dict[str, str]:
+    """What serves each product the model ran, on A and on its transpose (the backward)."""
+    from torch_sparserl import pattern as patterns
+
+    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    found = {}
+    for label, pattern in (("A", entry), ("At", entry.transpose(A.crow, A.col)[0])):
+        for key, state in list(pattern.specializations.items()):
+            generation, op, n, dtype = key
+            if generation == runtime._generation:
+                found[f"{label} {op} n={n} {str(dtype).replace('torch.', '')}"] = runtime.describe(state)
+    return found
+
+
+def prepare_graph(name: str, device) -> dict:
+    import torch
+    import torch_sparserl as ts
+
+    t0 = time.perf_counter()
+    A = load_graph(name)
+    n = A.shape[0]
+    g = torch.Generator().manual_seed(0)
+    graph = {"n": n, "nnz": int(A.nnz), "load_s": 0.0,
+             "x": torch.randn(n, FEATURES, generator=g).to(device),
+             "y": torch.randint(0, CLASSES, (n,), generator=g).to(device),
+             "train": torch.arange(0, n, 2, device=device)}
+    coo = A.tocoo()
+    graph["edge_index"] = torch.from_numpy(np.stack([coo.col, coo.row]).astype(np.int64)).to(device)
+    for model in MODELS:
+        M = normalized(A, model)
+        crow = torch.from_numpy(M.indptr.astype(np.int64)).to(device)
+        col = torch.from_numpy(M.indices.astype(np.int64)).to(device)
+        val = torch.from_numpy(M.data).to(device)
+        graph[f"torch_csr_{model}"] = torch.sparse_csr_tensor(crow, col, val, M.shape)
+        graph[f"csr_matrix_{model}"] = ts.csr((crow.int(), col.int(), val), shape=M.shape)
+    graph["load_s"] = time.perf_counter() - t0
+    return graph
+
+
+# ------------------------------------------------------------------------ results
+
+
+def geomean(values):
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def row_metrics(row: dict) -> dict:
+    ways = row["ways"]
+    ms = {w: ways[w]["epoch_ms"] for w in WAYS if ways.get(w, {}).get("status") == "ok"}
+    out = {}
+    if "sparserl" in ms:
+        ours = ms["sparserl"]
+        if "eager" in ms:
+            out["speedup_vs_eager"] = ms["eager"] / ours
+        best = [ms[w] for w in ("inductor", "pyg") if w in ms]
+        if best:
+            out["speedup_vs_best_other"] = min(best) / ours
+        jit = ways["sparserl"].get("jit_s")
+        saved = ms.get("eager", 0) - ours
+        if jit is not None:
+            out["jit_s"] = jit
+            out["breakeven_epochs_vs_eager"] = jit * 1e3 / saved if saved > 0 else None
+    finals = {w: ways[w]["losses"][-1] for w in WAYS if ways.get(w, {}).get("status") == "ok"}
+    if len(finals) > 1:
+        ref = finals.get("eager", next(iter(finals.values())))
+        out["loss_max_rel_diff"] = max(abs(v - ref) / abs(ref) for v in finals.values())
+        out["losses_equal"] = out["loss_max_rel_diff"] <= LOSS_RTOL
+    return out
+
+
+def _fmt(v, spec=".2f", suffix=""):
+    return "—" if v is None else f"{v:{spec}}{suffix}"
+
+
+def markdown(doc: dict) -> str:
+    env = doc.get("env", {})
+    lines = [f"# GNN epoch time — {env.get('gpu', '?')}", "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}; features {FEATURES}, classes {CLASSES}, "
+             f"Adam, fp32. Epoch = forward + loss + backward + step; median of timed chunks after "
+             f"{LOSS_EPOCHS} epochs. Speedups are sparserl's over the way named. JIT = the runtime's "
+             "specialization time (policy, validation, build) for every key, in the first epoch; "
+             "break-even = JIT / (eager epoch − sparserl epoch).", "",
+             "| graph | nodes | nnz | model | hidden | eager ms | inductor ms | pyg ms | sparserl ms | vs eager "
+             "| vs best other | JIT s | break-even epochs | final losses equal |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    rows = doc.get("rows", [])
+    for row in rows:
+        m = row_metrics(row)
+        cells = []
+        for w in WAYS:
+            r = row["ways"].get(w, {})
+            cells.append(_fmt(r.get("epoch_ms"), ".2f") if r.get("status") == "ok" else r.get("status", "—"))
+        lines.append(f"| {row['graph']} | {row['n']:,} | {row['nnz']:,} | {row['model']} | {row['hidden']} | "
+                     + " | ".join(cells)
+                     + f" | {_fmt(m.get('speedup_vs_eager'), '.2f', '×')} | {_fmt(m.get('speedup_vs_best_other'), '.2f', '×')}"
+                     f" | {_fmt(m.get('jit_s'), '.1f')} | {_fmt(m.get('breakeven_epochs_vs_eager'), '.0f')}"
+                     f" | {'yes' if m.get('losses_equal') else 'no'} ({_fmt(m.get('loss_max_rel_diff'), '.1e')}) |")
+    lines += ["", "Geometric means over the graphs:", "",
+              "| model | hidden | vs eager | vs best of inductor, pyg |", "|---|---:|---:|---:|"]
+    for model in MODELS:
+        for hidden in HIDDEN:
+            ms = [row_metrics(r) for r in rows if r["model"] == model and r["hidden"] == hidden]
+            if ms:
+                lines.append(f"| {model} | {hidden} | {_fmt(geomean(m.get('speedup_vs_eager') for m in ms), '.2f', '×')} | "
+                             f"{_fmt(geomean(m.get('speedup_vs_best_other') for m in ms), '.2f', '×')} |")
+    every = [row_metrics(r) for r in rows]
+    lines.append(f"| all | | {_fmt(geomean(m.get('speedup_vs_eager') for m in every), '.2f', '×')} | "
+                 f"{_fmt(geomean(m.get('speedup_vs_best_other') for m in every), '.2f', '×')} |")
+    lines += ["", "Runs (the runtime's one-time start — sandbox worker, policy load — is done by a prewarm "
+              "before the first graph and is not in any row's JIT):", ""]
+    lines += [f"- `{r['command']}` ({r['started']}; compile mode {r.get('compile_mode', 'default')}; prewarm "
+              f"{_fmt(r.get('runtime_prewarm_s'), '.1f', ' s')})" for r in doc.get("runs", [])]
+    return "\n".join(lines) + "\n"
+
+
+def svg(doc: dict) -> str:
+    """Epoch-time speedup over eager cuSPARSE of each way, grouped per (graph, model, hidden)."""
+    rows = doc.get("rows", [])
+    colors = {"inductor": "#8c8c8c", "pyg": "#e39b2d", "sparserl": "#2b6cb0"}
+    groups = []
+    for row in rows:
+        eager = row["ways"].get("eager", {})
+        if eager.get("status") != "ok":
+            continue
+        bars = {w: eager["epoch_ms"] / row["ways"][w]["epoch_ms"] for w in colors
+                if row["ways"].get(w, {}).get("status") == "ok"}
+        groups.append((f"{row['graph'][:14]} {row['model']} {row['hidden']}", bars))
+    hi = max([2.0] + [v for _, b in groups for v in b.values()])
+    left, top, plot_h, bar_w, gap = 50, 40, 260, 10, 14
+    width = max(600, left + len(groups) * (3 * bar_w + gap) + 20)
+    height = top + plot_h + 150
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="10"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="13" font-weight="bold">'
+           f'{html.escape("GNN epoch-time speedup over eager cuSPARSE — " + str(doc.get("env", {}).get("gpu", "?")))}</text>']
+
+    def y_of(v):
+        return top + plot_h * (1 - v / hi)
+
+    for tick in np.arange(0, hi + 1e-9, 0.5):
+        out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y_of(tick):.1f}" y2="{y_of(tick):.1f}" '
+                   f'stroke="{"#000" if tick == 1 else "#ddd"}"/><text x="{left - 4}" y="{y_of(tick) + 3:.1f}" '
+                   f'text-anchor="end">{tick:.1f}×</text>')
+    for i, (label, bars) in enumerate(groups):
+        x0 = left + 6 + i * (3 * bar_w + gap)
+        for j, way in enumerate(colors):
+            if way in bars:
+                y = y_of(bars[way])
+                out.append(f'<rect x="{x0 + j * bar_w}" y="{y:.1f}" width="{bar_w - 1}" height="{top + plot_h - y:.1f}" '
+                           f'fill="{colors[way]}"><title>{html.escape(label)} {way}: {bars[way]:.2f}×</title></rect>')
+        out.append(f'<text transform="translate({x0 + bar_w},{top + plot_h + 6}) rotate(60)">{html.escape(label)}</text>')
+    for j, (way, color) in enumerate(colors.items()):
+        out.append(f'<rect x="{left + j * 90}" y="{height - 18}" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{left + j * 90 + 14}" y="{height - 9}">{way}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def save(doc: dict, path: Path) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    path.with_suffix(".md").write_text(markdown(doc))
+    path.with_suffix(".svg").write_text(svg(doc))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--graphs", default=",".join(GRAPHS))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--hidden", default=",".join(map(str, HIDDEN)))
+    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--out", default="benchmarks/results", help="folder (a dated file in it) or a .json path")
+    parser.add_argument("--resume", help="add to this results file (rows already there are skipped)")
+    parser.add_argument("--report", help="only re-render the .md and .svg of this results file")
+    parser.add_argument("--chunks", type=int, default=3)
+    parser.add_argument("--min-chunk-s", type=float, default=0.5)
+    parser.add_argument("--policy", default="learned", choices=("learned", "autotune"))
+    parser.add_argument("--mode", default="default", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                        help="torch.compile mode of the inductor and sparserl ways")
+    parser.add_argument("--cache-dir", help="the kernel cache (default: a fresh empty folder, so JIT is measured)")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--max-time-s", type=float, default=None, help="start no graph after this much time")
+    args = parser.parse_args(argv)
+
+    if args.report:
+        path = Path(args.report)
+        save(json.loads(path.read_text()), path)
+        return 0
+    os.environ["SPARSERL_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="sparserl-gnn-cache-")
+    import torch
+    import torch_sparserl.pyg  # noqa: F401  (PyG's own layers are used by the pyg way only)
+    from bench_kernels import environment
+
+    device = torch.device(args.device)
+    env = environment()
+    if args.resume:
+        path = Path(args.resume)
+        doc = json.loads(path.read_text())
+    else:
+        out = Path(args.out)
+        path = out if out.suffix == ".json" else out / f"gnn-{env['gpu_slug']}-{dt.date.today().isoformat()}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"schema": SCHEMA, "env": env, "runs": [], "rows": []}
+    prewarm_s = start_runtime(args.policy, device) if "sparserl" in args.ways.split(",") else None
+    doc["runs"].append({"started": dt.datetime.now().isoformat(timespec="seconds"),
+                        "command": " ".join(["python benchmarks/bench_gnn.py"] + (argv if argv is not None else sys.argv[1:])),
+                        "env": env, "compile_mode": args.mode, "runtime_prewarm_s": prewarm_s})
+    done = {(r["graph"], r["model"], r["hidden"]) for r in doc["rows"]}
+    started = time.perf_counter()
+    for name in args.graphs.split(","):
+        todo = [(m, int(h)) for m in args.models.split(",") for h in args.hidden.split(",") if (name, m, int(h)) not in done]
+        if not todo:
+            continue
+        if args.max_time_s is not None and time.perf_counter() - started > args.max_time_s:
+            print(f"bench_gnn: time limit reached before {name}", flush=True)
+            save(doc, path)
+            return 3
+        graph = prepare_graph(name, device)
+        print(f"{name}: {graph['n']:,} nodes, {graph['nnz']:,} edges, prepared in {graph['load_s']:.1f} s", flush=True)
+        for model_name, hidden in todo:
+            row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model_name, "hidden": hidden, "ways": {}}
+            for way in args.ways.split(","):
+                try:
+                    row["ways"][way] = run_way(way, model_name, hidden, graph, device, args)
+                except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on
+                    row["ways"][way] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000],
+                                        "traceback": traceback.format_exc()[-4000:]}
+                r = row["ways"][way]
+                print(f"  {model_name:4s} h={hidden:3d} {way:8s} "
+                      + (f"{r['epoch_ms']:8.3f} ms/epoch, first {r['first_epoch_s']:.1f} s, loss {r['losses'][-1]:.5f}"
+                         + (f", JIT {r['jit_s']:.1f} s ({r['jit_keys']} keys)" if 'jit_s' in r else "")
+                         if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:300]}"), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            row.update(row_metrics(row))
+            doc["rows"].append(row)
+            save(doc, path)
+        del graph
+    save(doc, path)
+    print(f"wrote {path}", flush=True)
+    return 0
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

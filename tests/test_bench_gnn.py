@@ -1,0 +1,82 @@
+"""The GNN epoch-time benchmark and the examples, as CPU smoke runs (timings meaningless here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch_geometric")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    name = "bench_gnn"
+    if name not in sys.modules:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.slow
+def test_all_four_ways_train_to_the_same_losses(tmp_path):
+    bench = _bench()
+    out = tmp_path / "gnn.json"
+    code = bench.main(["--graphs", "cora", "--models", "gcn,sage", "--hidden", "16", "--out", str(out),
+                       "--chunks", "1", "--min-chunk-s", "0.01", "--device", "cpu"])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert [(r["model"], r["hidden"]) for r in doc["rows"]] == [("gcn", 16), ("sage", 16)]
+    for row in doc["rows"]:
+        assert set(row["ways"]) == set(bench.WAYS)
+        assert all(w["status"] == "ok" for w in row["ways"].values()), row["ways"]
+        assert all(len(w["losses"]) == bench.LOSS_EPOCHS for w in row["ways"].values())
+        assert row["losses_equal"], row["loss_max_rel_diff"]
+        assert row["speedup_vs_eager"] > 0 and row["speedup_vs_best_other"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "| cora | 2,708 |" in md and "Geometric means" in md
+    ET.fromstring(out.with_suffix(".svg").read_text())  # well-formed
+    # --resume skips the rows already there; --report re-renders
+    assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--resume", str(out),
+                       "--device", "cpu"]) == 0
+    assert len(json.loads(out.read_text())["rows"]) == 2
+    out.with_suffix(".md").unlink()
+    assert bench.main(["--report", str(out)]) == 0 and out.with_suffix(".md").exists()
+
+
+def test_losses_that_differ_are_reported():
+    bench = _bench()
+    ok = {"status": "ok", "epoch_ms": 2.0, "losses": [1.0]}
+    row = {"ways": {"eager": dict(ok), "inductor": dict(ok, epoch_ms=1.5), "pyg": dict(ok, losses=[1.1]),
+                    "sparserl": dict(ok, epoch_ms=1.0, jit_s=0.5)}}
+    metrics = bench.row_metrics(row)
+    assert metrics["speedup_vs_eager"] == 2.0 and metrics["speedup_vs_best_other"] == 1.5
+    assert metrics["breakeven_epochs_vs_eager"] == pytest.approx(500.0)
+    assert not metrics["losses_equal"] and metrics["loss_max_rel_diff"] == pytest.approx(0.1)
+    row["ways"]["pyg"] = {"status": "oom", "error": "out of memory"}
+    assert bench.row_metrics(row)["losses_equal"]
+
+
+@pytest.mark.slow
+def test_ddp_example_on_cpu(tmp_path):
+    """Two gloo processes on the CPU: the script's DDP-versus-one-process check holds."""
+    out = tmp_path / "ddp.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--standalone", str(ROOT / "examples" / "ddp_gcn.py"), "--epochs", "4",
+                             "--hidden", "16", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["world_size"] == 2 and len(report["ranks"]) == 2
+    assert report["max_rel_loss_diff"] < 1e-4
