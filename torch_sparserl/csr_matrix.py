@@ -181,10 +181,25 @@ def values_of(A: CSRMatrix) -> Tensor:
     return _Values.apply(A) if A.requires_grad else A.val
 
 
+def _autocast(val: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
+    """Under ``torch.autocast``, a product runs in the autocast dtype, as ``torch.mm`` does:
+    float32 values and operands are cast to it (float64 ones are not), and the kernels
+    accumulate in float32 (:mod:`torch_sparserl.dtypes`)."""
+    device_type = X.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return val, X
+    dtype = torch.get_autocast_dtype(device_type)
+    if val.dtype == torch.float32:
+        val = val.to(dtype)
+    if X.dtype == torch.float32:
+        X = X.to(dtype)
+    return val, X
+
+
 def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
     """``torch.ops.sparserl.<op>`` on A's parts, or its implementation directly when nothing
     (autograd, a tracer, a mode) needs to see the operator (:func:`ops.direct_ok`)."""
-    val = values_of(A)
+    val, X = _autocast(values_of(A), X)
     if ops.direct_ok(val, X):
         runtime = rt.active_or_none()
         served = runtime.stats["installed_calls"] if runtime is not None else None
@@ -230,7 +245,8 @@ def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
     val, crow, col = A.val, A.crow, A.col
     if (runtime is not rt._ACTIVE or X.dtype != dtype or val.dtype != dtype or X.device != device
             or X.shape[0] != ncols or val.shape[0] != col.shape[0]
-            or patterns.versions(crow, col) != versions or not ops.direct_ok(val, X)):
+            or patterns.versions(crow, col) != versions or not ops.direct_ok(val, X)
+            or torch.is_autocast_enabled(device.type)):
         return None
     return runtime.launch(launch, crow, col, val, X)
 
@@ -431,8 +447,20 @@ def _aten_to_copy(A, *, dtype=None, layout=None, device=None, pin_memory=None,
     return CSRMatrix._wrap(*moved, val, A.shape)
 
 
+def _aten_add(a, b, *, alpha=1):
+    """The sum of two gradients of one matrix (autograd accumulates them when the matrix's
+    values feed several products): same pattern, values added."""
+    if (isinstance(a, CSRMatrix) and isinstance(b, CSRMatrix) and a.shape == b.shape
+            and (a.crow is b.crow and a.col is b.col
+                 or a.col.shape == b.col.shape and torch.equal(a.crow, b.crow) and torch.equal(a.col, b.col))):
+        return CSRMatrix._wrap(a.crow, a.col, torch.add(a.val, b.val, alpha=alpha), a.shape)
+    raise NotImplementedError("CSRMatrix: adding is supported only for two matrices of the same pattern "
+                              f"(got {type(a).__name__} and {type(b).__name__}); use A.to_dense() for anything else")
+
+
 _aten = torch.ops.aten
 _ATEN = {
+    _aten.add.Tensor: _aten_add,
     _aten.detach.default: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val.detach(), A.shape),
     _aten.alias.default: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val, A.shape),
     _aten.clone.default: lambda A, **_: CSRMatrix._wrap(A.crow.clone(), A.col.clone(), A.val.clone(), A.shape),
