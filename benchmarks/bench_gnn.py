@@ -194,11 +194,14 @@ def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dic
     opt = torch.optim.Adam(params, lr=0.01)
 
     def epoch():
+        # CUDA graphs (--mode reduce-overhead) reuse their outputs' memory on the next replay:
+        # mark each epoch a new step and keep a copy of the loss.
+        torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         loss = task()
         loss.backward()
         opt.step()
-        return loss.detach()
+        return loss.detach().clone()
 
     _sync(device)
     start = time.perf_counter()
@@ -405,7 +408,8 @@ def markdown(doc: dict) -> str:
     lines += ["", "Runs (the runtime's one-time start — sandbox worker, policy load — is done by a prewarm "
               "before the first graph and is not in any row's JIT):", ""]
     lines += [f"- `{r['command']}` ({r['started']}; compile mode {r.get('compile_mode', 'default')}; prewarm "
-              f"{_fmt(r.get('runtime_prewarm_s'), '.1f', ' s')})" for r in doc.get("runs", [])]
+              f"{_fmt(r.get('runtime_prewarm_s'), '.1f', ' s')})" + (f". {r['note']}" if r.get("note") else "")
+              for r in doc.get("runs", [])]
     return "\n".join(lines) + "\n"
 
 
