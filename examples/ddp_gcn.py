@@ -9,8 +9,9 @@ one GPU training on all of them. The ranks share one kernel cache (``--cache-dir
 rank 0 when not given): for each product one rank specializes and the others wait for its
 entry, so every rank runs the same kernel and nothing is built twice.
 
-Rank 0 then trains the same model alone on one GPU from the same start and compares the
-losses and parameters; the JSON written to ``--out`` says what ran where.
+Rank 0 compares with one GPU training alone from the same start: the gradient at the start
+(DDP's average against the single process's, to rounding) and the losses of every epoch; the
+JSON written to ``--out`` says what ran where.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 import torch_sparserl as ts
 from torch_sparserl import pattern as patterns
 from torch_sparserl import runtime as rt
+
+
+GRAD_RTOL = 1e-5  # DDP's averaged gradient against one process's, float32
+LOSS_RTOL = 1e-3  # loss curves over the run (as benchmarks/bench_gnn.py compares its four ways)
 
 
 class GCN(torch.nn.Module):
@@ -130,6 +135,12 @@ def main(argv=None) -> int:
     model.load_state_dict(start)
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    # The gradient at the start: DDP's average over the ranks' shares against one process's
+    # gradient over all training nodes (no step is taken, so training starts from here).
+    F.cross_entropy(ddp(x, adj).index_select(0, mine), y.index_select(0, mine)).backward()
+    ddp_grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     sync()
     t0 = time.perf_counter()
     local_losses = train(ddp, adj, x, y, mine, args.epochs, args.lr)
@@ -151,6 +162,10 @@ def main(argv=None) -> int:
     if rank == 0:
         single = GCN(args.features, args.hidden, args.classes).to(device)
         single.load_state_dict(start)
+        F.cross_entropy(single(x, adj).index_select(0, train_nodes), y.index_select(0, train_nodes)).backward()
+        grad_diff = max(float((ddp_grads[k] - p.grad).norm() / p.grad.norm().clamp(min=1e-30))
+                        for k, p in single.named_parameters())
+        single.zero_grad(set_to_none=True)
         single_losses = train(single, adj, x, y, train_nodes, args.epochs, args.lr)
         param_diff = max(float((params[k] - v).abs().max()) for k, v in single.state_dict().items())
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, single_losses))
@@ -161,15 +176,20 @@ def main(argv=None) -> int:
         builds = sorted(p.name for p in build_root.glob("*") if p.is_dir()) if build_root.is_dir() else []
         report = {"graph": args.graph, "nodes": n, "nnz": int(M.nnz), "world_size": world, "epochs": args.epochs,
                   "hidden": args.hidden, "ranks": reports, "ddp_losses": losses, "single_gpu_losses": single_losses,
-                  "max_rel_loss_diff": loss_diff, "max_abs_param_diff": param_diff,
+                  "max_rel_grad_diff_at_start": grad_diff, "max_rel_loss_diff": loss_diff,
+                  "max_abs_param_diff": param_diff,
                   "same_kernels_on_every_rank": same_kernels, "specializations_total": specializations,
                   "distinct_keys": len(keys), "extension_builds": builds, "cache_dir": shared[0]}
-        ok = same_kernels and specializations == len(keys) and loss_diff < 1e-4 and param_diff < 1e-4
+        # Gradients agree to rounding; over many Adam steps the losses agree to LOSS_RTOL but single
+        # parameters do not: Adam moves a parameter whose gradient is ~0 by about lr in the
+        # direction of its rounding noise (and atomics make kernels' sums run-to-run different).
+        ok = (same_kernels and specializations == len(keys) and grad_diff < GRAD_RTOL and loss_diff < LOSS_RTOL)
         report["ok"] = ok
         print(json.dumps({k: v for k, v in report.items() if k not in ("ddp_losses", "single_gpu_losses")}, indent=1))
-        print(f"losses (DDP, {world} GPUs): first {losses[0]:.6f}, last {losses[-1]:.6f}; "
+        print(f"losses (DDP, {world} ranks): first {losses[0]:.6f}, last {losses[-1]:.6f}; "
               f"one GPU: first {single_losses[0]:.6f}, last {single_losses[-1]:.6f}")
-        print(f"max relative loss difference {loss_diff:.2e}, max parameter difference {param_diff:.2e}; "
+        print(f"gradient at the start: max relative difference {grad_diff:.2e}; "
+              f"max relative loss difference {loss_diff:.2e}, max parameter difference {param_diff:.2e}; "
               f"same kernels on every rank: {same_kernels}; specializations {specializations} for "
               f"{len(keys)} keys; {'OK' if ok else 'MISMATCH'}")
         if args.out:
