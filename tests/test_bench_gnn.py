@@ -29,11 +29,13 @@ def _bench():
 
 
 @pytest.mark.slow
-def test_all_four_ways_train_to_the_same_losses(tmp_path):
+def test_all_four_ways_train_to_the_same_losses(tmp_path, monkeypatch):
     bench = _bench()
     out = tmp_path / "gnn.json"
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))  # main() sets it: restored after
     code = bench.main(["--graphs", "cora", "--models", "gcn,sage", "--hidden", "16", "--out", str(out),
-                       "--chunks", "1", "--min-chunk-s", "0.01", "--device", "cpu"])
+                       "--chunks", "1", "--min-chunk-s", "0.01", "--device", "cpu",
+                       "--cache-dir", str(tmp_path / "cache")])
     assert code == 0
     doc = json.loads(out.read_text())
     assert [(r["model"], r["hidden"]) for r in doc["rows"]] == [("gcn", 16), ("sage", 16)]
@@ -71,7 +73,10 @@ def test_losses_that_differ_are_reported():
 def test_ddp_example_on_cpu(tmp_path):
     """Two gloo processes on the CPU: the script's DDP-versus-one-process check holds."""
     out = tmp_path / "ddp.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    # Not what this process has picked up: Inductor leaves variables for its own workers
+    # (a data pointer among them) that a fresh process must not inherit.
+    env = {k: v for k, v in os.environ.items() if "TORCHINDUCTOR" not in k and not k.startswith("SPARSERL_CACHE")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                              "--standalone", str(ROOT / "examples" / "ddp_gcn.py"), "--epochs", "4",
                              "--hidden", "16", "--out", str(out)],
