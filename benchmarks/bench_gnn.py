@@ -231,11 +231,9 @@ def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dic
 
 def run_way(way, model_name, hidden, graph, device, args) -> dict:
     import torch
-    import torch_sparserl as ts
     from torch_sparserl import runtime as rt
 
     GCN, SAGE, Task = _models()
-    n = graph["n"]
     torch.manual_seed(0)
     model = (GCN if model_name == "gcn" else SAGE)(FEATURES, hidden, CLASSES)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -267,7 +265,8 @@ def run_way(way, model_name, hidden, graph, device, args) -> dict:
         result["jit_s"] = SPECIALIZED["s"] - spent_before["s"]
         result["jit_keys"] = SPECIALIZED["keys"] - spent_before["keys"]
         result["runtime_stats"] = dict(runtime.stats)
-        result["kernels"] = decisions(runtime, graph[f"csr_matrix_{model_name}"])
+        A = graph[f"csr_matrix_{model_name}"]
+        result["kernels"] = runtime.decisions(A.crow, A.col, A.shape[1])
     return result
 
 
@@ -294,20 +293,6 @@ def start_runtime(policy: str, device) -> float | None:
     runtime.specializer = timed
     timed.prewarm = getattr(specialize, "prewarm", None)
     return runtime.prewarm(device) if device.type == "cuda" else None
-
-
-def decisions(runtime, A) -> dict[str, str]:
-    """What serves each product the model ran, on A and on its transpose (the backward)."""
-    from torch_sparserl import pattern as patterns
-
-    entry = patterns.lookup(A.crow, A.col, A.shape[1])
-    found = {}
-    for label, pattern in (("A", entry), ("At", entry.transpose(A.crow, A.col)[0])):
-        for key, state in list(pattern.specializations.items()):
-            generation, op, n, dtype = key
-            if generation == runtime._generation:
-                found[f"{label} {op} n={n} {str(dtype).replace('torch.', '')}"] = runtime.describe(state)
-    return found
 
 
 def prepare_graph(name: str, device) -> dict:

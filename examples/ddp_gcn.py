@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_sparserl as ts
-from torch_sparserl import pattern as patterns
 from torch_sparserl import runtime as rt
 
 
@@ -73,16 +72,6 @@ def train(model, adj, x, y, nodes, epochs: int, lr: float) -> list[float]:
         opt.step()
         losses.append(loss.detach())
     return [float(v) for v in torch.stack(losses).cpu()]
-
-
-def kernels_in_use(runtime: rt.Runtime, adj: ts.CSRMatrix) -> dict[str, str]:
-    """What serves each product on the adjacency and on its transpose (the backward)."""
-    entry = patterns.lookup(adj.crow, adj.col, adj.shape[1])
-    found = {}
-    for label, pattern in (("A", entry), ("At", entry.transpose(adj.crow, adj.col)[0])):
-        for (_, op, n, dtype), state in pattern.specializations.items():
-            found[f"{label} {op} n={n} {str(dtype).replace('torch.', '')}"] = runtime.describe(state)
-    return found
 
 
 def main(argv=None) -> int:
@@ -153,7 +142,7 @@ def main(argv=None) -> int:
     losses = (losses / world).tolist()
     rank_report = {"rank": rank, "device": torch.cuda.get_device_name(device) if cuda else "cpu", "cuda_device": local_rank,
                    "train_s": seconds, "specializations": calls, "cache_builds": runtime.cache.stats["builds"],
-                   "kernels": kernels_in_use(runtime, adj), "runtime_stats": dict(runtime.stats)}
+                   "kernels": runtime.decisions(adj.crow, adj.col, adj.shape[1]), "runtime_stats": dict(runtime.stats)}
     reports = [None] * world
     dist.all_gather_object(reports, rank_report)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}

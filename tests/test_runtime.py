@@ -333,3 +333,18 @@ def test_prewarm_starts_the_specializer_once_before_any_key():
             raise RuntimeError("no GPU here")
 
     assert rt.Runtime(rt.RuntimeSettings(mode="sync"), specializer=Failing(), devices=("cpu",)).prewarm("cpu") is None
+
+
+def test_decisions_name_what_serves_the_matrix_and_its_transpose(tmp_path):
+    runtime, fakes, A, crow, col, val, X = setup(tmp_path)
+    assert runtime.decisions(crow, col, A.shape[1]) == {}
+    call(runtime, A, crow, col, val, X)
+    entry_t, crow_t, col_t, perm = patterns.lookup(crow, col, A.shape[1]).transpose(crow, col)
+    G = torch.randn(A.shape[0], 4)
+    runtime.call("spmm", entry_t, crow_t, col_t, val[perm], G)
+    assert runtime.decisions(crow, col, A.shape[1]) == {
+        "A spmm n=8 float32": "installed: fake{'p': 1} (2.0x cuSPARSE)",
+        "At spmm n=4 float32": "installed: fake{'p': 1} (2.0x cuSPARSE)"}
+    other = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=fakes.specializer,
+                    installer=fakes.installer, devices=("cpu",))
+    assert other.decisions(crow, col, A.shape[1]) == {}  # another runtime's states are not its own

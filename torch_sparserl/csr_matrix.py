@@ -148,9 +148,7 @@ class _FromParts(torch.autograd.Function):
             return None, None, grad.val, None
         # A dense gradient of the whole matrix: only the entries at the pattern matter.
         crow, col = ctx.saved_tensors
-        lengths = (crow[1:] - crow[:-1]).to(torch.int64)
-        rows = torch.repeat_interleave(torch.arange(crow.shape[0] - 1, device=crow.device), lengths,
-                                       output_size=col.shape[0])
+        rows = patterns.row_indices(crow, col.shape[0])
         return None, None, grad[rows, col.to(torch.int64)], None
 
 
@@ -341,9 +339,7 @@ def _transpose(A: CSRMatrix, dim0: int, dim1: int) -> CSRMatrix:
 
 
 def _to_dense(A: CSRMatrix, dtype=None, *, masked_grad=None) -> Tensor:
-    lengths = (A.crow[1:] - A.crow[:-1]).to(torch.int64)
-    rows = torch.repeat_interleave(torch.arange(A.shape[0], device=A.device), lengths,
-                                   output_size=A.col.shape[0])
+    rows = patterns.row_indices(A.crow, A.col.shape[0])
     dense = torch.zeros(tuple(A.shape), dtype=A.dtype, device=A.device)
     dense = dense.index_put((rows, A.col.to(torch.int64)), values_of(A), accumulate=True)
     return dense if dtype is None else dense.to(dtype)

@@ -21,6 +21,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .validation import check_csr_values
 
 
+def row_indices(crow: torch.Tensor, nnz: int) -> torch.Tensor:
+    """The row of each of the ``nnz`` nonzeros of the row pointers ``crow``, int64. Uncached
+    and traceable (a compiled graph computes it); :meth:`Pattern.row_indices` caches it."""
+    lengths = (crow[1:] - crow[:-1]).to(torch.int64)
+    rows = torch.arange(crow.shape[0] - 1, device=crow.device)
+    return torch.repeat_interleave(rows, lengths, output_size=nnz)
+
+
 def _version(t: torch.Tensor) -> int:
     # Inference tensors have no version counter; they cannot be modified outside
     # inference mode, so treat them as never changing.
@@ -67,9 +75,7 @@ class Pattern:
     def row_indices(self, crow: torch.Tensor) -> torch.Tensor:
         """The row of each nonzero, shape (nnz,), int64."""
         if self._row_indices is None:
-            lengths = (crow[1:] - crow[:-1]).to(torch.int64)
-            rows = torch.arange(self.nrows, device=crow.device)
-            self._row_indices = torch.repeat_interleave(rows, lengths, output_size=self.nnz)
+            self._row_indices = row_indices(crow, self.nnz)
         return self._row_indices
 
     def transpose(self, crow: torch.Tensor, col: torch.Tensor):

@@ -92,12 +92,6 @@ def _add_self_loops(A: CSRMatrix, fill: float, dtype) -> CSRMatrix:
     return CSRMatrix(crow_d, col_d, looped, A.shape)
 
 
-def _row_indices(A: CSRMatrix) -> Tensor:
-    lengths = (A.crow[1:] - A.crow[:-1]).to(torch.int64)
-    rows = torch.arange(A.shape[0], device=A.device)
-    return torch.repeat_interleave(rows, lengths, output_size=A.col.shape[0])
-
-
 def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_self_loops=True,
              flow="source_to_target", dtype=None):
     """PyG's ``gcn_norm`` for a ``CSRMatrix`` (anything else goes to PyG's own).
@@ -115,7 +109,7 @@ def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_s
     if add_self_loops:
         A = _add_self_loops(A, 2.0 if improved else 1.0, dtype)
     val = values_of(A).to(dtype)
-    rows = _row_indices(A)
+    rows = patterns.row_indices(A.crow, A.col.shape[0])
     deg = val.new_zeros(A.shape[0]).index_add(0, rows, val)
     inv_sqrt = deg.pow(-0.5)
     inv_sqrt = inv_sqrt.masked_fill(torch.isinf(inv_sqrt), 0.0)

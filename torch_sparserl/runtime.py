@@ -358,6 +358,19 @@ class Runtime:
     def explain(self, op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str:
         return self.describe(self.state(op, pattern, n, dtype))
 
+    def decisions(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> dict[str, str]:
+        """What serves each product this runtime was asked for on the pattern (``A``) and on
+        its transpose (``At``, the backward): ``{"A spmm n=128 float32": "installed: ..."}``."""
+        from .pattern import lookup
+
+        entry = lookup(crow, col, ncols)
+        found = {}
+        for label, pattern in (("A", entry), ("At", entry.transpose(crow, col)[0])):
+            for (generation, op, n, dtype), state in list(pattern.specializations.items()):
+                if generation == self._generation:
+                    found[f"{label} {op} n={n} {str(dtype).replace('torch.', '')}"] = self.describe(state)
+        return found
+
     @staticmethod
     def describe(state) -> str:
         """One line on a state: which kernel, or why cuSPARSE serves."""
