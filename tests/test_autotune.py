@@ -93,7 +93,7 @@ def test_tune_restricts_to_named_families(cora):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(op="sddmm"), "op must be 'spmm' or 'spmv'"),
+    (dict(op="spgemm"), "op must be 'spmm', 'spmv' or 'sddmm'"),
     (dict(op="spmv", n=4), "op='spmv' has n=1"),
     (dict(op="spmm", n=0), "n must be >= 1"),
     (dict(op="spmm", n=4, dtype="f64"), "expected f32, f16, bf16"),

@@ -17,7 +17,8 @@ def sandbox():
         yield box
 
 
-@pytest.mark.parametrize("op, n, dtype", [("spmv", 1, "f32"), ("spmm", 32, "f32"), ("spmm", 64, "f16")])
+@pytest.mark.parametrize("op, n, dtype", [("spmv", 1, "f32"), ("spmm", 32, "f32"), ("spmm", 64, "f16"),
+                                           ("sddmm", 32, "f32"), ("sddmm", 128, "bf16")])
 def test_tune_finds_a_correct_kernel_with_timings(sandbox, op, n, dtype):
     result = tune(ts.load_matrix("cora"), op=op, n=n, dtype=dtype, budget_s=60, top_k=2, sandbox=sandbox)
     assert result.best is not None, [(r.family, r.error_kind, r.log[:200]) for r in result.table]

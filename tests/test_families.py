@@ -44,7 +44,11 @@ def test_renders_a_valid_abi_source(name, op, dtype, n):
     assert '#include "' not in spec.source
     assert 'extern "C" __global__' in spec.source and "sparserl_kernel(" in spec.source
     if plan.split != "none":
-        assert plan.init == "zero" and plan.rows == "natural"
+        assert plan.rows == "natural"
+        # spmm/spmv pieces of a row meet atomically in zeroed output; sddmm outputs are per nonzero
+        assert plan.init == ("none" if op == "sddmm" else "zero")
+    if op == "sddmm":
+        assert "sparserl SDDMM helpers" in spec.source and "SR_PASSES 1\n" in spec.source
     # the grid evaluates for an empty and for an ordinary pattern
     for env in ({"rows": 0, "cols": 0, "nnz": 0, "n": n, "parts": 0},
                 {"rows": 1000, "cols": 700, "nnz": 9000, "n": n, "parts": 40}):
@@ -54,7 +58,7 @@ def test_renders_a_valid_abi_source(name, op, dtype, n):
 
 def test_every_family_has_both_templates_it_claims():
     for fam in F.FAMILIES.values():
-        assert fam.ops <= {"spmm", "spmv"} and fam.doc
+        assert fam.ops <= {"spmm", "spmv", "sddmm"} and fam.doc
         for op in fam.ops:
             assert fam.template_path(op).exists(), fam.template_path(op)
     assert (F.TEMPLATE_DIR / "prelude.cuh").exists()
@@ -94,6 +98,9 @@ def test_rendered_source_bakes_geometry():
     ("rowchunks", {"seg": 0}, "spmv", "f32", 1, ("rowchunks", "'seg'", "0")),
     ("merge_path", {"items": 0}, "spmv", "f32", 1, ("merge_path", "'items'", "0")),
     ("nosuch", {}, "spmv", "f32", 1, ("unknown family", "'nosuch'")),
+    ("group_row", {"lanes": 1, "vec": 1}, "sddmm", "f32", 128,
+     ("group_row", "'lanes'", "lanes*vec*32 >= n=128 for op=sddmm", "got 1")),
+    ("vector_row", {}, "sddmm", "f32", 32, ("vector_row", "'op'", "['spmv']", "'sddmm'")),
 ])
 def test_invalid_params_raise_a_clear_value_error(name, params, op, dtype, n, words):
     with pytest.raises(ValueError) as info:
@@ -111,7 +118,7 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("op,n", [("spmv", 1), ("spmm", 1), ("spmm", 7), ("spmm", 32), ("spmm", 64),
-                                  ("spmm", 128), ("spmm", 256)])
+                                  ("spmm", 128), ("spmm", 256), ("sddmm", 16), ("sddmm", 128), ("sddmm", 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("features", [None, *FEATURES])
 def test_space_is_sized_renderable_and_pruned(op, n, dtype, features):
@@ -164,6 +171,8 @@ def _compile_subset() -> list[tuple[str, str, str, int, dict]]:
             for dtype in DTYPES:
                 if op == "spmv":
                     shapes = [(1, {})]
+                elif op == "sddmm":  # n=130 with vec=2: a ragged last tile of D; sorted rows; one lane per row
+                    shapes = [(128, {}), (130, {"vec": 2, "lanes": 32}), (7, {"vec": 1, "lanes": 8, "unroll": 4})]
                 else:  # n=130 with vec=2: a ragged last tile; half types try the 16-byte load
                     shapes = [(32, {}), (130, {"vec": 2, "lanes": 32})]
                     if dtype != "f32" and name in ("group_row", "nnz_split"):

@@ -10,6 +10,7 @@ import scipy.sparse as sp
 import torch
 
 from torch_sparserl import families as F
+from torch_sparserl.abi import operand_shapes
 from torch_sparserl.dtypes import close_to_reference
 
 pytestmark = pytest.mark.gpu
@@ -127,6 +128,26 @@ def _spmm_params(name: str, dtype: str, n: int) -> list[dict]:
     }[name]
 
 
+def _sddmm_params(name: str, dtype: str, n: int) -> list[dict]:
+    v = _vec(dtype, n)
+    return {
+        "group_row": [{"lanes": 8, "vec": v}, {"lanes": 32, "vec": 1, "rows": "sorted_desc", "unroll": 4},
+                      {"lanes": 32 if n > 32 else 1, "vec": v, "unroll": 1}, {"lanes": 16, "vec": _vec(dtype, n, 2), "block": 128}],
+        "nnz_split": [{"lanes": 8, "vec": v, "chunk": 7}, {"lanes": 32, "vec": v, "chunk": 1000, "unroll": 4},
+                      {"lanes": 2, "vec": 1, "chunk": 64} if n <= 64 else {"lanes": 16, "vec": v, "chunk": 64}],
+        "rowchunks": [{"lanes": 8, "vec": v, "seg": 16}, {"lanes": 32, "vec": 1, "seg": 1},
+                      {"lanes": 4 if n <= 64 else 16, "vec": v, "seg": 500, "unroll": 4}],
+    }[name]
+
+
+def _sddmm_cases():
+    for name in ("group_row", "nnz_split", "rowchunks"):
+        for dtype in TORCH_DTYPES:
+            for n in (1, 5, 32, 64, 130):
+                for i, params in enumerate(_sddmm_params(name, dtype, n)):
+                    yield pytest.param(name, params, dtype, n, id=f"sddmm-{name}-{i}-{dtype}-n{n}")
+
+
 def _spmm_cases():
     for name in ("group_row", "warp_row_staged", "nnz_split", "rowchunks"):
         for dtype in TORCH_DTYPES:
@@ -150,15 +171,25 @@ def _check(name, params, op, dtype, n, patterns):
         rows, cols = A.shape
         rowptr = torch.from_numpy(A.indptr.astype(np.int32)).cuda()
         col = torch.from_numpy(A.indices.astype(np.int32)).cuda()
-        val = torch.from_numpy(A.data).to(device="cuda", dtype=tdtype)
         g = torch.Generator().manual_seed(rows * 31 + n)
-        x = torch.randn((cols, n) if op == "spmm" else (cols,), generator=g, dtype=torch.float64).to("cuda", tdtype)
-        y = torch.full((rows, n) if op == "spmm" else (rows,), float("nan"), dtype=tdtype, device="cuda")
+        shapes = operand_shapes(op, rows, cols, A.nnz, n)
+        if op == "sddmm":  # the val slot holds the left dense operand D
+            val = torch.randn(shapes["val"], generator=g, dtype=torch.float64).to("cuda", tdtype)
+        else:
+            val = torch.from_numpy(A.data).to(device="cuda", dtype=tdtype)
+        x = torch.randn(shapes["x"], generator=g, dtype=torch.float64).to("cuda", tdtype)
+        y = torch.full(shapes["y"], float("nan"), dtype=tdtype, device="cuda")
         prep = prepare(spec.plan, rowptr, col, (rows, cols), n)
         kernel(rowptr, col, val, x, y, prep)
         torch.cuda.synchronize()
-        A64 = sp.csr_matrix((val.double().cpu().numpy(), A.indices, A.indptr), shape=A.shape)
-        ref = torch.from_numpy(np.asarray(A64 @ x.double().cpu().numpy()))
+        x64 = x.double().cpu().numpy()
+        if op == "sddmm":
+            row_of = np.repeat(np.arange(rows), np.diff(A.indptr))
+            D = val.double().cpu().numpy()
+            ref = torch.from_numpy(np.einsum("kn,kn->k", D[row_of], x64[A.indices]))
+        else:
+            A64 = sp.csr_matrix((val.double().cpu().numpy(), A.indices, A.indptr), shape=A.shape)
+            ref = torch.from_numpy(np.asarray(A64 @ x64))
         ok, why = close_to_reference(y, ref, tdtype)
         if not ok:
             failures.append(f"{pattern}: {why}")
@@ -175,7 +206,12 @@ def test_spmm_family_matches_reference(name, params, dtype, n, patterns):
     _check(name, params, "spmm", dtype, n, patterns)
 
 
-@pytest.mark.parametrize("op,n", [("spmv", 1), ("spmm", 32)])
+@pytest.mark.parametrize("name,params,dtype,n", list(_sddmm_cases()))
+def test_sddmm_family_matches_reference(name, params, dtype, n, patterns):
+    _check(name, params, "sddmm", dtype, n, patterns)
+
+
+@pytest.mark.parametrize("op,n", [("spmv", 1), ("spmm", 32), ("sddmm", 64)])
 def test_space_candidates_match_reference_on_power_law(op, n, patterns):
     """Every candidate of the default space for one shape (what the autotuner screens)."""
     A = {"power law": patterns["power law"]}

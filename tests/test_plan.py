@@ -50,7 +50,7 @@ def test_valid_plans_parse_and_round_trip(line):
     (BASE + " colour=red", "unknown key 'colour'"),
     (BASE + " init", "expected key=value, got 'init'"),
     ("op=spmm dtype=f64 block=256 grid=1", "dtype must be f32 or f16 or bf16 (got 'f64')"),
-    ("op=sddmm dtype=f32 block=256 grid=1", "op must be spmm or spmv"),
+    ("op=spgemm dtype=f32 block=256 grid=1", "op must be spmm or spmv or sddmm"),
     ("op=spmm dtype=f32 block=48 grid=1", "block must be a multiple of 32 in 32..1024 (got 48)"),
     ("op=spmm dtype=f32 block=2048 grid=1", "(got 2048)"),
     ("op=spmm dtype=f32 block=-32 grid=1", "block must be a non-negative integer (got '-32')"),

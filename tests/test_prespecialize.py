@@ -50,6 +50,17 @@ def test_plan_graph_finds_each_product_and_its_backward():
     assert prespecialize.plan_graph(gm, inputs) == []  # CUDA only by default: the matrix is on the CPU
 
 
+def test_plan_graph_adds_the_sddmm_of_values_that_require_grad():
+    M = make_pattern("random")
+    A = ts.csr(M, dtype=torch.float32)
+    A = A.with_values(A.values().detach().requires_grad_())
+    (gm, inputs), = _capture(_Model(A), torch.randn(M.shape[1], 16), torch.randn(M.shape[1]),
+                             torch.randn(M.shape[0]))
+    planned = {(p.op, p.n, p.transposed) for p in prespecialize.plan_graph(gm, inputs, devices=("cpu",))}
+    assert {("sddmm", 16, False), ("sddmm", 1, False), ("sddmm", 3, False)} <= planned
+    assert all(not t for op, _, t in planned if op == "sddmm")  # always on A's own pattern
+
+
 def test_the_backend_starts_specialization_at_compile_time(tmp_path):
     fakes = Fakes()
     runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path),
@@ -71,7 +82,7 @@ def test_the_backend_starts_specialization_at_compile_time(tmp_path):
 def test_specialize_names_bad_arguments():
     A = ts.csr(make_pattern("random"), dtype=torch.float32)
     with pytest.raises(ValueError, match="specialize: op must be one of"):
-        prespecialize.specialize(A, "sddmm")
+        prespecialize.specialize(A, "spgemm")
     with pytest.raises(ValueError, match="op='spmv' has n=1"):
         prespecialize.specialize(A, "spmv", 4)
     with pytest.raises(ValueError, match="n must be a positive int"):

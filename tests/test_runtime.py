@@ -161,7 +161,7 @@ def test_off_mode_and_other_devices_never_specialize(tmp_path):
 def test_products_outside_the_kernel_abi_are_decided_without_specializing(tmp_path):
     runtime, fakes, A, crow, col, val, X = setup(tmp_path, strict=True)
     entry = patterns.lookup(crow, col, A.shape[1])
-    assert runtime.call("sddmm", entry, crow, col, val, X) is None  # no kernel space: a decision
+    assert runtime.call("spgemm", entry, crow, col, val, X) is None  # no kernel space: a decision
     assert runtime.call("spmm", entry, crow, col, val, X[:, :0]) is None  # N = 0
     assert runtime.explain("spmm", entry, 0, torch.float32) == "cuSPARSE: empty product"
     assert fakes.specialized == []

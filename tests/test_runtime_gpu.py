@@ -120,6 +120,36 @@ def test_training_step_uses_specialized_forward_and_backward(jit, poison_uniniti
     assert jit.state("spmm", entry_t, 32, torch.float32) is not None  # Aᵀ was decided on its own pattern
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_gradient_runs_the_specialized_sddmm(jit, poison_uninitialized, dtype):
+    M = ts.load_matrix("citeseer")
+    A = ts.csr(M, dtype=dtype, device="cuda")
+    val = A.values().detach().clone().requires_grad_()
+    A = A.with_values(val)
+    X = torch.randn(M.shape[1], 32, device="cuda", dtype=dtype)
+    W = torch.randn(M.shape[0], 32, device="cuda", dtype=dtype)
+    ((A @ X) * W).sum().backward()  # d/dval[k] = dot(W[row(k)], X[col(k)]): an SDDMM
+    rows = np.repeat(np.arange(M.shape[0]), np.diff(M.indptr))
+    W64, X64 = W.double().cpu().numpy(), X.double().cpu().numpy()
+    expected = torch.from_numpy(np.einsum("kn,kn->k", W64[rows], X64[M.indices]))
+    assert_close_to_reference(val.grad.cpu(), expected, dtype)
+    entry = patterns.lookup(A.crow, A.col, M.shape[1])
+    state = jit.state("sddmm", entry, 32, dtype)
+    assert isinstance(state, (rt.Installed, rt.Fallback)), jit.explain("sddmm", entry, 32, dtype)
+    assert state.key.policy == "autotune"  # the policy writes no SDDMM: the autotuner decided
+    if isinstance(state, rt.Fallback):
+        assert state.decided, state.reason
+    else:
+        record = EvalRecord.from_dict(jit.cache.get(state.key).record)
+        assert record.speedup >= jit.settings.margin and record.baseline.startswith("cusparse")
+    # the operator directly, on a D that is 4 bytes off 16-byte alignment
+    base = torch.randn(M.shape[0] * 32 + 1, device="cuda").to(dtype)
+    D = base[1:].view(M.shape[0], 32)
+    out = torch.ops.sparserl.sddmm(A.crow, A.col, D, X)
+    expected = np.einsum("kn,kn->k", D.double().cpu().numpy()[rows], X64[M.indices])
+    assert_close_to_reference(out.cpu(), torch.from_numpy(expected), dtype)
+
+
 def test_odd_operands_are_served_correctly(jit, poison_uninitialized):
     M = ts.load_matrix("cora")
     A = ts.csr(M, dtype=torch.float32, device="cuda")

@@ -22,7 +22,7 @@ import torch
 KERNEL_NAME = "sparserl_kernel"
 PLAN_PREFIX = "// sparserl:"
 
-OPS = ("spmm", "spmv")
+OPS = ("spmm", "spmv", "sddmm")
 DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 ROW_ORDERS = ("natural", "sorted_desc", "binned", "sell")
 SPLITS = ("none", "nnz", "merge", "rowchunks")
@@ -206,6 +206,8 @@ class Plan:
             bad("n", "an integer >= 1", self.n)
         if self.op == "spmv" and self.n not in (None, 1):
             bad("n", "1 for op=spmv", self.n)
+        if self.op == "sddmm" and self.init != "none":
+            bad("init", "none for op=sddmm (every output element belongs to one nonzero)", self.init)
         if self.rows not in ROW_ORDERS:
             bad("rows", " or ".join(ROW_ORDERS), self.rows)
         if self.split not in SPLITS:
@@ -345,6 +347,22 @@ def check_source(source: str) -> Plan:
     if re.search(r'#\s*include\s*["<](?:torch|ATen|c10)/', source):
         raise PlanError("source: torch headers are not allowed in a kernel (the ABI is header-lean)")
     return plan
+
+
+def operand_shapes(op: str, rows: int, cols: int, nnz: int, n: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of the kernel's ``val``, ``x`` and ``y`` slots for ``op`` (``csrc/README.md`` §2).
+
+    ``spmm``/``spmv``: ``val`` holds the nonzeros' values, ``y = A @ x``. ``sddmm``: ``val``
+    holds the left dense operand D (rows x n), ``x`` the right one (cols x n), and ``y`` one
+    value per nonzero, ``y[k] = dot(D[row(k)], x[col(k)])``.
+    """
+    if op == "spmm":
+        return {"val": (nnz,), "x": (cols, n), "y": (rows, n)}
+    if op == "spmv":
+        return {"val": (nnz,), "x": (cols,), "y": (rows,)}
+    if op == "sddmm":
+        return {"val": (rows, n), "x": (cols, n), "y": (nnz,)}
+    raise PlanError(f"operand_shapes: op must be one of {', '.join(OPS)} (got {op!r})")
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,8 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
 
     ``progress(done, total)`` is called after each screened candidate, if given.
     """
-    if op not in ("spmm", "spmv"):
-        raise ValueError(f"tune: op must be 'spmm' or 'spmv' (got {op!r})")
+    if op not in ("spmm", "spmv", "sddmm"):
+        raise ValueError(f"tune: op must be 'spmm', 'spmv' or 'sddmm' (got {op!r})")
     if op == "spmv" and n != 1:
         raise ValueError(f"tune: op='spmv' has n=1 (got n={n})")
     if n < 1:

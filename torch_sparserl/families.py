@@ -9,7 +9,8 @@ self-contained ABI translation unit (``csrc/README.md``)::
     #define SR_N 32
     ...                     <- parameters and baked geometry as #defines
     <prelude.cuh>           <- type T, fp32 accumulation, vector load/store/atomic helpers
-    <spmm_common.cuh>       <- (spmm only) column-tile helpers
+    <spmm_common.cuh>       <- (spmm, sddmm) column-tile helpers
+    <sddmm_common.cuh>      <- (sddmm only) a row of D in registers, group dot products
     <template body>         <- extern "C" __global__ void sparserl_kernel(...)
 
 Parameters are validated before anything is compiled (the role of sputnik's ``SpmmConfig``
@@ -23,14 +24,19 @@ Families and what they are for:
 family                    ops    for
 ========================  =====  ==============================================================
 vector_row                spmv   V lanes per row (1..32); regular patterns, sorted for skew
-nnz_split                 both   fixed nonzero chunks, atomics at chunk edges; any skew
+nnz_split                 all    fixed nonzero chunks, atomics at chunk edges; any skew
 merge_path                spmv   merge-path split over rows+nonzeros; skew + empty/short rows
 sell                      spmv   SELL-C-sigma, thread per row; regular FEM/stencil/road
 binned                    spmv   rows binned by length, lanes per bin, one persistent launch
-rowchunks                 both   hub rows cut into segments of <= T nonzeros, atomics
-group_row                 spmm   G lanes per row x VEC columns per lane; short rows, small N
+rowchunks                 all    hub rows cut into segments of <= T nonzeros, atomics
+group_row                 spmm,  G lanes per row x VEC columns per lane; short rows, small N
+                          sddmm
 warp_row_staged           spmm   coalesced (col,val) batches broadcast by shfl or smem; long rows
 ========================  =====  ==============================================================
+
+``sddmm`` (``y[k] = dot(D[row(k)], X[col(k)])``, the gradient of the values) reuses the SpMM
+work partitions: a group of lanes keeps its row of D in registers and computes one dot
+product per nonzero. It needs no atomics, and its tile must cover n in one pass.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ from typing import Any, Callable
 
 from .abi import KernelSpec, parse_plan
 
-OPS = ("spmm", "spmv")
+OPS = ("spmm", "spmv", "sddmm")
+DENSE_OPS = ("spmm", "sddmm")  # ops with n dense columns tiled across lanes (spmm_common.cuh)
 DTYPE_CODES = {"f32": 0, "f16": 1, "bf16": 2}
 TEMPLATE_DIR = Path(__file__).parent / "_csrc" / "families"
 
@@ -121,6 +128,20 @@ def _spmm_geometry(c: _Checker, dtype: str, n: int, lanes_choices=LANES) -> dict
     return {"SR_N": n, "SR_LANES": lanes, "SR_VEC": vec, "SR_TB": tb, "SR_PASSES": passes}
 
 
+def _sddmm_geometry(c: _Checker, dtype: str, n: int) -> dict[str, int]:
+    """The SpMM tile geometry, in one pass: an SDDMM group holds its whole row of D."""
+    geo = _spmm_geometry(c, dtype, n)
+    if geo["SR_PASSES"] != 1:
+        most = geo["SR_LANES"] * geo["SR_VEC"] * max(1, ACC_BUDGET // geo["SR_VEC"])
+        c.fail("lanes", f"lanes*vec*{max(1, ACC_BUDGET // geo['SR_VEC'])} >= n={n} for op=sddmm "
+                        f"(a row of D is held in {ACC_BUDGET} registers; this tile covers {most} columns)")
+    return geo
+
+
+def _dense_geometry(op: str, c: _Checker, dtype: str, n: int) -> dict[str, int]:
+    return _sddmm_geometry(c, dtype, n) if op == "sddmm" else _spmm_geometry(c, dtype, n)
+
+
 def _block(c: _Checker, multiple_of: int = 1) -> int:
     block = c.one_of("block", BLOCKS)
     if block % multiple_of:
@@ -153,6 +174,12 @@ def _vector_row(op, dtype, n, params) -> _Rendered:
         params=c.p)
 
 
+def _atomic_init(op: str) -> dict[str, str]:
+    """Split plans sum a row's pieces atomically into zero-filled output; sddmm writes each
+    output element once, from the one work item holding its nonzero."""
+    return {} if op == "sddmm" else {"init": "zero"}
+
+
 def _nnz_split(op, dtype, n, params) -> _Rendered:
     if op == "spmv":
         c = _Checker("nnz_split", params, {"chunk": 256, "block": 256})
@@ -163,13 +190,13 @@ def _nnz_split(op, dtype, n, params) -> _Rendered:
                   "grid": f"ceil(parts/{block // 32})", "init": "zero"},
             defines={"SR_BLOCK": block, "SR_CHUNK": chunk}, params=c.p)
     c = _Checker("nnz_split", params, {"lanes": 8, "vec": 4, "chunk": 64, "block": 256, "unroll": 2})
-    geo = _spmm_geometry(c, dtype, n)
+    geo = _dense_geometry(op, c, dtype, n)
     chunk = c.int_("chunk", 1, MAX_CHUNK)
     block = _block(c)
     unroll = c.one_of("unroll", UNROLLS)
     return _Rendered(
         plan={"rows": "natural", "split": f"nnz({chunk})", "block": str(block),
-              "grid": f"ceil(parts/{block // geo['SR_LANES']})", "init": "zero"},
+              "grid": f"ceil(parts/{block // geo['SR_LANES']})", **_atomic_init(op)},
         defines={"SR_BLOCK": block, **geo, "SR_UNROLL": unroll, "SR_CHUNK": chunk}, params=c.p)
 
 
@@ -235,20 +262,20 @@ def _rowchunks(op, dtype, n, params) -> _Rendered:
         geo = {"SR_LANES": lanes}
     else:
         c = _Checker("rowchunks", params, {"lanes": 8, "vec": 4, "seg": 256, "block": 256, "unroll": 2})
-        geo = _spmm_geometry(c, dtype, n)
+        geo = _dense_geometry(op, c, dtype, n)
         lanes = geo["SR_LANES"]
     seg = c.int_("seg", 1, MAX_CHUNK)
     block = _block(c)
     unroll = c.one_of("unroll", UNROLLS)
     return _Rendered(
         plan={"rows": "natural", "split": f"rowchunks({seg})", "block": str(block),
-              "grid": f"ceil(parts/{block // lanes})", "init": "zero"},
+              "grid": f"ceil(parts/{block // lanes})", **_atomic_init(op)},
         defines={"SR_BLOCK": block, **geo, "SR_UNROLL": unroll, "SR_SEG": seg}, params=c.p)
 
 
 def _group_row(op, dtype, n, params) -> _Rendered:
     c = _Checker("group_row", params, {"lanes": 8, "vec": 4, "block": 256, "rows": "natural", "unroll": 2})
-    geo = _spmm_geometry(c, dtype, n)
+    geo = _dense_geometry(op, c, dtype, n)
     block = _block(c)
     rows = c.one_of("rows", ROW_ORDERS)
     unroll = c.one_of("unroll", UNROLLS)
@@ -455,7 +482,7 @@ FAMILIES: dict[str, Family] = {fam.name: fam for fam in (
     Family("vector_row", frozenset({"spmv"}), "{op}_vector_row.cu",
            "SpMV, V lanes per row (1..32), natural or length-sorted rows, unrolled gathers",
            _grid_vector_row, _vector_row),
-    Family("nnz_split", frozenset({"spmv", "spmm"}), "{op}_nnz_split.cu",
+    Family("nnz_split", frozenset({"spmv", "spmm", "sddmm"}), "{op}_nnz_split.cu",
            "fixed nonzero chunks per warp/lane group, segmented reduction, atomics at chunk edges",
            _grid_nnz_split, _nnz_split),
     Family("merge_path", frozenset({"spmv"}), "{op}_merge_path.cu",
@@ -467,11 +494,12 @@ FAMILIES: dict[str, Family] = {fam.name: fam for fam in (
     Family("binned", frozenset({"spmv"}), "{op}_binned.cu",
            "SpMV rows binned by length; thread/vector/block per row by bin, one persistent launch",
            _grid_binned, _binned),
-    Family("rowchunks", frozenset({"spmv", "spmm"}), "{op}_rowchunks.cu",
+    Family("rowchunks", frozenset({"spmv", "spmm", "sddmm"}), "{op}_rowchunks.cu",
            "rows cut into segments of <= seg nonzeros (hub split), atomics for multi-segment rows",
            _grid_rowchunks, _rowchunks),
-    Family("group_row", frozenset({"spmm"}), "{op}_group_row.cu",
-           "SpMM, G lanes per row, VEC consecutive columns per lane, column tiles in registers",
+    Family("group_row", frozenset({"spmm", "sddmm"}), "{op}_group_row.cu",
+           "G lanes per row, VEC consecutive columns per lane, column tiles (SpMM: of Y, SDDMM: of D) "
+           "in registers",
            _grid_group_row, _group_row),
     Family("warp_row_staged", frozenset({"spmm"}), "{op}_warp_row_staged.cu",
            "SpMM, coalesced (col,val) batches broadcast by __shfl_sync or shared memory",
@@ -507,7 +535,8 @@ def _check_call(family: str, op: str, dtype: str, n: int) -> Family:
 
 # The shared headers of the ABI: a kernel may include them by these names instead of carrying
 # their text (the policy writes the short form); expand_headers() inlines them before a build.
-HEADERS = {"sparserl/prelude.cuh": "prelude.cuh", "sparserl/spmm_common.cuh": "spmm_common.cuh"}
+HEADERS = {"sparserl/prelude.cuh": "prelude.cuh", "sparserl/spmm_common.cuh": "spmm_common.cuh",
+           "sparserl/sddmm_common.cuh": "sddmm_common.cuh"}
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"(sparserl/[^"]*)"[ \t]*$', re.M)
 
 
@@ -556,8 +585,10 @@ def render(family: str, params: dict | None = None, *, op: str, dtype: str, n: i
     parts += [f"#define {k} {v}" for k, v in defines.items()]
     header = (lambda name: f'#include "sparserl/{name}"') if compact else _read
     parts.append(header("prelude.cuh"))
-    if op == "spmm":
+    if op in DENSE_OPS:
         parts.append(header("spmm_common.cuh"))
+    if op == "sddmm":
+        parts.append(header("sddmm_common.cuh"))
     parts.append(_read(fam.template.format(op=op)))
     return KernelSpec(source="\n".join(parts), family=family, params=full)
 

@@ -31,7 +31,7 @@ class Planned:
     """One product to specialize: ``op`` on A's pattern or, ``transposed``, on Aᵀ's."""
 
     input_index: int  # which example input is the matrix
-    op: str           # spmm or spmv
+    op: str           # spmm, spmv, or sddmm (the gradient of the values)
     n: int
     transposed: bool
     why: str          # the graph node that asks for it
@@ -82,12 +82,17 @@ def plan_graph(gm: torch.fx.GraphModule, example_inputs, devices=("cuda",)) -> l
             if needs_grad:  # the gradient of the dense operand runs on the other pattern
                 planned.setdefault((index, op, n, not transposed),
                                    Planned(index, op, n, not transposed, f"backward of {why}"))
+            if value.requires_grad:  # the gradient of the values: an SDDMM on A's own pattern
+                planned.setdefault((index, "sddmm", n, False),
+                                   Planned(index, "sddmm", n, False, f"gradient of the values of {why}"))
     return list(planned.values())
 
 
 def specialize(A, op: str = "spmm", n: int = 1, *, transposed: bool = False, runtime: rt.Runtime | None = None):
-    """Decide now the kernel of ``A @ X`` (``op="spmm"``, X with ``n`` columns) or ``A @ x``
-    (``"spmv"``) — of ``Aᵀ`` with ``transposed=True`` — on the active runtime.
+    """Decide now the kernel of ``A @ X`` (``op="spmm"``, X with ``n`` columns), ``A @ x``
+    (``"spmv"``) — of ``Aᵀ`` with ``transposed=True`` — or of the SDDMM on A's pattern that
+    gives the gradient of its values (``"sddmm"``, dot products of length ``n``), on the
+    active runtime.
 
     Returns the runtime's state: Installed, Fallback, Pending (background mode) or None
     (runtime off, or A not on a GPU). ``runtime.explain`` says why.

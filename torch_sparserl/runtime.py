@@ -52,7 +52,8 @@ log = logging.getLogger("torch_sparserl.runtime")
 
 POLICIES = ("learned", "autotune")
 MODES = ("background", "sync", "off")
-OPS = ("spmm", "spmv")  # kernel ops; the transposed operators use these on the transposed pattern
+OPS = ("spmm", "spmv", "sddmm")  # kernel ops; the transposed operators use these on the transposed pattern
+POLICY_OPS = ("spmm", "spmv")  # what the learned policy was trained on; the autotuner specializes the rest
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
 _INT32_LIMIT = 2**31 - 1
 
@@ -199,10 +200,11 @@ class Runtime:
              X: torch.Tensor) -> torch.Tensor | None:
         """``A @ X`` with the pattern's specialized kernel, or None: cuSPARSE serves this call.
 
-        ``op`` is ``spmm`` (X of shape (ncols, N)) or ``spmv`` (x of length ncols); the
-        operands have been validated by the operator.
+        ``op`` is ``spmm`` (X of shape (ncols, N)), ``spmv`` (x of length ncols) or ``sddmm``
+        (``val`` is then the dense D of shape (nrows, N), and the result has one value per
+        nonzero); the operands have been validated by the operator.
         """
-        n = X.shape[1] if op == "spmm" else 1
+        n = 1 if op == "spmv" else X.shape[1]
         state = pattern.specializations.get((self._generation, op, n, val.dtype))
         if state is None:
             if self.settings.mode == "off" or X.device.type not in self.devices:
@@ -219,11 +221,12 @@ class Runtime:
 
     def launch(self, launch: Callable, crow, col, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
         """Run an installed kernel's launch on operands it can take: the kernels' vector loads
-        need ``X`` contiguous and 16-byte aligned and ``val`` contiguous, so others are copied."""
+        need ``X`` (and sddmm's D, in the ``val`` slot) contiguous and 16-byte aligned, so
+        others are copied."""
         if not X.is_contiguous() or X.data_ptr() % 16:
             X = X.clone(memory_format=torch.contiguous_format)
-        if not val.is_contiguous():
-            val = val.contiguous()
+        if not val.is_contiguous() or val.data_ptr() % 16:
+            val = val.clone(memory_format=torch.contiguous_format)
         self.stats["installed_calls"] += 1
         return launch(crow, col, val, X)
 
@@ -238,8 +241,10 @@ class Runtime:
         return pattern.specializations.get(slot) or self._resolve(op, n, pattern, crow, col, dtype)
 
     def _key(self, op: str, n: int, pattern: Pattern, crow, col, dtype) -> SpecializationKey:
+        # The learned policy writes spmm/spmv kernels; other ops are the autotuner's, whatever the settings.
+        policy = self.policy_id if op in POLICY_OPS else "autotune"
         return SpecializationKey(pattern=fingerprint(pattern, crow, col), op=op, n=n, dtype=DTYPE_NAMES[dtype],
-                                 arch=_device_arch(col.device), policy=self.policy_id)
+                                 arch=_device_arch(col.device), policy=policy)
 
     @property
     def policy_id(self) -> str:
@@ -525,7 +530,7 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
             self._load(device)
 
     def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
-        if self.unavailable is not None:
+        if self.unavailable is not None or key.op not in POLICY_OPS:
             return super().__call__(key, crow, col, ncols)
         from .evaluate.sandbox import Sandbox
         from .policy.propose import policy_tune
@@ -560,7 +565,7 @@ def default_specializer(settings: RuntimeSettings):
 
 def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
     """Build (or load from disk) the entry's kernel, prepare its plan data once, bind them."""
-    from .abi import KernelSpec
+    from .abi import KernelSpec, operand_shapes
     from .build import inline
     from .prepare import prepare
 
@@ -580,7 +585,7 @@ def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, n
     torch.cuda.synchronize(col.device)
     bound = kernel.bind(prepared)
     del rowptr32, col32
-    shape = (rows, n) if spec.plan.op == "spmm" else (rows,)
+    shape = operand_shapes(spec.plan.op, rows, ncols, col.numel(), n)["y"]
     device_index = col.device.index if col.device.index is not None else torch.cuda.current_device()
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     current_stream = ((lambda: raw_stream(device_index)) if raw_stream is not None

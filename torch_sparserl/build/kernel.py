@@ -9,12 +9,13 @@ sizes): a launch with wrong operands would be a memory error, so it is refused i
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Callable
 
 import torch
 
-from ..abi import KernelSpec
+from ..abi import KernelSpec, operand_shapes
 from ..prepare import Prepared
 from .driver import pack_params
 from .errors import LaunchError
@@ -56,10 +57,13 @@ class Kernel:
             _expect(t.is_contiguous(), f"{name} must be contiguous")
         _expect(prepared.plan == plan, "prepared for a different plan")
         rows, cols, nnz, n = prepared.rows, prepared.cols, prepared.nnz, prepared.n
-        _expect(rowptr.numel() == rows + 1 and col.numel() == nnz and val.numel() == nnz,
+        _expect(rowptr.numel() == rows + 1 and col.numel() == nnz,
                 f"pattern sizes changed since prepare (rows={rows}, nnz={nnz})")
-        _expect(x.numel() == cols * n, f"x must have cols*n = {cols * n} elements (got {x.numel()})")
-        _expect(y.numel() == rows * n, f"y must have rows*n = {rows * n} elements (got {y.numel()})")
+        for name, t in (("val", val), ("x", x), ("y", y)):
+            shape = operand_shapes(plan.op, rows, cols, nnz, n)[name]
+            _expect(t.numel() == math.prod(shape),
+                    f"{name} must have {' x '.join(map(str, shape))} = {math.prod(shape)} elements for "
+                    f"op={plan.op} (got {t.numel()})")
         _expect(prepared.block <= self.max_threads,
                 f"block={prepared.block} exceeds the {self.max_threads} threads this kernel can run "
                 f"with {self.registers} registers per thread")

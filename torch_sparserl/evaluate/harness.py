@@ -26,6 +26,7 @@ data and must hold (``suspicious``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import statistics
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..abi import MAX_SMEM_BYTES, KernelSpec, PlanError
+from ..abi import MAX_SMEM_BYTES, KernelSpec, PlanError, operand_shapes
 from ..build import CompileError, LaunchError, load_kernel
 from ..dtypes import close_to_reference
 from ..kernels import cusparse, reference
@@ -270,9 +271,9 @@ class _Problem:
         rows, cols = matrix.shape
         device = matrix.device
         self.device = device
-        self.x_shape = (cols, n) if op == "spmm" else (cols,)
-        self.y_shape = (rows, n) if op == "spmm" else (rows,)
-        self.y_buf = _Guarded(rows * n, dtype, self.y_shape, config.guard_bytes, device)
+        shapes = operand_shapes(op, rows, cols, matrix.nnz, n)
+        self.val_shape, self.x_shape, self.y_shape = shapes["val"], shapes["x"], shapes["y"]
+        self.y_buf = _Guarded(math.prod(self.y_shape), dtype, self.y_shape, config.guard_bytes, device)
         self.y = self.y_buf.tensor
         self.work_buf = (_Guarded(prepared.work_numel, torch.float32, (prepared.work_numel,),
                                   config.guard_bytes, device) if prepared.work_numel else None)
@@ -291,16 +292,22 @@ class _Problem:
         key = (id(self.matrix), self.matrix.shape, self.matrix.nnz, self.n, self.op, self.dtype, seed)
         if key not in _INPUTS:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-            val = torch.randn(self.matrix.nnz, generator=generator, device=self.device).to(self.dtype)
+            val = torch.randn(self.val_shape, generator=generator, device=self.device).to(self.dtype)
             x = torch.randn(self.x_shape, generator=generator, device=self.device).to(self.dtype)
-            x64 = x.double()
-            ref = reference.spmm(self.pattern, self.matrix.rowptr, self.matrix.col, val.double(),
-                                 x64 if self.op == "spmm" else x64.unsqueeze(1))
             # The entry holds the matrix too, so that its id cannot be reused while cached.
-            _remember_inputs(key, (val, x, ref if self.op == "spmm" else ref.squeeze(1), self.matrix))
+            _remember_inputs(key, (val, x, self.reference(val.double(), x.double()), self.matrix))
         val, x, self.ref, _ = _INPUTS[key]  # ref: float64
         self.val, self.x = val.clone(), x.clone()  # the kernel may scribble on its copies
         self.val0, self.x0 = val, x
+
+    def reference(self, val64: torch.Tensor, x64: torch.Tensor) -> torch.Tensor:
+        """The float64 result of the op on these operands (``val`` is D for sddmm)."""
+        m = self.matrix
+        if self.op == "sddmm":
+            return reference.sddmm(self.pattern, m.rowptr, m.col, val64, x64)
+        if self.op == "spmv":
+            return reference.spmv(self.pattern, m.rowptr, m.col, val64, x64)
+        return reference.spmm(self.pattern, m.rowptr, m.col, val64, x64)
 
     def fill_unwritten(self) -> None:
         _bits(self.y).fill_(_UNWRITTEN[self.dtype])
@@ -502,6 +509,10 @@ def _baseline(problem: _Problem):
     out = torch.empty(problem.y_shape, dtype=torch.float32, device=problem.device)
     if problem.matrix.nnz == 0 or rows == 0 or cols == 0:
         return out.zero_, widened, out  # cusparse.py returns zeros without calling cuSPARSE
+    if problem.op == "sddmm":  # val holds D: cuSPARSE's SDDMM through torch.sparse.sampled_addmm
+        m = problem.matrix
+        out.zero_()
+        return (lambda: cusparse.sddmm_out(problem.pattern, m.rowptr, m.col, val, x, out)), widened, out
     a = cusparse._as_torch_csr(problem.pattern, problem.matrix.rowptr, problem.matrix.col, val)
     if problem.op == "spmm":
         return (lambda: torch.addmm(out, a, x, beta=0, alpha=1, out=out)), widened, out

@@ -1,5 +1,7 @@
 """cuSPARSE through ``torch.sparse``: the CUDA baseline and the fallback.
 
+SDDMM goes through ``torch.sparse.sampled_addmm``, which calls ``cusparseSDDMM`` on CUDA.
+
 Products go through the functional ``torch.sparse.mm`` / ``torch.mv``, as a user's would.
 While :mod:`torch_sparserl.intercept` overrides those for CSR tensors, calls go through the
 ``out=`` overloads of ``aten::addmm`` / ``aten::addmv`` instead, which still reach cuSPARSE
@@ -66,4 +68,24 @@ def spmv(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Ten
         return torch.mv(A, x.contiguous())
     out = torch.empty(pattern.nrows, dtype=val.dtype, device=val.device)
     torch.addmv(out, A, x.contiguous(), beta=0, alpha=1, out=out)
+    return out
+
+
+def sddmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tensor,
+          X: torch.Tensor) -> torch.Tensor:
+    """out[k] = dot(Y[row(k)], X[col(k)]); Y is (nrows, N), X (ncols, N)."""
+    if Y.dtype in HALF_DTYPES:  # summed in float32, as in spmm
+        return sddmm(pattern, crow, col, Y.float(), X.float()).to(Y.dtype)
+    out = torch.zeros(pattern.nnz, dtype=Y.dtype, device=Y.device)
+    if pattern.nnz == 0 or Y.shape[1] == 0:
+        return out
+    return sddmm_out(pattern, crow, col, Y, X, out)
+
+
+def sddmm_out(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tensor, X: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """:func:`sddmm` into ``out`` (nnz values of Y's dtype holding finite numbers: cuSPARSE
+    computes ``0 * out + Y Xᵀ`` at the nonzeros, and ``0 * NaN`` would stay NaN)."""
+    A = _as_torch_csr(pattern, crow, col, out)  # shares out's storage: the result lands there
+    torch.sparse.sampled_addmm(A, Y.contiguous(), X.contiguous().t(), beta=0.0, alpha=1.0, out=A)
     return out
