@@ -70,6 +70,27 @@ def test_losses_that_differ_are_reported():
 
 
 @pytest.mark.slow
+def test_the_unfused_way_measures_the_fusion(tmp_path, monkeypatch):
+    import torch._inductor.config
+
+    bench = _bench()
+    out = tmp_path / "gnn.json"
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # the pass must run, not a cache hit
+    assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
+                       "--ways", "eager,sparserl,sparserl_unfused", "--chunks", "1", "--min-chunk-s", "0.01",
+                       "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    # layer 1: the bias and the ReLU; layer 2: the bias (the loss reads the logits)
+    assert row["ways"]["sparserl"]["fused_epilogues"] == ["spmm -> add", "spmm -> add -> relu"]
+    assert row["ways"]["sparserl_unfused"]["fused_epilogues"] == []
+    assert row["fusion_speedup"] > 0 and row["losses_equal"], row
+    assert "Fused epilogues" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        bench.main(["--ways", "eager,fastest", "--out", str(tmp_path)])
+
+
+@pytest.mark.slow
 def test_ddp_example_on_cpu(tmp_path):
     """Two gloo processes on the CPU: the script's DDP-versus-one-process check holds."""
     out = tmp_path / "ddp.json"

@@ -31,6 +31,11 @@ def _samples(op, device):
             out.append((crow, col, val.clone().requires_grad_(), n, torch.randn(m, 5, device=device, dtype=torch.float64, **grad)))
         elif op == "spmv_transposed":
             out.append((crow, col, val.clone().requires_grad_(), n, torch.randn(m, device=device, dtype=torch.float64, **grad)))
+        elif op == "spmm_epilogue":  # post-grad only: no gradients
+            f64 = dict(device=device, dtype=torch.float64)
+            out.append((crow, col, val, n, torch.randn(n, 5, **f64), torch.randn(m, 1, **f64), torch.randn(5, **f64), True))
+            out.append((crow, col, val, n, torch.randn(n, 5, **f64), None, torch.randn(1, 5, **f64), False))
+            out.append((crow, col, val, n, torch.randn(n, 5, **f64), torch.randn(m, **f64), None, True))
         elif op == "sddmm":
             out.append((crow, col, torch.randn(m, 5, device=device, dtype=torch.float64, **grad),
                         torch.randn(n, 5, device=device, dtype=torch.float64, **grad)))

@@ -150,6 +150,57 @@ def test_value_gradient_runs_the_specialized_sddmm(jit, poison_uninitialized, dt
     assert_close_to_reference(out.cpu(), torch.from_numpy(expected), dtype)
 
 
+@pytest.mark.parametrize("scale_on, bias_on, relu", [(True, True, True), (False, True, False), (False, False, True)])
+def test_fused_epilogue_matches_float64(jit, poison_uninitialized, scale_on, bias_on, relu):
+    from torch_sparserl.families import EPILOGUE_FAMILIES
+
+    M = ts.load_matrix("cora")
+    A = ts.csr(M, dtype=torch.float32, device="cuda")
+    X = torch.randn(M.shape[1], 32, device="cuda")
+    scale = torch.rand(M.shape[0], 1, device="cuda") if scale_on else None
+    bias = torch.randn(32, device="cuda") if bias_on else None
+    out = torch.ops.sparserl.spmm_epilogue(A.crow, A.col, A.val, M.shape[1], X, scale, bias, relu)
+    ref = M.astype(np.float64) @ X.double().cpu().numpy()
+    ref = ref * scale.double().cpu().numpy() if scale_on else ref
+    ref = ref + bias.double().cpu().numpy() if bias_on else ref
+    ref = np.maximum(ref, 0.0) if relu else ref
+    assert_close_to_reference(out.cpu(), torch.from_numpy(np.asarray(ref)), torch.float32)
+    entry = patterns.lookup(A.crow, A.col, M.shape[1])
+    base = jit.state("spmm", entry, 32, torch.float32)
+    steps = "+".join(s for s, on in (("scale", scale_on), ("bias", bias_on), ("relu", relu)) if on)
+    fused = jit.state(f"spmm+{steps}", entry, 32, torch.float32)
+    if isinstance(base, rt.Installed) and base.entry.family in EPILOGUE_FAMILIES:
+        assert isinstance(fused, rt.Installed), jit.describe(fused)
+    else:
+        assert isinstance(fused, rt.Fallback) and fused.decided, jit.describe(fused)
+
+
+def test_compiled_gcn_layer_fuses_its_tail(jit, poison_uninitialized):
+    from torch_sparserl import passes
+
+    M = ts.load_matrix("cora")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=False).cuda()
+    b = torch.randn(32, device="cuda")
+    dinv = torch.rand(M.shape[0], device="cuda") + 0.5
+    A = ts.csr(M, dtype=torch.float32, device="cuda")
+    x = torch.randn(M.shape[1], 64, device="cuda")
+
+    def layer(x):
+        return torch.relu((A @ lin(x)) * dinv.unsqueeze(1) + b)
+
+    passes.REPORTS.clear()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out = torch.compile(layer, backend="sparserl")(x)
+    assert ["spmm -> mul -> add -> relu"] == [line for r in passes.REPORTS for line in r.fused]
+    H = x.double() @ lin.weight.double().t()
+    ref = np.maximum((M.astype(np.float64) @ H.cpu().numpy()) * dinv.double().cpu().numpy()[:, None]
+                     + b.double().cpu().numpy(), 0.0)
+    assert_close_to_reference(out.detach().cpu(), torch.from_numpy(np.asarray(ref)), torch.float32)
+    torch._dynamo.reset()
+
+
 def test_odd_operands_are_served_correctly(jit, poison_uninitialized):
     M = ts.load_matrix("cora")
     A = ts.csr(M, dtype=torch.float32, device="cuda")

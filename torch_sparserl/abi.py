@@ -27,6 +27,10 @@ DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "b
 ROW_ORDERS = ("natural", "sorted_desc", "binned", "sell")
 SPLITS = ("none", "nnz", "merge", "rowchunks")
 INITS = ("none", "zero")
+# What a kernel may apply to a finished row of y before storing it, in this order:
+# y = relu(scale[row] * (A @ X)[row] + bias). A plan names a '+'-joined subset, e.g. bias+relu.
+EPILOGUE_STEPS = ("scale", "bias", "relu")
+EPILOGUE_BITS = {"scale": 1, "bias": 2, "relu": 4}
 EXPR_NAMES = ("rows", "cols", "nnz", "n", "parts")
 
 MAX_BLOCK = 1024
@@ -34,7 +38,7 @@ MAX_SMEM_BYTES = 227 * 1024  # sm_90 opt-in limit per block
 MAX_BINS = 8
 MAX_CHUNK = 1 << 20
 
-_KEYS = ("op", "dtype", "n", "rows", "split", "block", "grid", "smem", "init", "work")
+_KEYS = ("op", "dtype", "n", "rows", "split", "block", "grid", "smem", "init", "work", "epilogue")
 _REQUIRED = ("op", "dtype", "block", "grid")
 
 
@@ -191,6 +195,7 @@ class Plan:
     smem: Expr = field(default_factory=lambda: parse_expr("0"))
     init: str = "none"
     work: Expr = field(default_factory=lambda: parse_expr("0"))
+    epilogue: str = "none"
 
     def __post_init__(self):
         def bad(key, expected, got):
@@ -206,6 +211,15 @@ class Plan:
             bad("n", "an integer >= 1", self.n)
         if self.op == "spmv" and self.n not in (None, 1):
             bad("n", "1 for op=spmv", self.n)
+        if self.epilogue != "none":
+            steps = self.epilogue.split("+")
+            if (not steps or any(step not in EPILOGUE_STEPS for step in steps) or len(set(steps)) != len(steps)
+                    or steps != sorted(steps, key=EPILOGUE_STEPS.index)):
+                bad("epilogue", f"none or a '+'-joined subset of {'+'.join(EPILOGUE_STEPS)} in that order",
+                    self.epilogue)
+            if self.op != "spmm" or self.atomic or self.init != "none":
+                bad("epilogue", "none unless op=spmm with split=none and init=none (each row of y stored once)",
+                    self.epilogue)
         if self.op == "sddmm" and self.init != "none":
             bad("init", "none for op=sddmm (every output element belongs to one nonzero)", self.init)
         if self.rows not in ROW_ORDERS:
@@ -239,6 +253,11 @@ class Plan:
                 bad("rows", f"natural with split={self.split}", self.rows)
 
     @property
+    def epilogue_bits(self) -> int:
+        """``SR_EPILOGUE``: 1 scale, 2 bias, 4 relu; 0 without an epilogue."""
+        return 0 if self.epilogue == "none" else sum(EPILOGUE_BITS[s] for s in self.epilogue.split("+"))
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
@@ -261,6 +280,8 @@ class Plan:
             parts.append(f"init={self.init}")
         if self.work.text != "0":
             parts.append(f"work={self.work}")
+        if self.epilogue != "none":
+            parts.append(f"epilogue={self.epilogue}")
         return f"{PLAN_PREFIX} {' '.join(parts)}"
 
 
@@ -317,7 +338,7 @@ def parse_plan(line: str) -> Plan:
         rows=rows, rows_args=rows_args, split=split,
         split_arg=split_args[0] if split_args else None,
         smem=parse_expr(fields.get("smem", "0")), init=fields.get("init", "none"),
-        work=parse_expr(fields.get("work", "0")),
+        work=parse_expr(fields.get("work", "0")), epilogue=fields.get("epilogue", "none"),
     )
 
 

@@ -48,9 +48,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from .abi import KernelSpec, parse_plan
+from .abi import KernelSpec, PlanError, parse_plan
 
 OPS = ("spmm", "spmv", "sddmm")
+# families whose spmm kernels store each row of y once, from registers: they can fuse an
+# epilogue (render(..., {"epilogue": "bias+relu"})); the split families sum rows atomically
+EPILOGUE_FAMILIES = ("group_row", "warp_row_staged")
 DENSE_OPS = ("spmm", "sddmm")  # ops with n dense columns tiled across lanes (spmm_common.cuh)
 DTYPE_CODES = {"f32": 0, "f16": 1, "bf16": 2}
 TEMPLATE_DIR = Path(__file__).parent / "_csrc" / "families"
@@ -547,7 +550,6 @@ def expand_headers(source: str) -> str:
     from :func:`render` ``(compact=True)`` expands to exactly the full rendering. An unknown
     ``sparserl/`` header raises :class:`~torch_sparserl.abi.PlanError` (a compile-tier failure).
     """
-    from .abi import PlanError
 
     def _sub(match: re.Match) -> str:
         name = match.group(1)
@@ -569,11 +571,23 @@ def render(family: str, params: dict | None = None, *, op: str, dtype: str, n: i
     fam = _check_call(family, op, dtype, n)
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"family {family}: params expected a dict, got {type(params).__name__}")
-    r = fam.build(op, dtype, n, dict(params or {}))
+    params = dict(params or {})
+    epilogue = params.pop("epilogue", "none")
+    if epilogue != "none" and (family not in EPILOGUE_FAMILIES or op != "spmm"):
+        raise ValueError(f"family {family}: parameter 'epilogue' expected 'none' for op={op} (epilogues are "
+                         f"fused into the row stores of {', '.join(EPILOGUE_FAMILIES)} for op=spmm), got {epilogue!r}")
+    r = fam.build(op, dtype, n, params)
     plan = {"op": op, "dtype": dtype, "n": str(n), **r.plan}
+    if epilogue != "none":
+        plan["epilogue"] = epilogue
     line = "// sparserl: " + " ".join(f"{k}={v}" for k, v in plan.items())
-    parse_plan(line)  # a renderer bug must never reach the compiler
-    full = tuple(sorted(r.params.items()))
+    try:
+        parsed = parse_plan(line)  # a renderer bug must never reach the compiler
+    except PlanError as exc:
+        if epilogue == "none":
+            raise
+        raise ValueError(f"family {family}: parameter 'epilogue' {exc}") from None
+    full = tuple(sorted({**r.params, **({"epilogue": epilogue} if epilogue != "none" else {})}.items()))
     desc = ",".join(f"{k}={v}" for k, v in full).replace(" ", "")
     # min blocks per SM for __launch_bounds__: ptxas (CUDA 13) otherwise squeezes to 32 registers
     # and spills; SpMV keeps >= 75% occupancy for its latency-bound gathers (<= 40 registers at
@@ -581,6 +595,8 @@ def render(family: str, params: dict | None = None, *, op: str, dtype: str, n: i
     quarters = r.occupancy_quarters or (3 if op == "spmv" else 2)
     minb = max(1, (MAX_THREADS_PER_SM * quarters // 4) // r.defines["SR_BLOCK"])
     defines = {"SR_DTYPE": DTYPE_CODES[dtype], **r.defines, "SR_MINB": minb}
+    if parsed.epilogue_bits:
+        defines["SR_EPILOGUE"] = parsed.epilogue_bits
     parts = [line, f"// family: {family}({desc})"]
     parts += [f"#define {k} {v}" for k, v in defines.items()]
     header = (lambda name: f'#include "sparserl/{name}"') if compact else _read

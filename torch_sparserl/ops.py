@@ -6,6 +6,8 @@
 ``sparserl::spmm_transposed(crow, col, val, ncols, G)``    Aᵀ @ G, G of shape (nrows, N)
 ``sparserl::spmv_transposed(crow, col, val, ncols, g)``    Aᵀ @ g, g of shape (nrows,)
 ``sparserl::sddmm(crow, col, Y, X)``                       out[k] = dot(Y[row(k)], X[col(k)])
+``sparserl::spmm_epilogue(crow, col, val, ncols, X,``      relu(scale[:, None] * (A @ X) + bias),
+``scale, bias, relu)``                                     each step optional (post-grad fusion)
 =========================================================  ==================================
 
 A is the CSR matrix ``(crow, col, val)`` with ``crow.numel() - 1`` rows and ``ncols``
@@ -26,7 +28,7 @@ from .kernels import cusparse, reference
 from .dtypes import VALUE_DTYPES
 from .validation import check_csr_meta, check_dense, check_tensor, require
 
-__all__ = ["spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm", "NAMESPACE"]
+__all__ = ["spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm", "spmm_epilogue", "NAMESPACE"]
 
 NAMESPACE = "sparserl"
 
@@ -246,6 +248,74 @@ def _sddmm_backward(ctx, grad):
 
 
 sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
+
+
+# ------------------------------------------------------------------ spmm_epilogue
+
+EPILOGUE_STEPS = ("scale", "bias", "relu")
+
+
+def _check_epilogue(op: str, crow: Tensor, X: Tensor, scale: Tensor | None, bias: Tensor | None) -> None:
+    rows, n = crow.shape[0] - 1, X.shape[1]
+    if scale is not None:
+        check_tensor(op, "scale", scale, dtypes=VALUE_DTYPES)
+        require(op, scale.dim() in (1, 2) and scale.numel() == rows and scale.shape[0] == rows,
+                f"scale must have nrows = {rows} values, shape ({rows},) or ({rows}, 1) (got shape {tuple(scale.shape)})")
+    if bias is not None:
+        check_tensor(op, "bias", bias, dtypes=VALUE_DTYPES)
+        require(op, bias.dim() in (1, 2) and bias.numel() == n and bias.shape[-1] == n,
+                f"bias must have N = {n} values, shape ({n},) or (1, {n}) (got shape {tuple(bias.shape)})")
+    for name, t in (("scale", scale), ("bias", bias)):
+        if t is not None and (t.dtype != X.dtype or t.device != X.device):
+            raise ValueError(f"{op}: {name} must be {X.dtype} on {X.device}, like X (got {t.dtype} on {t.device})")
+
+
+@torch.library.custom_op("sparserl::spmm_epilogue", mutates_args=())
+def spmm_epilogue(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor, scale: Tensor | None,
+                  bias: Tensor | None, relu: bool) -> Tensor:
+    """``relu(scale[:, None] * (A @ X) + bias)``, each step optional: the product with what
+    follows it in a GNN layer, in one kernel where the installed SpMM kernel can store its
+    rows through the epilogue (else the product, then the steps).
+
+    The backend's post-grad pass writes it into compiled graphs in place of ``spmm``
+    followed by a row scaling, a bias add and a ReLU (``passes.fuse_epilogues``); it has no
+    autograd of its own, since post-grad graphs are already differentiated.
+    """
+    op = "sparserl.spmm_epilogue"
+    entry = _pattern(op, crow, col, val, ncols)
+    check_dense(op, "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
+    _check_epilogue(op, crow, X, scale, bias)
+    scale = scale.reshape(-1) if scale is not None else None
+    bias = bias.reshape(-1) if bias is not None else None
+    steps = "+".join(step for step, on in zip(EPILOGUE_STEPS, (scale is not None, bias is not None, relu)) if on)
+    if steps and X.device.type == "cuda":
+        out = runtime.active().call_fused(entry, crow, col, val, X, steps, bias, scale)
+        if out is not None:
+            return out
+    Y = _product("spmm", entry, crow, col, val, X)
+    if scale is not None:
+        Y = Y.mul_(scale.unsqueeze(1))
+    if bias is not None:
+        Y = Y.add_(bias)
+    return Y.relu_() if relu else Y
+
+
+def _spmm_epilogue_backward(ctx, grad):
+    raise RuntimeError("sparserl.spmm_epilogue: not differentiable (it is the fused form the post-grad pass "
+                       "writes into already differentiated graphs); use A @ X and apply the epilogue with torch "
+                       "operations")
+
+
+spmm_epilogue.register_autograd(_spmm_epilogue_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+@spmm_epilogue.register_fake
+def _(crow, col, val, ncols, X, scale, bias, relu):
+    op = "sparserl.spmm_epilogue"
+    check_csr_meta(op, crow, col, val, ncols)
+    check_dense(op, "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
+    _check_epilogue(op, crow, X, scale, bias)
+    return X.new_empty((crow.shape[0] - 1, X.shape[1]))
 
 
 # ------------------------------------------------------------- the direct eager path

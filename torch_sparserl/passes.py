@@ -1,10 +1,13 @@
 """The backend's post-grad pass: where compiled graphs meet the sparserl operators.
 
 It runs on every graph Inductor compiles (forward and backward), after AOTAutograd and
-before lowering, and records each sparse product it finds with what consumes its result.
-That record is the hook for the later stages — fusing the epilogue (bias, ReLU, degree
-scaling) into a specialized kernel, and starting specialization at compile time when the
-pattern is a constant — and it goes to the debug log and :data:`REPORTS`.
+before lowering. It records each sparse product it finds with what consumes its result
+(the debug log and :data:`REPORTS`), and it fuses epilogues (:func:`fuse_epilogues`): a
+``sparserl::spmm`` followed by a row scaling (``D^-1/2`` of a symmetric normalization), a
+bias add and a ReLU — a GNN layer's tail — becomes one ``sparserl::spmm_epilogue``, which
+the runtime serves with the installed kernel re-rendered to apply the steps in its row
+stores. Only intermediate results nothing else reads are fused away, so what AOTAutograd
+saved for the backward is still computed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class SparseSite:
 @dataclass
 class GraphReport:
     sites: list[SparseSite] = field(default_factory=list)
+    fused: list[str] = field(default_factory=list)  # e.g. "spmm -> mul -> add -> relu"
 
     def ops(self) -> list[str]:
         return [site.op for site in self.sites]
@@ -61,6 +65,80 @@ def find_sparse_sites(graph: torch.fx.Graph) -> list[SparseSite]:
     return sites
 
 
+def _tensor_meta(node) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _other_operand(user: torch.fx.Node, cur: torch.fx.Node):
+    """The operand of a binary ``user`` that is not ``cur`` (None when both are)."""
+    if len(user.args) != 2:
+        return None
+    a, b = user.args
+    return b if a is cur and b is not cur else a if b is cur and a is not cur else None
+
+
+def _epilogue_step(user: torch.fx.Node, cur: torch.fx.Node, out: torch.Tensor, done: set[str]):
+    """(step, operand) when ``user`` applies the next epilogue step to ``cur``, else None."""
+    aten = torch.ops.aten
+    rows, n = out.shape
+    if user.target is aten.relu.default and "relu" not in done:
+        return "relu", None
+    if user.target not in (aten.mul.Tensor, aten.add.Tensor) or "relu" in done:
+        return None
+    if user.target is aten.add.Tensor and user.kwargs.get("alpha", 1) != 1:
+        return None
+    other = _other_operand(user, cur)
+    meta = _tensor_meta(other)
+    if meta is None or meta.dtype != out.dtype or meta.device != out.device:
+        return None
+    shape = tuple(meta.shape)
+    if user.target is aten.mul.Tensor and not done and shape == (rows, 1):
+        return "scale", other
+    if user.target is aten.add.Tensor and "bias" not in done and shape in ((n,), (1, n)):
+        return "bias", other
+    return None
+
+
+def fuse_epilogues(graph: torch.fx.Graph) -> list[str]:
+    """Rewrite ``spmm -> [mul by a (rows, 1) scale] -> [add a bias of N] -> [relu]`` chains
+    into ``sparserl::spmm_epilogue``; returns a line per fused chain.
+
+    A step joins the chain only when the value before it has that step as its one user (so
+    it is neither a graph output, saved for the backward, nor read elsewhere) and its
+    operand has the product's dtype and device; steps come in the order scale, bias, relu.
+    """
+    fused_op = torch.ops.sparserl.spmm_epilogue.default
+    done_lines = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.sparserl.spmm.default:
+            continue
+        out = _tensor_meta(node)
+        if out is None or out.dim() != 2:
+            continue
+        chain, operands, cur = [node], {}, node
+        while len(cur.users) == 1:
+            (user,) = cur.users
+            step = _epilogue_step(user, cur, out, set(operands))
+            if user.op != "call_function" or step is None:
+                break
+            operands[step[0]] = step[1]
+            chain.append(user)
+            cur = user
+        if len(chain) == 1:
+            continue
+        crow, col, val, ncols, X = node.args
+        with graph.inserting_before(cur):
+            fused = graph.call_function(fused_op, (crow, col, val, ncols, X, operands.get("scale"),
+                                                   operands.get("bias"), "relu" in operands))
+        fused.meta.update(cur.meta)
+        cur.replace_all_uses_with(fused)
+        for old in reversed(chain):
+            graph.erase_node(old)
+        done_lines.append(" -> ".join(getattr(n.target, "_opname", _target_name(n)) for n in chain))
+    return done_lines
+
+
 class SparseOpsPass(CustomGraphPass):
     """Inductor ``post_grad_custom_post_pass`` of the sparserl backend."""
 
@@ -72,10 +150,14 @@ class SparseOpsPass(CustomGraphPass):
         if self.chained is not None:
             self.chained(graph)
         report = GraphReport(find_sparse_sites(graph))
+        if self.settings.fuse_epilogues:
+            report.fused = fuse_epilogues(graph)
         REPORTS.append(report)
         for site in report.sites:
             logger.debug("sparserl site: %s N=%s %s -> %s", site.op, site.n, site.dtype,
                          ", ".join(site.consumers) or "(graph output)")
+        for line in report.fused:
+            logger.debug("sparserl fused: %s", line)
 
     def uuid(self):
         chained = self.chained.uuid() if self.chained is not None else None

@@ -130,6 +130,7 @@ class Installed:
     launch: Callable  # launch(crow, col, val, X) -> Y, on the current stream
     description: str = ""
     reason: str = ""
+    entry: CacheEntry | None = None  # the decision it was built from (family and parameters)
 
 
 @dataclass
@@ -180,6 +181,7 @@ class Runtime:
         self._cache = cache
         self.specializer = specializer or default_specializer(self.settings)
         self.installer = installer or inline_installer
+        self.fused_installer = fused_installer
         self.devices = devices
         self._generation = next(_GENERATIONS)  # states of another Runtime on a Pattern are not ours
         self._executor: ThreadPoolExecutor | None = None
@@ -229,6 +231,81 @@ class Runtime:
             val = val.clone(memory_format=torch.contiguous_format)
         self.stats["installed_calls"] += 1
         return launch(crow, col, val, X)
+
+    # ------------------------------------------------------------------ fused epilogues
+    def call_fused(self, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
+                   X: torch.Tensor, epilogue: str, bias: torch.Tensor | None,
+                   scale: torch.Tensor | None) -> torch.Tensor | None:
+        """``relu(scale[:, None] * (A @ X) + bias)`` (the steps ``epilogue`` names) in one
+        launch, or None: the caller runs the product and applies the epilogue itself.
+
+        The fused kernel is the pattern's installed SpMM kernel rendered again with the
+        epilogue in its row stores (families that store each row once: group_row,
+        warp_row_staged), built, and checked against float64 before its first use. It is
+        decided once per (pattern, n, dtype, epilogue), like any product.
+        """
+        n = X.shape[1]
+        slot = (self._generation, f"spmm+{epilogue}", n, val.dtype)
+        state = pattern.specializations.get(slot)
+        if state is None or (state.__class__ is Pending and state.future.done()):
+            if self.settings.mode == "off" or X.device.type not in self.devices:
+                return None
+            state = self._resolve_fused(pattern, slot, crow, col, val.dtype, n, epilogue)
+        if state.__class__ is not Installed:
+            if state.__class__ is Fallback and self.settings.strict and not state.decided:
+                raise SpecializationError(f"sparserl runtime: spmm+{epilogue} n={n}: {state.reason}")
+            return None
+        if bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16):
+            bias = bias.clone(memory_format=torch.contiguous_format)
+        if scale is not None and not scale.is_contiguous():
+            scale = scale.contiguous()
+        if not X.is_contiguous() or X.data_ptr() % 16:
+            X = X.clone(memory_format=torch.contiguous_format)
+        self.stats["installed_calls"] += 1
+        return state.launch(crow, col, val.contiguous(), X, bias, scale)
+
+    def _resolve_fused(self, pattern, slot, crow, col, dtype, n, epilogue):
+        with self._lock:
+            state = pattern.specializations.get(slot)
+            if state is not None and not (state.__class__ is Pending and state.future.done()):
+                return state
+            base = pattern.specializations.get((self._generation, "spmm", n, dtype))
+            if base is None:
+                base = self._resolve("spmm", n, pattern, crow, col, dtype)
+            if base.__class__ is Pending:
+                return base  # not decided yet: the unfused path serves, and asks again next call
+            if base.__class__ is Fallback:
+                return self._fallback(pattern, slot, None, f"no fused epilogue: the product itself is served "
+                                      f"by cuSPARSE ({base.reason})", None, quiet=True)
+            if self.settings.mode == "sync":
+                return self._install_fused(pattern, slot, base, crow, col, n, epilogue)
+            state = Pending(base.key, self._pool().submit(self._install_fused, pattern, slot, base, crow, col, n,
+                                                          epilogue))
+            pattern.specializations[slot] = state
+            return state
+
+    def _install_fused(self, pattern, slot, base: Installed, crow, col, n, epilogue):
+        from .families import EPILOGUE_FAMILIES, render
+
+        entry = base.entry
+        family = entry.family if entry is not None else ""
+        if family not in EPILOGUE_FAMILIES:
+            return self._fallback(pattern, slot, base.key, f"no fused epilogue: the installed kernel "
+                                  f"({family or 'unknown family'}) does not store each row once", None, quiet=True)
+        try:
+            spec = render(family, {**_family_params(entry.params), "epilogue": epilogue}, op="spmm",
+                          dtype=base.key.dtype, n=n)
+            on_device = torch.cuda.device(col.device) if col.device.type == "cuda" else contextlib.nullcontext()
+            with on_device:
+                launch = self.fused_installer(spec, crow, col, pattern.ncols, n)
+                check_fused(launch, pattern, crow, col, n, DTYPES[base.key.dtype], epilogue)
+        except Exception as exc:  # noqa: BLE001 - the unfused path is always there
+            return self._fallback(pattern, slot, base.key, f"fused {family} with epilogue {epilogue} failed: "
+                                  f"{type(exc).__name__}: {exc}", exc)
+        state = Installed(base.key, launch, f"{family}(epilogue={epilogue})", f"fused into {base.description}", entry)
+        self._set(pattern, slot, state)
+        log.info("sparserl: spmm+%s n=%d %s -> %s", epilogue, n, base.key.dtype, state.description)
+        return state
 
     # ------------------------------------------------------------------ decisions
     def prespecialize(self, op: str, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, n: int,
@@ -298,7 +375,7 @@ class Runtime:
             launch = self.installer(entry, crow, col, pattern.ncols)
         except Exception as exc:  # noqa: BLE001
             return self._fallback(pattern, slot, key, f"installing {entry.family} failed: {exc}", exc)
-        state = Installed(key, launch, f"{entry.family}{entry.params}", entry.reason)
+        state = Installed(key, launch, f"{entry.family}{entry.params}", entry.reason, entry)
         self._set(pattern, slot, state)
         self.stats["installs"] += 1
         log.info("sparserl: %s n=%d %s -> %s (%s)", key.op, key.n, key.dtype, state.description, entry.reason)
@@ -565,14 +642,63 @@ def default_specializer(settings: RuntimeSettings):
 
 def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
     """Build (or load from disk) the entry's kernel, prepare its plan data once, bind them."""
-    from .abi import KernelSpec, operand_shapes
+    from .abi import KernelSpec
+
+    spec = KernelSpec(entry.spec_source, entry.family, tuple(sorted(entry.params.items())))
+    return _bind_spec(spec, crow, col, ncols, entry.key.n)
+
+
+def fused_installer(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) -> Callable:
+    """The installer of kernels with an epilogue: ``launch(crow, col, val, X, bias, scale)``."""
+    return _bind_spec(spec, crow, col, ncols, n)
+
+
+def _family_params(params: dict) -> dict:
+    """A cache entry's family parameters as :func:`~torch_sparserl.families.render` takes them
+    (entries of policy samples hold the text of their ``// family:`` line: ``"8"``, ``"(4,32)"``)."""
+    out = {}
+    for name, value in params.items():
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        elif isinstance(value, str) and value.startswith("(") and value.endswith(")"):
+            value = tuple(int(v) for v in value[1:-1].split(",") if v.strip())
+        out[name] = value
+    return out
+
+
+def check_fused(launch: Callable, pattern: Pattern, crow, col, n: int, dtype: torch.dtype, epilogue: str) -> None:
+    """Run a fused kernel once on fresh random operands, its output NaN-filled first, and compare
+    with the float64 result of the product and the epilogue; raise when they differ."""
+    from .dtypes import close_to_reference
+    from .kernels import reference
+
+    generator = torch.Generator(device=col.device).manual_seed(pattern.nnz * 7 + n)
+    randn = lambda *shape: torch.randn(*shape, generator=generator, device=col.device).to(dtype)  # noqa: E731
+    val, X = randn(pattern.nnz), randn(pattern.ncols, n)
+    bias = randn(n) if "bias" in epilogue else None
+    scale = randn(pattern.nrows) if "scale" in epilogue else None
+    out = launch(crow, col, val, X, bias, scale)
+    if col.device.type == "cuda":
+        torch.cuda.synchronize(col.device)
+    want = reference.spmm(pattern, crow, col, val.double(), X.double())
+    if scale is not None:
+        want = want * scale.double().unsqueeze(1)
+    if bias is not None:
+        want = want + bias.double()
+    if "relu" in epilogue:
+        want = want.relu()
+    ok, why = close_to_reference(out, want, dtype)
+    if not ok:
+        raise SpecializationError(f"the fused kernel differs from the float64 reference: {why}")
+
+
+def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) -> Callable:
+    from .abi import operand_shapes
     from .build import inline
     from .prepare import prepare
 
-    spec = KernelSpec(entry.spec_source, entry.family, tuple(sorted(entry.params.items())))
     kernel = inline.build([spec])[spec.key]
     rows = crow.numel() - 1
-    n = entry.key.n
     # int64 patterns get int32 copies, owned here; int32 ones are used as passed, never
     # held, so an installed kernel does not keep the user's adjacency alive.
     copies = None
@@ -593,12 +719,13 @@ def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, n
 
     init_zero = prepared.init_zero
 
-    def launch(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    def launch(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, X: torch.Tensor,
+               bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
         if copies is not None:
             crow, col = copies
         # X has the dtype and device of val; one allocation call, zeroed when the plan says so
         y = X.new_zeros(shape) if init_zero else X.new_empty(shape)
-        return bound(crow, col, val, X, y, current_stream(), zeroed=init_zero)
+        return bound(crow, col, val, X, y, current_stream(), zeroed=init_zero, bias=bias, scale=scale)
 
     launch.kernel = bound  # for explain and the benchmarks
     return launch

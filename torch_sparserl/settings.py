@@ -15,6 +15,7 @@ from typing import Any, Mapping
 DEFAULT_STRICT = False
 DEFAULT_INTERCEPT_SPARSE = True
 DEFAULT_PRESPECIALIZE = True
+DEFAULT_FUSE_EPILOGUES = True
 
 logger = logging.getLogger("torch_sparserl")
 if os.environ.get("SPARSERL_LOG"):
@@ -38,6 +39,11 @@ class Settings:
     """Start specializing the kernels of the graph's CSRMatrix inputs (module buffers,
     constants, arguments) at compile time, for the product and its backward. How (in the
     background, or before compilation returns) is the JIT runtime's ``mode``."""
+
+    fuse_epilogues: bool = DEFAULT_FUSE_EPILOGUES
+    """Fuse the row scaling, bias add and ReLU that follow a sparse product into its kernel
+    (the post-grad pass writes ``sparserl::spmm_epilogue``; ``benchmarks/bench_gnn.py``
+    measures it against Inductor's own pointwise kernel, way ``sparserl_unfused``)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | "Settings" | None) -> "Settings":

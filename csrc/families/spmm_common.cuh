@@ -6,6 +6,19 @@
 // true when every tile column of every pass is inside [0, SR_N): no bounds checks needed
 #define SR_EXACT (SR_N % (SR_W * SR_TB) == 0)
 
+// Epilogue (plan key epilogue=; SR_EPILOGUE bits 1 scale, 2 bias, 4 relu). A kernel whose plan
+// has one takes two more parameters after `parts`, SR_EPILOGUE_PARAMS: bias (SR_N values,
+// 16-byte aligned) and scale (one per row), either null when its step is absent; it applies
+// y = relu(scale[row] * acc + bias) to each finished tile before the store (sr_epilogue).
+#ifndef SR_EPILOGUE
+#define SR_EPILOGUE 0
+#endif
+#if SR_EPILOGUE
+#define SR_EPILOGUE_PARAMS , const T* __restrict__ sr_bias, const T* __restrict__ sr_scale
+#else
+#define SR_EPILOGUE_PARAMS
+#endif
+
 __device__ __forceinline__ void sr_acc_zero(float (&acc)[SR_TB][SR_VEC]) {
 #pragma unroll
     for (int t = 0; t < SR_TB; ++t)
@@ -26,6 +39,37 @@ __device__ __forceinline__ void sr_axpy(float (&acc)[SR_TB][SR_VEC], float v, co
         }
     }
 }
+
+#if SR_EPILOGUE
+__device__ __forceinline__ void sr_epilogue(float (&acc)[SR_TB][SR_VEC], int row, int col0,
+                                            const T* __restrict__ bias, const T* __restrict__ scale) {
+#if SR_EPILOGUE & 1
+    const float s = sr_ld(scale + row);
+#endif
+#pragma unroll
+    for (int t = 0; t < SR_TB; ++t) {
+        const int cc = col0 + t * SR_W;
+        float b[SR_VEC];
+#pragma unroll
+        for (int i = 0; i < SR_VEC; ++i) b[i] = 0.f;
+#if SR_EPILOGUE & 2
+        if (SR_EXACT || cc < SR_N) sr_ldv<SR_VEC>(bias + cc, b);
+#endif
+#pragma unroll
+        for (int i = 0; i < SR_VEC; ++i) {
+            float v = acc[t][i];
+#if SR_EPILOGUE & 1
+            v *= s;
+#endif
+            v += b[i];
+#if SR_EPILOGUE & 4
+            v = v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu keeps it
+#endif
+            acc[t][i] = v;
+        }
+    }
+}
+#endif
 
 // Write (atomic == false) or atomically add the accumulators to y[row, ...].
 __device__ __forceinline__ void sr_flush(T* __restrict__ y, int row, int col0, float (&acc)[SR_TB][SR_VEC], bool atomic) {

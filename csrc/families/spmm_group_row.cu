@@ -4,11 +4,12 @@
 // Why fast: the X row gather is one fully used 64-512 byte segment per nonzero; matching the
 // tile width to N (e.g. 8 lanes x float4 for N=32) packs several short rows per warp, which is
 // what road networks, meshes and banded matrices need. Sorted rows make warps uniform.
+// Optional: SR_EPILOGUE (spmm_common.cuh).
 // Needs: SR_BLOCK, SR_N, SR_LANES, SR_VEC, SR_TB, SR_PASSES, SR_UNROLL, SR_SORTED.
 extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int* __restrict__ rowptr, const int* __restrict__ col, const T* __restrict__ val,
     const T* __restrict__ x, T* __restrict__ y, const int* __restrict__ aux,
-    float* __restrict__ work, int rows, int cols, int n, int nnz, int parts)
+    float* __restrict__ work, int rows, int cols, int n, int nnz, int parts SR_EPILOGUE_PARAMS)
 {
     const int slot = (int)((blockIdx.x * (unsigned)SR_BLOCK + threadIdx.x) / SR_LANES);
     const int gl = threadIdx.x % SR_LANES;
@@ -25,6 +26,9 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
         float acc[SR_TB][SR_VEC];
         sr_acc_zero(acc);
         sr_row_accumulate(acc, col, val, x, start, end, col0);
+#if SR_EPILOGUE
+        sr_epilogue(acc, row, col0, sr_bias, sr_scale);
+#endif
         sr_flush(y, row, col0, acc, false);
     }
 }

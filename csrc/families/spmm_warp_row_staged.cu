@@ -5,11 +5,12 @@
 // All groups of a warp loop to the warp's longest row so the shuffles/__syncwarp see all lanes.
 // Why fast: long rows (social graphs, citation, FEM with 50-500 nonzeros per row) stop paying
 // one col/val load per nonzero per lane; the loads of X stay vectorized and independent.
+// Optional: SR_EPILOGUE (spmm_common.cuh).
 // Needs: SR_BLOCK, SR_N, SR_LANES, SR_VEC, SR_TB, SR_PASSES, SR_SORTED, SR_STAGE_SMEM.
 extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int* __restrict__ rowptr, const int* __restrict__ col, const T* __restrict__ val,
     const T* __restrict__ x, T* __restrict__ y, const int* __restrict__ aux,
-    float* __restrict__ work, int rows, int cols, int n, int nnz, int parts)
+    float* __restrict__ work, int rows, int cols, int n, int nnz, int parts SR_EPILOGUE_PARAMS)
 {
     const int slot = (int)((blockIdx.x * (unsigned)SR_BLOCK + threadIdx.x) / SR_LANES);
     const int gl = threadIdx.x % SR_LANES;
@@ -66,6 +67,9 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
                 if (base + jj < len) sr_axpy(acc, vj, x + (size_t)cj * SR_N, col0);
             }
         }
+#endif
+#if SR_EPILOGUE
+        if (row >= 0) sr_epilogue(acc, row, col0, sr_bias, sr_scale);
 #endif
         if (row >= 0) sr_flush(y, row, col0, acc, false);
     }

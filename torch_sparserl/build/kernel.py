@@ -69,14 +69,31 @@ class Kernel:
                 f"with {self.registers} registers per thread")
 
     def __call__(self, rowptr, col, val, x, y, prepared: Prepared, *, work: torch.Tensor | None = None,
-                 stream: torch.cuda.Stream | None = None, check: bool = True) -> torch.Tensor:
+                 stream: torch.cuda.Stream | None = None, check: bool = True,
+                 bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
         if check:
             self.check_operands(rowptr, col, val, x, y, prepared)
+            self.check_epilogue(bias, scale, prepared)
         if work is not None:
             _expect(work.numel() >= prepared.work_numel and work.dtype == torch.float32,
                     f"work must be float32 with >= {prepared.work_numel} elements")
         stream = stream if stream is not None else torch.cuda.current_stream(y.device)
-        return self.bind(prepared)(rowptr, col, val, x, y, stream.cuda_stream, work=work)
+        return self.bind(prepared)(rowptr, col, val, x, y, stream.cuda_stream, work=work, bias=bias, scale=scale)
+
+    def check_epilogue(self, bias, scale, prepared: Prepared) -> None:
+        """The epilogue's operands: bias (n values, 16-byte aligned: it is read in vectors) and
+        scale (one per row), present exactly when the plan's epilogue has the step."""
+        steps = set(self.plan.epilogue.split("+")) - {"none"}
+        for name, t, numel in (("bias", bias, prepared.n), ("scale", scale, prepared.rows)):
+            if name not in steps:
+                _expect(t is None, f"{name} given, but the plan's epilogue is {self.plan.epilogue}")
+                continue
+            _expect(t is not None, f"the plan's epilogue {self.plan.epilogue} needs {name}")
+            _expect(t.device.type == "cuda", f"{name} must be a CUDA tensor (got {t.device})")
+            _expect(t.dtype == self.plan.torch_dtype and t.is_contiguous() and t.numel() == numel,
+                    f"{name} must be {numel} contiguous {self.plan.torch_dtype} values (got {t.numel()} "
+                    f"{t.dtype}{'' if t.is_contiguous() else ', not contiguous'})")
+            _expect(name != "bias" or t.data_ptr() % 16 == 0, "bias must be 16-byte aligned")
 
     def bind(self, prepared: Prepared) -> "BoundKernel":
         """This kernel with its plan data, ready for repeated launches (the runtime's hot path)."""
@@ -91,7 +108,7 @@ class BoundKernel:
     int32 indices, and ``val``, ``x``, ``y`` contiguous, of the plan's dtype, on the device.
     """
 
-    __slots__ = ("kernel", "prepared", "_slots", "_ints", "_params", "_lock", "_geometry")
+    __slots__ = ("kernel", "prepared", "_slots", "_ints", "_epilogue", "_params", "_lock", "_geometry")
 
     def __init__(self, kernel: Kernel, prepared: Prepared):
         _expect(prepared.plan == kernel.plan, "prepared for a different plan")
@@ -105,13 +122,17 @@ class BoundKernel:
         self._slots[5].value = aux.data_ptr() if aux is not None and aux.numel() else 0
         self._ints = [ctypes.c_int(v) for v in (prepared.rows, prepared.cols, prepared.n, prepared.nnz,
                                                 prepared.parts)]
-        self._params = pack_params(self._slots + self._ints)  # holds addresses of the objects above
+        # plans with an epilogue take two more pointers after `parts`: bias, scale
+        self._epilogue = [ctypes.c_void_p(0), ctypes.c_void_p(0)] if kernel.plan.epilogue != "none" else []
+        self._params = pack_params(self._slots + self._ints + self._epilogue)  # addresses of the objects above
         self._geometry = (prepared.grid, prepared.block, prepared.smem)
         self._lock = threading.Lock()  # the pointer slots are shared: one launch at a time
 
     def __call__(self, rowptr, col, val, x, y, stream: int, *, work: torch.Tensor | None = None,
-                 zeroed: bool = False) -> torch.Tensor:
-        """Launch on ``stream``; ``zeroed=True`` says ``y`` is already zero (plans with ``init=zero``)."""
+                 zeroed: bool = False, bias: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Launch on ``stream``; ``zeroed=True`` says ``y`` is already zero (plans with ``init=zero``);
+        ``bias`` and ``scale`` are the epilogue's operands (plans with one)."""
         prepared = self.prepared
         if prepared.init_zero and not zeroed:
             y.zero_()
@@ -130,6 +151,9 @@ class BoundKernel:
             slots[3].value = x.data_ptr() if x.numel() else 0
             slots[4].value = y.data_ptr()
             slots[6].value = work.data_ptr() if work is not None else 0
+            if self._epilogue:
+                self._epilogue[0].value = bias.data_ptr() if bias is not None else 0
+                self._epilogue[1].value = scale.data_ptr() if scale is not None else 0
             grid, block, smem = self._geometry
             self.kernel._launch(grid, block, smem, stream, self._params)
         return y
