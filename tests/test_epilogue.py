@@ -150,8 +150,14 @@ def _compiled(model, x, options=None):
     return loss, [line for report in passes.REPORTS for line in report.fused]
 
 
+@pytest.fixture
+def kernels_can_fuse(monkeypatch):
+    """As if the runtime had installed, for every product, a kernel that takes an epilogue."""
+    monkeypatch.setattr(passes, "served_fused", lambda node, out: True)
+
+
 @pytest.mark.parametrize("reuse", [False, True])
-def test_pass_fuses_the_layer_tail_and_keeps_gradients(reuse):
+def test_pass_fuses_the_layer_tail_and_keeps_gradients(reuse, kernels_can_fuse):
     torch.manual_seed(0)
     A = _square_adjacency()
     model = _Layer(A, reuse)
@@ -170,11 +176,33 @@ def test_pass_fuses_the_layer_tail_and_keeps_gradients(reuse):
     torch._dynamo.reset()
 
 
-def test_pass_can_be_turned_off():
+def test_pass_can_be_turned_off(kernels_can_fuse):
     A = _square_adjacency()
     _, fused = _compiled(_Layer(A), torch.randn(A.shape[1], 16), options={"fuse_epilogues": False})
     assert fused == []
     torch._dynamo.reset()
+
+
+def test_pass_fuses_only_what_an_installed_kernel_will_serve():
+    # CPU products have no kernels: the steps stay with Inductor, which fuses them itself
+    A = _square_adjacency()
+    _, fused = _compiled(_Layer(A), torch.randn(A.shape[1], 16))
+    assert fused == []
+    torch._dynamo.reset()
+
+
+def test_runtime_says_which_shapes_a_fusable_kernel_serves(tmp_path):
+    install, _ = _fake_fused()
+    M = make_pattern("random")
+    crow, col, val, X, bias, scale = _operands(M)
+    entry = patterns.lookup(crow, col, M.shape[1])
+    shape = (M.shape[0], M.nnz, M.shape[1], 8, torch.float32)
+    for family, expected in (("group_row", True), ("nnz_split", False)):
+        runtime = _runtime(tmp_path / family, install, family=family)
+        assert not runtime.fusable(*shape)  # nothing decided yet
+        runtime.call("spmm", entry, crow, col, val, X)
+        assert runtime.fusable(*shape) is expected
+        assert not runtime.fusable(*shape[:3], 16, torch.float32)  # another N
 
 
 # --------------------------------------------------------------------------- the runtime's fused path

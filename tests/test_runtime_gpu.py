@@ -193,8 +193,10 @@ def test_compiled_gcn_layer_fuses_its_tail(jit, poison_uninitialized):
     torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True):
         out = torch.compile(layer, backend="sparserl")(x)
-    assert ["spmm -> mul -> add -> relu"] == [line for r in passes.REPORTS for line in r.fused]
-    H = x.double() @ lin.weight.double().t()
+    fusable = jit.fusable(M.shape[0], M.nnz, M.shape[1], 32, torch.float32)
+    assert [line for r in passes.REPORTS for line in r.fused] == (["spmm -> mul -> add -> relu"] if fusable else [])
+    with torch.no_grad():
+        H = x.double() @ lin.weight.double().t()
     ref = np.maximum((M.astype(np.float64) @ H.cpu().numpy()) * dinv.double().cpu().numpy()[:, None]
                      + b.double().cpu().numpy(), 0.0)
     assert_close_to_reference(out.detach().cpu(), torch.from_numpy(np.asarray(ref)), torch.float32)

@@ -293,9 +293,11 @@ def spmm_epilogue(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor,
         if out is not None:
             return out
     Y = _product("spmm", entry, crow, col, val, X)
-    if scale is not None:
+    if scale is not None and bias is not None:
+        Y = torch.addcmul(bias, Y, scale.unsqueeze(1))  # one kernel for both
+    elif scale is not None:
         Y = Y.mul_(scale.unsqueeze(1))
-    if bias is not None:
+    elif bias is not None:
         Y = Y.add_(bias)
     return Y.relu_() if relu else Y
 

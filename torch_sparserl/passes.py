@@ -100,13 +100,34 @@ def _epilogue_step(user: torch.fx.Node, cur: torch.fx.Node, out: torch.Tensor, d
     return None
 
 
-def fuse_epilogues(graph: torch.fx.Graph) -> list[str]:
+def served_fused(node: torch.fx.Node, out: torch.Tensor) -> bool:
+    """Whether the runtime holds, for the product ``node`` computes, an installed kernel that
+    can take an epilogue (CUDA only; sizes must be concrete). Elsewhere Inductor's own
+    pointwise kernel after the product is as good as it gets, so nothing is fused."""
+    from . import runtime
+
+    crow, col, _, ncols, _ = node.args
+    crow_meta, col_meta = _tensor_meta(crow), _tensor_meta(col)
+    if out.device.type != "cuda" or crow_meta is None or col_meta is None:
+        return False
+    try:
+        sizes = (int(crow_meta.shape[0]) - 1, int(col_meta.shape[0]), int(ncols), int(out.shape[1]))
+    except (TypeError, ValueError):  # symbolic sizes
+        return False
+    active = runtime.active_or_none()
+    return active is not None and active.fusable(*sizes, out.dtype)
+
+
+def fuse_epilogues(graph: torch.fx.Graph, can_fuse=served_fused) -> list[str]:
     """Rewrite ``spmm -> [mul by a (rows, 1) scale] -> [add a bias of N] -> [relu]`` chains
     into ``sparserl::spmm_epilogue``; returns a line per fused chain.
 
     A step joins the chain only when the value before it has that step as its one user (so
     it is neither a graph output, saved for the backward, nor read elsewhere) and its
     operand has the product's dtype and device; steps come in the order scale, bias, relu.
+    ``can_fuse(node, meta)`` says whether a product's kernel will apply the epilogue
+    (:func:`served_fused`: the runtime has installed one that can): a fused op whose kernel
+    cannot would run the steps one by one, slower than the Inductor kernel it replaced.
     """
     fused_op = torch.ops.sparserl.spmm_epilogue.default
     done_lines = []
@@ -114,7 +135,7 @@ def fuse_epilogues(graph: torch.fx.Graph) -> list[str]:
         if node.op != "call_function" or node.target is not torch.ops.sparserl.spmm.default:
             continue
         out = _tensor_meta(node)
-        if out is None or out.dim() != 2:
+        if out is None or out.dim() != 2 or not can_fuse(node, out):
             continue
         chain, operands, cur = [node], {}, node
         while len(cur.users) == 1:
@@ -151,7 +172,7 @@ class SparseOpsPass(CustomGraphPass):
             self.chained(graph)
         report = GraphReport(find_sparse_sites(graph))
         if self.settings.fuse_epilogues:
-            report.fused = fuse_epilogues(graph)
+            report.fused = fuse_epilogues(graph, served_fused)
         REPORTS.append(report)
         for site in report.sites:
             logger.debug("sparserl site: %s N=%s %s -> %s", site.op, site.n, site.dtype,

@@ -181,6 +181,12 @@ def validated(crow, col, ncols) -> Pattern | None:
     return None
 
 
+def live_patterns() -> list[Pattern]:
+    """The cached patterns whose index tensors are still alive."""
+    with _CACHE_LOCK:
+        return list(_CACHE.values())
+
+
 def stats() -> dict[str, int]:
     """Counters of cache use (lookups, misses, transposes and diagonals computed); for tests and logs."""
     return dict(_STATS)

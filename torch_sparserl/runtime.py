@@ -264,6 +264,21 @@ class Runtime:
         self.stats["installed_calls"] += 1
         return state.launch(crow, col, val.contiguous(), X, bias, scale)
 
+    def fusable(self, nrows: int, nnz: int, ncols: int, n: int, dtype: torch.dtype) -> bool:
+        """Whether a live pattern of this shape has an installed SpMM kernel for ``(n, dtype)``
+        whose family can store its rows through an epilogue: the post-grad pass asks before it
+        fuses (it sees shapes, not the matrix), so a graph fuses only what a kernel will serve."""
+        from .families import EPILOGUE_FAMILIES
+        from .pattern import live_patterns
+
+        for pattern in live_patterns():
+            if (pattern.nrows, pattern.nnz, pattern.ncols) != (nrows, nnz, ncols):
+                continue
+            state = pattern.specializations.get((self._generation, "spmm", n, dtype))
+            if state.__class__ is Installed and state.entry is not None and state.entry.family in EPILOGUE_FAMILIES:
+                return True
+        return False
+
     def _resolve_fused(self, pattern, slot, crow, col, dtype, n, epilogue):
         with self._lock:
             state = pattern.specializations.get(slot)
