@@ -70,7 +70,7 @@ def test_losses_that_differ_are_reported():
 
 
 @pytest.mark.slow
-def test_the_unfused_way_measures_the_fusion(tmp_path, monkeypatch):
+def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     import torch._inductor.config
 
     bench = _bench()
@@ -81,12 +81,12 @@ def test_the_unfused_way_measures_the_fusion(tmp_path, monkeypatch):
 
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse
     assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
-                       "--ways", "eager,sparserl,sparserl_unfused", "--chunks", "1", "--min-chunk-s", "0.01",
+                       "--ways", "eager,sparserl,sparserl_fused", "--chunks", "1", "--min-chunk-s", "0.01",
                        "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     # layer 1: the bias and the ReLU; layer 2: the bias (the loss reads the logits)
-    assert row["ways"]["sparserl"]["fused_epilogues"] == ["spmm -> add", "spmm -> add -> relu"]
-    assert row["ways"]["sparserl_unfused"]["fused_epilogues"] == []
+    assert row["ways"]["sparserl_fused"]["fused_epilogues"] == ["spmm -> add", "spmm -> add -> relu"]
+    assert row["ways"]["sparserl"]["fused_epilogues"] == []  # off by default
     assert row["fusion_speedup"] > 0 and row["losses_equal"], row
     assert "Fused epilogues" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):

@@ -167,7 +167,7 @@ def test_pass_fuses_the_layer_tail_and_keeps_gradients(reuse, kernels_can_fuse):
     grads = [x.grad.clone(), model.lin.weight.grad.clone(), model.bias.grad.clone()]
     for p in (x, model.lin.weight, model.bias):
         p.grad = None
-    loss, fused = _compiled(model, x)
+    loss, fused = _compiled(model, x, options={"fuse_epilogues": True})
     # reused: the pre-activation is read twice, so only the scale and the bias join the product
     assert fused == (["spmm -> mul -> add"] if reuse else ["spmm -> mul -> add -> relu"])
     torch.testing.assert_close(loss, eager)
@@ -176,9 +176,9 @@ def test_pass_fuses_the_layer_tail_and_keeps_gradients(reuse, kernels_can_fuse):
     torch._dynamo.reset()
 
 
-def test_pass_can_be_turned_off(kernels_can_fuse):
+def test_pass_is_off_by_default(kernels_can_fuse):
     A = _square_adjacency()
-    _, fused = _compiled(_Layer(A), torch.randn(A.shape[1], 16), options={"fuse_epilogues": False})
+    _, fused = _compiled(_Layer(A), torch.randn(A.shape[1], 16))
     assert fused == []
     torch._dynamo.reset()
 
@@ -186,7 +186,7 @@ def test_pass_can_be_turned_off(kernels_can_fuse):
 def test_pass_fuses_only_what_an_installed_kernel_will_serve():
     # CPU products have no kernels: the steps stay with Inductor, which fuses them itself
     A = _square_adjacency()
-    _, fused = _compiled(_Layer(A), torch.randn(A.shape[1], 16))
+    _, fused = _compiled(_Layer(A), torch.randn(A.shape[1], 16), options={"fuse_epilogues": True})
     assert fused == []
     torch._dynamo.reset()
 

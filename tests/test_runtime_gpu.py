@@ -192,7 +192,7 @@ def test_compiled_gcn_layer_fuses_its_tail(jit, poison_uninitialized):
     passes.REPORTS.clear()
     torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True):
-        out = torch.compile(layer, backend="sparserl")(x)
+        out = torch.compile(layer, backend="sparserl", options={"fuse_epilogues": True})(x)
     fusable = jit.fusable(M.shape[0], M.nnz, M.shape[1], 32, torch.float32)
     assert [line for r in passes.REPORTS for line in r.fused] == (["spmm -> mul -> add -> relu"] if fusable else [])
     with torch.no_grad():

@@ -15,7 +15,11 @@ from typing import Any, Mapping
 DEFAULT_STRICT = False
 DEFAULT_INTERCEPT_SPARSE = True
 DEFAULT_PRESPECIALIZE = True
-DEFAULT_FUSE_EPILOGUES = True
+# Off: measured on an H100 (benchmarks/results/epilogue-h100-2026-11-22.md), the fused layer
+# tail was 0.99x the unfused one where it applied (2 of 12 rows), within the noise of calls
+# that cost 150-370 us of CPU; and 10 of 12 products were served by split families, which
+# cannot fuse. Opt in with options={"fuse_epilogues": True}.
+DEFAULT_FUSE_EPILOGUES = False
 
 logger = logging.getLogger("torch_sparserl")
 if os.environ.get("SPARSERL_LOG"):
@@ -42,8 +46,9 @@ class Settings:
 
     fuse_epilogues: bool = DEFAULT_FUSE_EPILOGUES
     """Fuse the row scaling, bias add and ReLU that follow a sparse product into its kernel
-    (the post-grad pass writes ``sparserl::spmm_epilogue``; ``benchmarks/bench_gnn.py``
-    measures it against Inductor's own pointwise kernel, way ``sparserl_unfused``)."""
+    where the installed kernel can store rows through them (the post-grad pass writes
+    ``sparserl::spmm_epilogue``). Off by default: no gain was measured
+    (``benchmarks/bench_epilogue.py``; ``bench_gnn.py`` way ``sparserl_fused``)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | "Settings" | None) -> "Settings":
