@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import sys
 import traceback
 from pathlib import Path
@@ -26,6 +25,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import geomean, results_path, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_epilogue/1"
 GRAPHS = ["cora", "citeseer", "pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000"]
@@ -94,8 +95,7 @@ def markdown(doc: dict) -> str:
         if r["fused_chains"]:
             fused_rows.append(r["fusion_speedup"])
     if fused_rows:
-        gm = math.exp(sum(map(math.log, fused_rows)) / len(fused_rows))
-        lines += ["", f"Geometric mean over the {len(fused_rows)} rows that fused: **{gm:.3f}×**."]
+        lines += ["", f"Geometric mean over the {len(fused_rows)} rows that fused: **{geomean(fused_rows):.3f}×**."]
     bad = [(r["graph"], r["n"], r["errors"]) for r in doc["rows"] if r.get("errors")]
     lines += ["", "Both ways matched float64 on every row." if not bad else f"Mismatches: {bad}"]
     return "\n".join(lines) + "\n"
@@ -116,10 +116,7 @@ def main(argv=None) -> int:
     from torch_sparserl import runtime as rt
 
     device = torch.cuda.get_device_name()
-    out = Path(args.out)
-    if out.suffix != ".json":
-        out = out / f"epilogue-{device.lower().replace('nvidia ', '').replace(' ', '-')}-{dt.date.today()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_path(args.out, "epilogue", device, dt.date.today().isoformat())
     runtime = rt.configure(mode="sync", policy=args.policy)
     doc = {"schema": SCHEMA, "device": device, "torch": torch.__version__, "date": dt.date.today().isoformat(),
            "command": "python benchmarks/bench_epilogue.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -134,8 +131,7 @@ def main(argv=None) -> int:
                 row = {"graph": name, "n": n, "error": f"{type(exc).__name__}: {exc}"}
             doc["rows"].append(row)
             print(json.dumps(row), flush=True)
-            out.write_text(json.dumps(doc, indent=1) + "\n")
-            out.with_suffix(".md").write_text(markdown(doc))
+            write_json_md(doc, out, markdown)
     runtime.close()
     print(markdown(doc))
     return 0

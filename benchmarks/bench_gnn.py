@@ -46,6 +46,8 @@ import scipy.sparse as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from report import geomean  # noqa: E402
+
 SCHEMA = "torch_sparserl.bench_gnn/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000", "rmat:scale=22,edge_factor=8"]
 MODELS = ["gcn", "sage"]
@@ -329,11 +331,6 @@ def prepare_graph(name: str, device) -> dict:
 
 
 # ------------------------------------------------------------------------ results
-
-
-def geomean(values):
-    values = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
 def row_metrics(row: dict) -> dict:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import sys
 import time
 import traceback
@@ -31,6 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import geomean, results_path, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_sddmm/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000"]
@@ -83,11 +84,6 @@ def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
     }
 
 
-def geomean(values) -> float | None:
-    values = [v for v in values if v and v > 0]
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
-
-
 def markdown(doc: dict) -> str:
     rows = doc["rows"]
     lines = [f"# SDDMM (gradient of the values): sparserl vs cuSPARSE — {doc['device']}", "",
@@ -132,11 +128,7 @@ def main(argv=None) -> int:
     from torch_sparserl import runtime as rt
 
     device = torch.cuda.get_device_name()
-    out = Path(args.out)
-    if out.suffix != ".json":
-        slug = device.lower().replace("nvidia ", "").replace(" ", "-")
-        out = out / f"sddmm-{slug}-{dt.date.today().isoformat()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_path(args.out, "sddmm", device, dt.date.today().isoformat())
     runtime = rt.configure(mode="sync", policy="autotune", budget_s=args.budget_s)
     doc = {"schema": SCHEMA, "device": device, "torch": torch.__version__, "date": dt.date.today().isoformat(),
            "command": "python benchmarks/bench_sddmm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -152,8 +144,7 @@ def main(argv=None) -> int:
                     row = {"graph": name, "n": n, "dtype": dtype_name, "error": f"{type(exc).__name__}: {exc}"}
                 doc["rows"].append(row)
                 print(json.dumps(row), flush=True)
-                out.write_text(json.dumps(doc, indent=1) + "\n")
-                out.with_suffix(".md").write_text(markdown(doc))
+                write_json_md(doc, out, markdown)
     runtime.close()
     print(markdown(doc))
     return 0

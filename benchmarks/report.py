@@ -95,6 +95,22 @@ def geomean(values: Iterable[float | None]) -> float | None:
     return math.exp(sum(logs) / len(logs)) if logs else None
 
 
+def results_path(out: str | Path, prefix: str, gpu_name: str | None, date: str) -> Path:
+    """``out`` itself when it names a .json file, else ``out/<prefix>-<gpu slug>-<date>.json``."""
+    from bench_kernels import gpu_slug
+
+    out = Path(out)
+    path = out if out.suffix == ".json" else out / f"{prefix}-{gpu_slug(gpu_name)}-{date}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json_md(doc: dict, path: Path, markdown) -> None:
+    """The results document as JSON at ``path`` and ``markdown(doc)`` beside it (.md)."""
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(doc))
+
+
 def summarize(cells: Iterable[dict]) -> list[dict]:
     """One row per (op, n, dtype, group) over the finished cells.
 

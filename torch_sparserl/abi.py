@@ -253,9 +253,14 @@ class Plan:
                 bad("rows", f"natural with split={self.split}", self.rows)
 
     @property
+    def epilogue_steps(self) -> tuple[str, ...]:
+        """The epilogue's steps in order; () without one."""
+        return () if self.epilogue == "none" else tuple(self.epilogue.split("+"))
+
+    @property
     def epilogue_bits(self) -> int:
         """``SR_EPILOGUE``: 1 scale, 2 bias, 4 relu; 0 without an epilogue."""
-        return 0 if self.epilogue == "none" else sum(EPILOGUE_BITS[s] for s in self.epilogue.split("+"))
+        return sum(EPILOGUE_BITS[s] for s in self.epilogue_steps)
 
     @property
     def torch_dtype(self) -> torch.dtype:

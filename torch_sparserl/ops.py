@@ -24,6 +24,7 @@ from torch import Tensor
 
 from . import pattern as patterns
 from . import runtime
+from .abi import EPILOGUE_STEPS
 from .kernels import cusparse, reference
 from .dtypes import VALUE_DTYPES
 from .validation import check_csr_meta, check_dense, check_tensor, require
@@ -251,8 +252,6 @@ sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
 
 
 # ------------------------------------------------------------------ spmm_epilogue
-
-EPILOGUE_STEPS = ("scale", "bias", "relu")
 
 
 def _check_epilogue(op: str, crow: Tensor, X: Tensor, scale: Tensor | None, bias: Tensor | None) -> None:

@@ -221,16 +221,16 @@ class Runtime:
         self.stats["fallback_calls"] += 1
         return None
 
-    def launch(self, launch: Callable, crow, col, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    def launch(self, launch: Callable, crow, col, val: torch.Tensor, X: torch.Tensor, *epilogue) -> torch.Tensor:
         """Run an installed kernel's launch on operands it can take: the kernels' vector loads
         need ``X`` (and sddmm's D, in the ``val`` slot) contiguous and 16-byte aligned, so
-        others are copied."""
+        others are copied. ``epilogue``: a fused kernel's bias and scale, passed on."""
         if not X.is_contiguous() or X.data_ptr() % 16:
             X = X.clone(memory_format=torch.contiguous_format)
         if not val.is_contiguous() or val.data_ptr() % 16:
             val = val.clone(memory_format=torch.contiguous_format)
         self.stats["installed_calls"] += 1
-        return launch(crow, col, val, X)
+        return launch(crow, col, val, X, *epilogue)
 
     # ------------------------------------------------------------------ fused epilogues
     def call_fused(self, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
@@ -255,14 +255,11 @@ class Runtime:
             if state.__class__ is Fallback and self.settings.strict and not state.decided:
                 raise SpecializationError(f"sparserl runtime: spmm+{epilogue} n={n}: {state.reason}")
             return None
-        if bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16):
+        if bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16):  # read in vectors
             bias = bias.clone(memory_format=torch.contiguous_format)
         if scale is not None and not scale.is_contiguous():
             scale = scale.contiguous()
-        if not X.is_contiguous() or X.data_ptr() % 16:
-            X = X.clone(memory_format=torch.contiguous_format)
-        self.stats["installed_calls"] += 1
-        return state.launch(crow, col, val.contiguous(), X, bias, scale)
+        return self.launch(state.launch, crow, col, val, X, bias, scale)
 
     def fusable(self, nrows: int, nnz: int, ncols: int, n: int, dtype: torch.dtype) -> bool:
         """Whether a live pattern of this shape has an installed SpMM kernel for ``(n, dtype)``

@@ -83,7 +83,7 @@ class Kernel:
     def check_epilogue(self, bias, scale, prepared: Prepared) -> None:
         """The epilogue's operands: bias (n values, 16-byte aligned: it is read in vectors) and
         scale (one per row), present exactly when the plan's epilogue has the step."""
-        steps = set(self.plan.epilogue.split("+")) - {"none"}
+        steps = self.plan.epilogue_steps
         for name, t, numel in (("bias", bias, prepared.n), ("scale", scale, prepared.rows)):
             if name not in steps:
                 _expect(t is None, f"{name} given, but the plan's epilogue is {self.plan.epilogue}")
