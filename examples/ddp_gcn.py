@@ -17,6 +17,7 @@ JSON written to ``--out`` says what ran where.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -185,6 +186,12 @@ def main(argv=None) -> int:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
         status = 0 if ok else 1
+    # Drop DDP's reducer while the process group is still registered: when it held the group's
+    # last reference, the group's destructor ran with the GIL held and joined gloo's worker
+    # thread, which was waiting for the GIL to free the last collective's tensors (a hang at
+    # exit, seen on CPU).
+    del ddp
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return status

@@ -376,6 +376,7 @@ def test_verdicts_with_stand_in_kernels(monkeypatch, cpu_matrix, behaviour, kind
     assert record.compiled and record.correct is (kind is None)
     if kind is None:
         assert record.trials == 3 and record.max_error < 1e-6 and stages == ["compiled", "prepared", "correct"]
+        assert list(record.timing["stages_s"]) == stages and all(t >= 0 for t in record.timing["stages_s"].values())
         assert record.spill_bytes == 0 and reward(record) == 1.0
     if kind is ErrorKind.OUT_OF_BOUNDS:
         assert "guard bytes" in record.log

@@ -86,6 +86,42 @@ def test_background_mode_serves_cusparse_until_the_kernel_is_ready(tmp_path):
     assert len(fakes.specialized) == 1
 
 
+def test_the_stats_say_how_long_products_waited_for_decisions(tmp_path):
+    gate = threading.Event()
+    threading.Timer(0.2, gate.set).start()
+    sync, *parts = setup(tmp_path / "sync", gate=gate)  # the fake specializer waits 0.2 s
+    call(sync, *parts[1:])
+    assert sync.stats["jit_s"] >= 0.2 and sync.stats["background_s"] == 0.0
+
+    gate = threading.Event()
+    background, *parts = setup(tmp_path / "background", mode="background", gate=gate)
+    call(background, *parts[1:])
+    threading.Timer(0.2, gate.set).start()
+    background.wait(10)
+    assert background.stats["jit_s"] < 0.2 <= background.stats["background_s"]
+
+
+def test_the_keys_of_one_pattern_share_its_features_and_sandbox(monkeypatch):
+    from torch_sparserl import features as features_module
+    from torch_sparserl.fingerprint import SpecializationKey
+    from torch_sparserl.runtime import autotune_specializer
+
+    computed = []
+    monkeypatch.setattr(features_module, "structural_features",
+                        lambda rowptr, col, shape: computed.append(shape) or {"rows": shape[0]})
+    specializer = autotune_specializer(RuntimeSettings())
+    A = make_pattern("cora (real)")
+    crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
+    asked = []
+    for n in (16, 128):
+        key = SpecializationKey(pattern="p" * 32, op="spmm", n=n, dtype="f32", arch="sm_90", policy="autotune")
+        matrix, known = specializer._problem(key, crow, col, A.shape[1])
+        asked.append(known)
+    assert computed == [A.shape] and matrix[2] == A.shape
+    assert asked[0]["sandbox"] is asked[1]["sandbox"] and asked[1]["matrix_key"] == "p" * 32
+    specializer.close()
+
+
 def test_a_new_process_finds_the_decision_on_disk(tmp_path):
     runtime, fakes, A, crow, col, val, X = setup(tmp_path)
     call(runtime, A, crow, col, val, X)

@@ -188,8 +188,12 @@ class Runtime:
         self._lock = threading.RLock()  # reentrant: sync mode specializes inside _resolve
         self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
         # calls served by a kernel / by cuSPARSE; kernels installed (from the cache or freshly
-        # specialized: the cache's own stats count the builds); fallback decisions taken
-        self.stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0}
+        # specialized: the cache's own stats count the builds); fallback decisions taken;
+        # seconds products waited for decisions (fingerprint, cache, and in sync mode the
+        # specialization and build: the JIT cost a training loop sees) and seconds the
+        # background thread spent deciding
+        self.stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
+                      "jit_s": 0.0, "background_s": 0.0}
 
     @property
     def cache(self) -> KernelCache:
@@ -290,8 +294,9 @@ class Runtime:
                 return self._fallback(pattern, slot, None, f"no fused epilogue: the product itself is served "
                                       f"by cuSPARSE ({base.reason})", None, quiet=True)
             if self.settings.mode == "sync":
-                return self._install_fused(pattern, slot, base, crow, col, n, epilogue)
-            state = Pending(base.key, self._pool().submit(self._install_fused, pattern, slot, base, crow, col, n,
+                with self._clock("jit_s"):
+                    return self._install_fused(pattern, slot, base, crow, col, n, epilogue)
+            state = Pending(base.key, self._in_background(self._install_fused, pattern, slot, base, crow, col, n,
                                                           epilogue))
             pattern.specializations[slot] = state
             return state
@@ -344,7 +349,7 @@ class Runtime:
 
     def _resolve(self, op, n, pattern, crow, col, dtype):
         slot = (self._generation, op, n, dtype)
-        with self._lock:
+        with self._lock, self._clock("jit_s"):
             state = pattern.specializations.get(slot)
             if state is not None:
                 return state
@@ -362,7 +367,7 @@ class Runtime:
                 return self._specialize(pattern, slot, key, crow, col)
             # The worker's final state is written under this lock, so it cannot be
             # overwritten by the Pending set here.
-            future = self._pool().submit(self._specialize, pattern, slot, key, crow, col)
+            future = self._in_background(self._specialize, pattern, slot, key, crow, col)
             state = Pending(key, future)
             pattern.specializations[slot] = state
             log.info("sparserl: %s n=%d %s: specializing in the background; cuSPARSE serves meanwhile",
@@ -410,6 +415,20 @@ class Runtime:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-specialize")
         return self._executor
+
+    @contextlib.contextmanager
+    def _clock(self, stat: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats[stat] += time.perf_counter() - started
+
+    def _in_background(self, fn: Callable, *args) -> Future:
+        def timed():
+            with self._clock("background_s"):
+                return fn(*args)
+        return self._pool().submit(timed)
 
     def prewarm(self, device=None, *, background: bool = False) -> float | None:
         """Start now what the first specialization of a process waits for: the sandbox's
@@ -543,20 +562,36 @@ class autotune_specializer:  # noqa: N801 - used like a function
     """Candidates from the autotuner under the settings' budget, each run first in the
     sandbox's child process; one sandbox is kept for the runtime's life."""
 
+    _FEATURES_KEPT = 16  # patterns whose structural features are remembered
+
     def __init__(self, settings: RuntimeSettings):
         self.settings = settings
         self._sandbox = None
+        self._features: dict[str, dict] = {}  # pattern hash -> structural features
 
-    def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
-        from .autotune import tune
+    def _problem(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int):
+        """What a tuner takes for ``key``'s pattern: the matrix on the host, and the keyword
+        arguments naming it (its fingerprint, for the sandbox) and its features once known, so
+        that the keys of one pattern (A and its n's) do not recompute them."""
         from .evaluate.sandbox import Sandbox
 
         if self._sandbox is None:
             self._sandbox = Sandbox()
-        settings = self.settings
-        rows = crow.numel() - 1
-        result = tune((crow.cpu(), col.cpu(), (rows, ncols)), op=key.op, n=key.n, dtype=key.dtype,
-                      budget_s=settings.budget_s, sandbox=self._sandbox)
+        matrix = (crow.cpu(), col.cpu(), (crow.numel() - 1, ncols))
+        if key.pattern not in self._features:
+            from .features import structural_features
+
+            while len(self._features) >= self._FEATURES_KEPT:
+                self._features.pop(next(iter(self._features)))
+            self._features[key.pattern] = structural_features(*matrix)
+        return matrix, {"sandbox": self._sandbox, "features": self._features[key.pattern],
+                        "matrix_key": key.pattern}
+
+    def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
+        from .autotune import tune
+
+        matrix, known = self._problem(key, crow, col, ncols)
+        result = tune(matrix, op=key.op, n=key.n, dtype=key.dtype, budget_s=self.settings.budget_s, **known)
         return self._entry(key, result, f"{result.screened}/{result.candidates} candidates screened in "
                                         f"{result.elapsed_s:.1f} s", "candidate")
 
@@ -621,16 +656,12 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
     def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
         if self.unavailable is not None or key.op not in POLICY_OPS:
             return super().__call__(key, crow, col, ncols)
-        from .evaluate.sandbox import Sandbox
         from .policy.propose import policy_tune
 
-        if self._sandbox is None:
-            self._sandbox = Sandbox()
         policy = self._load(col.device if col.is_cuda else "cpu")
-        rows = crow.numel() - 1
-        result, proposals, _ = policy_tune((crow.cpu(), col.cpu(), (rows, ncols)), op=key.op, n=key.n,
-                                           dtype=key.dtype, policy=policy, k=self.settings.k,
-                                           sandbox=self._sandbox)
+        matrix, known = self._problem(key, crow, col, ncols)
+        result, proposals, _ = policy_tune(matrix, op=key.op, n=key.n, dtype=key.dtype, policy=policy,
+                                           k=self.settings.k, **known)
         return self._entry(key, result, f"{result.screened} distinct of {len(proposals)} policy samples in "
                                         f"{result.elapsed_s:.1f} s", "policy sample")
 

@@ -39,7 +39,7 @@ import torch
 
 from ..abi import MAX_SMEM_BYTES, KernelSpec, PlanError, operand_shapes
 from ..build import CompileError, LaunchError, load_kernel
-from ..dtypes import close_to_reference
+from ..dtypes import close_to_reference, max_abs_difference
 from ..kernels import cusparse, reference
 from ..pattern import Pattern
 from ..prepare import Prepared, prepare
@@ -352,9 +352,8 @@ class _Problem:
     def max_error(self, out: torch.Tensor) -> float:
         if out.numel() == 0:
             return 0.0
-        err = (out.double() - self.ref).abs().max()
         scale = max(float(self.ref.abs().max()), 1.0)
-        value = float(err) / scale
+        value = max_abs_difference(out, self.ref) / scale
         return value if value == value else float("inf")  # NaN → inf
 
     def close(self, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -369,7 +368,8 @@ def evaluate_candidate(spec: KernelSpec, matrix: Matrix, n: int, dtype, config: 
 
     Returns a record for every fault of the candidate; raises only for faults of the
     harness itself. ``progress(stage)`` is called with ``"compiled"``, ``"prepared"``,
-    ``"correct"`` and ``"timed"`` as the evaluation gets there.
+    ``"correct"`` and ``"timed"`` as the evaluation gets there; ``record.timing["stages_s"]``
+    holds the seconds each stage reached took (where a large matrix's JIT time goes).
     """
     start = time.perf_counter()
     config = config if isinstance(config, EvalConfig) else EvalConfig.from_dict(config)
@@ -379,7 +379,16 @@ def evaluate_candidate(spec: KernelSpec, matrix: Matrix, n: int, dtype, config: 
     device = torch.cuda.get_device_name(matrix.device) if matrix.device.type == "cuda" else str(matrix.device)
     record = EvalRecord(key=spec.key, family=spec.family, params=spec.params, n=int(n), dtype=dtype_name(dtype),
                         device=device)
-    report = progress or (lambda stage: None)
+    stages: dict[str, float] = {}  # seconds from the previous stage (the first: from the start)
+    last = [start]
+
+    def report(stage: str) -> None:
+        now = time.perf_counter()
+        stages[stage] = round(now - last[0], 4)
+        last[0] = now
+        if progress is not None:
+            progress(stage)
+
     try:
         _evaluate(record, spec, matrix, int(n), config, report)
     except _Fail as verdict:
@@ -392,6 +401,7 @@ def evaluate_candidate(spec: KernelSpec, matrix: Matrix, n: int, dtype, config: 
     if record.error_kind is None and record.compiled:
         record.correct = True
     record.elapsed_s = time.perf_counter() - start
+    record.timing["stages_s"] = stages
     return record
 
 

@@ -268,6 +268,10 @@ class Sandbox:
         return text if size <= self.log_tail_bytes else f"[... {size - len(data)} bytes before ...]\n{text}"
 
     # ------------------------------------------------------------------ matrices
+    def has_matrix(self, key: str) -> bool:
+        """Whether a matrix is registered under ``key``."""
+        return key in self._matrices
+
     def set_matrix(self, key: str, rowptr, col, shape) -> None:
         """Register a matrix (numpy int arrays); it is sent to a worker once, when a task needs it."""
         rows, cols = (int(s) for s in shape)

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..abi import KernelSpec, PlanError
-from ..autotune import FINAL_CONFIG, SCREEN_CONFIG, TuneResult, _pattern_arrays
+from ..autotune import FINAL_CONFIG, SCREEN_CONFIG, TuneResult, _problem
 from ..evaluate.config import EvalConfig
 from ..evaluate.record import ErrorKind, EvalRecord, dtype_name
-from ..features import structural_features
-from ..fingerprint import pattern_hash
 from .corpus import request
 from .encoder import PatternInput
 from .model import KernelPolicy, Sample
@@ -91,30 +89,29 @@ def _runtime(record: EvalRecord) -> float:
 def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolicy, k: int = 4,
                 sandbox=None, seed: int = 0, temperature: float = 1.0, finalists: int = 1,
                 screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
-                timeout_s: float = 60.0) -> tuple[TuneResult, list[Proposal], list[EvalRecord]]:
+                timeout_s: float = 60.0, features: dict | None = None,
+                matrix_key: str | None = None) -> tuple[TuneResult, list[Proposal], list[EvalRecord]]:
     """Sample ``k`` candidates, screen the distinct ones, validate the best ``finalists``
     (and the next ones while none has passed the full validation).
 
     Returns the result (``best`` as the autotuner's), the proposals in sample order, and one
     record per proposal (duplicates share their record). When the samples hold a single
     distinct runnable kernel it is validated directly, without a screening run.
+    ``features`` and ``matrix_key`` may be passed when known, as to ``autotune.tune``.
     """
     from ..evaluate.sandbox import Sandbox
 
     dtype = dtype_name(dtype)
     start = time.monotonic()
-    rowptr, col, shape = _pattern_arrays(matrix)
-    features = structural_features(rowptr, col, shape)
-    proposals = propose(policy, rowptr, col, shape, op=op, n=n, dtype=dtype, k=k, seed=seed,
-                        temperature=temperature, features=features)
-    gen_s = time.monotonic() - start
-    result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None, candidates=k)
     own = sandbox is None
     box = Sandbox() if own else sandbox
     records: dict[str, EvalRecord] = {}
     try:
-        key = pattern_hash(torch.from_numpy(rowptr), torch.from_numpy(col), shape[1])
-        box.set_matrix(key, rowptr, col, shape)
+        rowptr, col, shape, features, key = _problem(matrix, box, features, matrix_key)
+        proposals = propose(policy, rowptr, col, shape, op=op, n=n, dtype=dtype, k=k, seed=seed,
+                            temperature=temperature, features=features)
+        gen_s = time.monotonic() - start
+        result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None, candidates=k)
         runnable = {p.spec.key for p in proposals if p.error is None}
         # One distinct runnable candidate (a confident policy): nothing to rank, so it goes
         # straight to the full validation, whose record stands for the screen too.
