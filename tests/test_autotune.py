@@ -23,6 +23,13 @@ class FakeSandbox:
 
     def set_matrix(self, key, rowptr, col, shape):
         self.matrices[key] = (rowptr, col, shape)
+        self.sent = getattr(self, "sent", 0) + 1
+
+    def has_matrix(self, key):
+        return key in self.matrices
+
+    def release(self):
+        self.released = getattr(self, "released", 0) + 1
 
     def evaluate(self, spec, matrix_key, n, dtype, config, timeout_s):
         assert matrix_key in self.matrices
@@ -69,6 +76,17 @@ def test_tune_returns_the_fastest_correct_finalist(cora):
     assert result.best_spec.key == result.best.key
     assert result.speedup == pytest.approx(500.0 / result.best.runtime_us)
     assert "best" in result.summary()
+
+
+def test_a_known_pattern_is_not_sent_or_measured_again(cora, monkeypatch):
+    import torch_sparserl.autotune as autotune
+
+    box = FakeSandbox()
+    first = tune(cora, op="spmm", n=32, sandbox=box, top_k=1, budget_s=1e9)
+    monkeypatch.setattr(autotune, "structural_features", lambda *a: pytest.fail("features computed again"))
+    again = tune(cora, op="spmm", n=64, sandbox=box, top_k=1, budget_s=1e9, features=first.features,
+                 matrix_key=next(iter(box.matrices)))
+    assert box.sent == 1 and box.released == 2 and again.features == first.features and again.best is not None
 
 
 def test_tune_stops_screening_when_the_budget_is_spent(cora):

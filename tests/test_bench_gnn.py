@@ -45,6 +45,8 @@ def test_all_four_ways_train_to_the_same_losses(tmp_path, monkeypatch):
         assert all(len(w["losses"]) == bench.LOSS_EPOCHS for w in row["ways"].values())
         assert row["losses_equal"], row["loss_max_rel_diff"]
         assert row["speedup_vs_eager"] > 0 and row["speedup_vs_best_other"] > 0
+        warm = row["ways"]["sparserl"]["warm"]  # the next run's start, on the same disk cache
+        assert warm["cache_misses"] == [] and warm["loss"] == pytest.approx(row["ways"]["sparserl"]["losses"][0])
     md = out.with_suffix(".md").read_text()
     assert "| cora | 2,708 |" in md and "Geometric means" in md
     ET.fromstring(out.with_suffix(".svg").read_text())  # well-formed
@@ -54,6 +56,11 @@ def test_all_four_ways_train_to_the_same_losses(tmp_path, monkeypatch):
     assert len(json.loads(out.read_text())["rows"]) == 2
     out.with_suffix(".md").unlink()
     assert bench.main(["--report", str(out)]) == 0 and out.with_suffix(".md").exists()
+
+
+def test_graph_lists_keep_generator_specs_whole():
+    assert _bench().split_graphs("pubmed, rmat:scale=22,edge_factor=16,dblp-2010,rmat:scale=12") == [
+        "pubmed", "rmat:scale=22,edge_factor=16", "dblp-2010", "rmat:scale=12"]
 
 
 def test_losses_that_differ_are_reported():

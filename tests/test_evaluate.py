@@ -202,6 +202,19 @@ def test_sandbox_survives_a_dying_worker(sandbox, name, signal_name, exitcode, w
     assert sandbox.run(task("getpid"), timeout_s=5).value != pid
 
 
+def test_sandbox_release_frees_the_shared_inputs_and_keeps_the_worker(sandbox):
+    with Sandbox(task=task("echo"), init=None, matrix_loader=None, health_check=None) as idle:
+        assert idle.release() is None and idle.worker_pid is None  # no worker is started to release
+    pid = sandbox.run(task("echo"), (1,), timeout_s=5).value["pid"]
+    assert sandbox.release() == 0  # no CUDA here: nothing reserved
+    assert sandbox.run(task("echo"), (2,), timeout_s=5, matrix_key="small").value["pid"] == pid
+
+
+def test_release_memory_forgets_the_inputs_of_the_last_problem(monkeypatch):
+    monkeypatch.setattr(harness, "_INPUTS", {("m", 1): (torch.zeros(1),) * 4})
+    assert harness.release_memory() == 0 and harness._INPUTS == {}
+
+
 def test_sandbox_reports_exceptions_and_keeps_the_worker(sandbox):
     pid = sandbox.run(task("getpid"), timeout_s=5).value
     raised = sandbox.run(task("raise_error"), timeout_s=5)

@@ -175,6 +175,8 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
     finally:
         if own:
             box.close()
+        else:
+            box.release()  # the problem's inputs and references; the matrix stays for the next key
     result.elapsed_s = time.monotonic() - start
     log.info("tune: %s", result.summary())
     return result

@@ -26,6 +26,7 @@ data and must hold (``suspicious``).
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -120,6 +121,18 @@ def worker_init() -> dict:
 
 def load_matrix(rowptr, col, shape) -> Matrix:
     return Matrix.from_numpy(rowptr, col, shape, device="cuda")
+
+
+def release_memory() -> int:
+    """Sandbox task: forget the shared inputs and flush buffer, return cached blocks to the
+    device; the bytes still reserved (the matrices the worker holds, for the next key)."""
+    _INPUTS.clear()
+    _FLUSH.clear()
+    gc.collect()
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved())
 
 
 def cuda_context_ok() -> bool:

@@ -151,6 +151,8 @@ def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolic
     finally:
         if own:
             box.close()
+        else:
+            box.release()  # the problem's inputs and references; the matrix stays for the next key
     result.elapsed_s = time.monotonic() - start
     for r in result.table:
         r.timing.setdefault("generate_s", round(gen_s, 4))
