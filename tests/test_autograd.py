@@ -59,3 +59,26 @@ def test_transpose_computed_once_per_pattern(device):
         X = torch.randn(A.shape[1], 4, device=device, requires_grad=True)
         ops.spmm(crow, col, val, A.shape[1], X).sum().backward()
     assert pattern.stats()["transposes"] == before + 1
+
+
+def test_an_eager_backward_skips_the_dispatch_and_a_double_backward_keeps_it(device, monkeypatch):
+    from torch_sparserl import ops as module
+
+    dispatched = []
+    for name in ("sddmm", "spmm_transposed"):
+        op = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name: dispatched.append(_name) or _op(*a))
+    A = make_pattern("random", seed=34)
+    crow, col, val = to_parts(A, torch.float64, torch.int32, device)
+    v, X = _leaf(val), _leaf(torch.randn(A.shape[1], 3, dtype=torch.float64, device=device))
+    out = ops.spmm(crow, col, v, A.shape[1], X)
+    grad_v, grad_X = torch.autograd.grad(out.square().sum(), (v, X))
+    assert dispatched == []  # the implementations ran directly
+    dense = torch.sparse_csr_tensor(crow.long(), col.long(), v.detach(), A.shape).to_dense()
+    rows = torch.repeat_interleave(torch.arange(A.shape[0], device=device), crow.diff().long())
+    want_out = dense @ X.detach()
+    torch.testing.assert_close(grad_X, 2 * dense.t() @ want_out)
+    torch.testing.assert_close(grad_v, (2 * want_out[rows] * X.detach()[col.long()]).sum(1))
+    out = ops.spmm(crow, col, v, A.shape[1], X)
+    torch.autograd.grad(out.square().sum(), (v, X), create_graph=True)
+    assert sorted(dispatched) == ["sddmm", "spmm_transposed"]  # the graph of the gradient needs the operators

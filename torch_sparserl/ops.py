@@ -88,8 +88,12 @@ def _spmm_setup(ctx, inputs, output):
 
 def _spmm_backward(ctx, grad):
     crow, col, val, X = ctx.saved_tensors
-    grad_val = sddmm(crow, col, grad, X) if ctx.needs_input_grad[2] else None
-    grad_X = spmm_transposed(crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    # An eager backward (no double backward, no tracer) calls the implementations directly:
+    # the operators' dispatch would cost more CPU than the products on a small graph.
+    eager = direct_ok(val, grad) and direct_ok(grad, X)
+    grad_val = (_sddmm if eager else sddmm)(crow, col, grad, X) if ctx.needs_input_grad[2] else None
+    grad_X = ((_spmm_transposed if eager else spmm_transposed)(crow, col, val, ctx.ncols, grad)
+              if ctx.needs_input_grad[4] else None)
     return None, None, grad_val, None, grad_X
 
 
@@ -213,20 +217,35 @@ def _check_sddmm(op: str, crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> No
             f"Y and X must have the same number of columns N (got Y {tuple(Y.shape)}, X {tuple(X.shape)})")
 
 
+def _sddmm_fits(entry: patterns.Pattern | None, Y, X) -> bool:
+    """Whether the operands of an SDDMM on a validated pattern pass every check of
+    :func:`_check_sddmm`, read from attributes alone (the fast path of the backward)."""
+    return (entry is not None and type(Y) is Tensor and type(X) is Tensor and Y.dim() == 2 and X.dim() == 2
+            and Y.layout == torch.strided and X.layout == torch.strided and Y.dtype == X.dtype
+            and Y.dtype in VALUE_DTYPES and Y.shape[0] == entry.nrows and X.shape[1] == Y.shape[1]
+            and Y.device == entry.device and X.device == entry.device)
+
+
+def _sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
+    op = "sparserl.sddmm"
+    entry = patterns.validated(crow, col, X.shape[0]) if isinstance(X, Tensor) and X.dim() == 2 else None
+    if not _sddmm_fits(entry, Y, X):
+        _check_sddmm(op, crow, col, Y, X)  # includes the metadata checks of the pattern
+        entry = patterns.lookup(crow, col, X.shape[0])
+        entry.validate(op, crow, col)
+    out = runtime.active().call("sddmm", entry, crow, col, Y, X)  # Y rides in the kernels' val slot
+    if out is not None:
+        return out
+    return (cusparse if Y.device.type == "cuda" else reference).sddmm(entry, crow, col, Y, X)
+
+
 @torch.library.custom_op("sparserl::sddmm", mutates_args=())
 def sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
     """Sampled dense-dense product at the nonzeros: out[k] = dot(Y[row(k)], X[col(k)]).
 
     Y is (nrows, N), X is (ncols, N); the result has one value per nonzero, (nnz,).
     """
-    op = "sparserl.sddmm"
-    _check_sddmm(op, crow, col, Y, X)  # includes the metadata checks of the pattern
-    entry = patterns.lookup(crow, col, X.shape[0])
-    entry.validate(op, crow, col)
-    out = runtime.active().call("sddmm", entry, crow, col, Y, X)  # Y rides in the kernels' val slot
-    if out is not None:
-        return out
-    return (cusparse if Y.device.type == "cuda" else reference).sddmm(entry, crow, col, Y, X)
+    return _sddmm(crow, col, Y, X)
 
 
 @sddmm.register_fake
