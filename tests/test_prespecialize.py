@@ -88,3 +88,48 @@ def test_specialize_names_bad_arguments():
     with pytest.raises(ValueError, match="n must be a positive int"):
         prespecialize.specialize(A, "spmm", 0)
     assert prespecialize.specialize(A, "spmm", 8) is None  # the default runtime serves CUDA only
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, A):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("adj", A)
+
+    def forward(self, x):
+        return (self.adj @ self.lin(x)).relu().sum()
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_under_cuda_graphs_the_backend_waits_for_background_decisions(tmp_path, mode):
+    """CUDA graphs replay the kernels they recorded: under them, compilation waits for the
+    graph's decisions; otherwise it returns and cuSPARSE serves until they are taken."""
+    import threading
+
+    gate = threading.Event()
+    fakes = Fakes(gate=gate)
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path),
+                         specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
+    previous = rt.set_active(runtime)
+    timer = threading.Timer(0.5, gate.set) if mode else None
+    try:
+        M = make_pattern("random")
+        A = ts.csr(M, dtype=torch.float32)
+        model = torch.compile(_Layer(A), backend="sparserl", fullgraph=True, mode=mode)
+        if timer:
+            timer.start()
+        model(torch.randn(M.shape[1], 16)).backward()
+        decided = runtime.decisions(A.crow, A.col, A.shape[1])
+        assert set(decided) == {"A spmm n=16 float32", "At spmm n=16 float32"}, decided
+        if mode:  # decided before the graph first ran: the kernels served every product
+            assert all(v.startswith("installed") for v in decided.values()), decided
+            assert runtime.stats["fallback_calls"] == 0 and runtime.stats["installed_calls"] == 2
+        else:
+            assert all(v == "specializing in the background" for v in decided.values()), decided
+            assert runtime.stats["fallback_calls"] == 2 and runtime.stats["installed_calls"] == 0
+        gate.set()
+        runtime.wait(10)
+    finally:
+        gate.set()
+        rt.set_active(previous)
+        runtime.close()

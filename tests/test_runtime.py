@@ -384,3 +384,29 @@ def test_decisions_name_what_serves_the_matrix_and_its_transpose(tmp_path):
     other = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=fakes.specializer,
                     installer=fakes.installer, devices=("cpu",))
     assert other.decisions(crow, col, A.shape[1]) == {}  # another runtime's states are not its own
+
+
+def test_background_mode_decides_off_the_callers_thread(tmp_path, monkeypatch):
+    """In background mode a call only records that the decision is pending: the fingerprint,
+    the cache lookup and the install (a cache hit too) run in the background thread."""
+    from torch_sparserl import fingerprint as fingerprints
+
+    threads = []
+    real = fingerprints.pattern_hash
+    monkeypatch.setattr(fingerprints, "pattern_hash",
+                        lambda *a: threads.append(threading.current_thread()) or real(*a))
+    runtime, fakes, A, crow, col, val, X = setup(tmp_path)  # sync: decides and caches the key
+    call(runtime, A, crow, col, val, X)
+    assert threads == [threading.main_thread()]
+
+    second = Fakes()
+    background = Runtime(RuntimeSettings(mode="background"), cache=KernelCache(tmp_path),
+                         specializer=second.specializer, installer=second.installer, devices=("cpu",))
+    crow2, col2 = crow.clone(), col.clone()  # a new pattern entry: fingerprinted again
+    assert call(background, A, crow2, col2, val, X) is None  # served by the fallback meanwhile
+    background.wait(10)
+    assert len(threads) == 2 and threads[1] is not threading.main_thread()
+    assert second.specialized == [] and len(second.installed) == 1  # found in the cache, installed there
+    torch.testing.assert_close(call(background, A, crow2, col2, val, X), expected(A, crow2, col2, val, X))
+    assert background.stats["jit_s"] < 0.1
+    background.close()

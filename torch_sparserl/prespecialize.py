@@ -115,21 +115,33 @@ def specialize(A, op: str = "spmm", n: int = 1, *, transposed: bool = False, run
     return runtime.prespecialize(op, entry, crow, col, n, A.dtype)
 
 
-def prespecialize_graph(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[Planned, str]]:
-    """Start specializing every product :func:`plan_graph` finds; returns what it did."""
+def prespecialize_graph(gm: torch.fx.GraphModule, example_inputs, *, wait: bool = False) -> list[tuple[Planned, str]]:
+    """Start specializing every product :func:`plan_graph` finds; returns what it did.
+    ``wait``: in background mode, return only once those decisions are taken (CUDA graphs
+    record the kernels that serve their products)."""
     runtime = rt.active()
     if runtime.settings.mode == "off":
         return []
+    started = [(item, _start(runtime, item, example_inputs)) for item in plan_graph(gm, example_inputs, runtime.devices)]
+    if wait and any(isinstance(state, rt.Pending) for _, state in started):
+        log.info("sparserl: CUDA graphs record the kernels they replay: waiting for this graph's decisions")
+        runtime.wait()
+        started = [(item, _start(runtime, item, example_inputs)) for item, _ in started]  # now decided
     done = []
-    for item in plan_graph(gm, example_inputs, runtime.devices):
-        A = example_inputs[item.input_index]
-        try:
-            verdict = runtime.describe(specialize(A, item.op, item.n, transposed=item.transposed, runtime=runtime))
-        except rt.SpecializationError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a product that will fail says so when it runs
-            verdict = f"not specialized at compile time: {type(exc).__name__}: {exc}"
+    for item, state in started:
+        verdict = state if isinstance(state, str) else runtime.describe(state)
         log.info("sparserl: compile-time specialization of %s%s n=%d (%s): %s", item.op,
                  " on the transpose" if item.transposed else "", item.n, item.why, verdict)
         done.append((item, verdict))
     return done
+
+
+def _start(runtime: rt.Runtime, item: Planned, example_inputs):
+    """The runtime's state for one planned product (asking for it starts it), or why not."""
+    try:
+        return specialize(example_inputs[item.input_index], item.op, item.n, transposed=item.transposed,
+                          runtime=runtime)
+    except rt.SpecializationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a product that will fail says so when it runs
+        return f"not specialized at compile time: {type(exc).__name__}: {exc}"

@@ -13,9 +13,10 @@ hot path is a dictionary lookup and a launch:
   the decision is not revisited.
 
 A miss computes the pattern's fingerprint, asks the :class:`~torch_sparserl.cache.KernelCache`
-(memory, then disk, shared between processes), and otherwise specializes: at once in
-``mode="sync"`` (tests, benchmarks), in a background thread in ``mode="background"`` (the
-default). The *specializer* decides (by default: the autotuner, every candidate evaluated in
+(memory, then disk, shared between processes), and otherwise specializes: before the call
+returns in ``mode="sync"`` (tests, benchmarks); in ``mode="background"`` (the default) the
+call only records ``Pending`` and all of it, a cache hit's install too, runs in a
+background thread, so a training loop never waits for a decision. The *specializer* decides (by default: the autotuner, every candidate evaluated in
 the sandbox's child process, installed only when it beats cuSPARSE by ``margin``); the
 *installer* turns a cache entry into a launchable kernel (by default: the lean extension
 build). Both are injectable, which is how every fallback path is tested without a GPU.
@@ -135,7 +136,7 @@ class Installed:
 
 @dataclass
 class Pending:
-    key: SpecializationKey
+    key: SpecializationKey | None  # None until the background thread has fingerprinted the pattern
     future: Future
 
 
@@ -157,6 +158,11 @@ def _device_arch(device: torch.device) -> str:
         return device.type
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
+
+
+def _on_device(t: torch.Tensor):
+    """``t``'s GPU as the current device (a context manager; nothing for CPU tensors)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def outside_abi(op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str | None:
@@ -312,8 +318,7 @@ class Runtime:
         try:
             spec = render(family, {**_family_params(entry.params), "epilogue": epilogue}, op="spmm",
                           dtype=base.key.dtype, n=n)
-            on_device = torch.cuda.device(col.device) if col.device.type == "cuda" else contextlib.nullcontext()
-            with on_device:
+            with _on_device(col):
                 launch = self.fused_installer(spec, crow, col, pattern.ncols, n)
                 check_fused(launch, pattern, crow, col, n, DTYPES[base.key.dtype], epilogue)
         except Exception as exc:  # noqa: BLE001 - the unfused path is always there
@@ -356,6 +361,23 @@ class Runtime:
             why = outside_abi(op, pattern, n, dtype)
             if why is not None:
                 return self._fallback(pattern, slot, None, why, None, quiet=True)
+            if self.settings.mode == "sync":
+                return self._decide(op, n, pattern, slot, crow, col, dtype)
+            # Background: the caller's thread records Pending and returns; the fingerprint,
+            # the cache lookup, the specialization and the install all run in the background
+            # thread. The worker's final state is written under this lock, so it cannot be
+            # overwritten by the Pending set here.
+            future = self._in_background(self._decide, op, n, pattern, slot, crow, col, dtype)
+            state = Pending(None, future)
+            pattern.specializations[slot] = state
+            log.info("sparserl: %s n=%d %s: deciding in the background; cuSPARSE serves meanwhile",
+                     op, n, DTYPE_NAMES[dtype])
+            return state
+
+    def _decide(self, op, n, pattern, slot, crow, col, dtype):
+        """Fingerprint, cache, and otherwise specialize: the decision for one slot. The
+        pattern's GPU is the current device throughout (a background thread would say cuda:0)."""
+        with _on_device(col):
             try:
                 key = self._key(op, n, pattern, crow, col, dtype)
             except Exception as exc:  # noqa: BLE001 - fingerprinting must not break a product
@@ -363,23 +385,13 @@ class Runtime:
             entry = self.cache.get(key)
             if entry is not None:
                 return self._install(pattern, slot, key, entry, crow, col)
-            if self.settings.mode == "sync":
-                return self._specialize(pattern, slot, key, crow, col)
-            # The worker's final state is written under this lock, so it cannot be
-            # overwritten by the Pending set here.
-            future = self._in_background(self._specialize, pattern, slot, key, crow, col)
-            state = Pending(key, future)
-            pattern.specializations[slot] = state
-            log.info("sparserl: %s n=%d %s: specializing in the background; cuSPARSE serves meanwhile",
-                     op, n, key.dtype)
-            return state
+            return self._specialize(pattern, slot, key, crow, col)
 
     def _specialize(self, pattern, slot, key, crow, col):
         try:
             # The pattern's GPU is this thread's current device while specializing, so the
             # sandbox's worker starts on it (a background thread would otherwise say cuda:0).
-            on_device = torch.cuda.device(col.device) if col.device.type == "cuda" else contextlib.nullcontext()
-            with self._specialize_lock, on_device:
+            with self._specialize_lock, _on_device(col):
                 entry = self.cache.get_or_create(key, lambda k: self.specializer(k, crow, col, pattern.ncols))
         except Exception as exc:  # noqa: BLE001 - any failure falls back, loudly
             return self._fallback(pattern, slot, key, f"specialization failed: {type(exc).__name__}: {exc}", exc)
