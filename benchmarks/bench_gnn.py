@@ -46,7 +46,7 @@ import scipy.sparse as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import geomean  # noqa: E402
+from report import geomean, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_gnn/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000", "rmat:scale=22,edge_factor=16"]
@@ -204,15 +204,16 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dict:
-    """20 epochs with their losses (the first timed alone: compilation, JIT), then timed chunks."""
+def epoch_fn(task, params=None):
+    """One training epoch of ``task`` with Adam (lr 0.01) as a function returning the loss.
+
+    CUDA graphs (``--mode reduce-overhead``) reuse their outputs' memory on the next replay:
+    each epoch is marked a new step and returns a copy of the loss."""
     import torch
 
-    opt = torch.optim.Adam(params, lr=0.01)
+    opt = torch.optim.Adam(list(task.parameters()) if params is None else params, lr=0.01)
 
     def epoch():
-        # CUDA graphs (--mode reduce-overhead) reuse their outputs' memory on the next replay:
-        # mark each epoch a new step and keep a copy of the loss.
         torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         loss = task()
@@ -220,6 +221,14 @@ def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dic
         opt.step()
         return loss.detach().clone()
 
+    return epoch
+
+
+def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dict:
+    """20 epochs with their losses (the first timed alone: compilation, JIT), then timed chunks."""
+    import torch
+
+    epoch = epoch_fn(task, params)
     _sync(device)
     start = time.perf_counter()
     losses = [epoch()]
@@ -547,11 +556,7 @@ def svg(doc: dict) -> str:
 
 
 def save(doc: dict, path: Path) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
-    path.with_suffix(".md").write_text(markdown(doc))
-    path.with_suffix(".svg").write_text(svg(doc))
+    write_json_md(doc, path, markdown, svg)
 
 
 # --------------------------------------------------------------------------- main

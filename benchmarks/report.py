@@ -105,10 +105,15 @@ def results_path(out: str | Path, prefix: str, gpu_name: str | None, date: str) 
     return path
 
 
-def write_json_md(doc: dict, path: Path, markdown) -> None:
-    """The results document as JSON at ``path`` and ``markdown(doc)`` beside it (.md)."""
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+def write_json_md(doc: dict, path: Path, markdown, svg=None) -> None:
+    """The results document as JSON at ``path`` (written atomically: a killed run leaves the
+    previous file) and ``markdown(doc)`` beside it (.md), and ``svg(doc)`` (.svg) if given."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
     path.with_suffix(".md").write_text(markdown(doc))
+    if svg is not None:
+        path.with_suffix(".svg").write_text(svg(doc))
 
 
 def summarize(cells: Iterable[dict]) -> list[dict]:

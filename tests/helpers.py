@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -95,3 +99,19 @@ def dense_operand(rows, n, dtype, device, *, contiguous=True, seed=0):
     if contiguous:
         return torch.randn(rows, n, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
     return torch.randn(n, rows, generator=g, dtype=torch.float64).to(device=device, dtype=dtype).t()
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """A module of ``benchmarks/`` (not a package) by name, loaded once; the folder goes on
+    ``sys.path`` so that its modules find each other as the scripts do."""
+    if name not in sys.modules:
+        if str(BENCHMARKS) not in sys.path:
+            sys.path.insert(0, str(BENCHMARKS))
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

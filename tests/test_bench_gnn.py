@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,20 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers import load_benchmark
+
 pytest.importorskip("torch_geometric")
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    name = "bench_gnn"
-    if name not in sys.modules:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_benchmark("bench_gnn")
 
 
 @pytest.mark.slow

@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.sparse
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers import load_benchmark
 
-
-def _load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _load("report")
-bench = _load("bench_kernels")
+report = load_benchmark("report")
+bench = load_benchmark("bench_kernels")
 
 
 # ------------------------------------------------------------------------------ a fake tune
@@ -307,7 +293,7 @@ def test_cli_list_and_quick_run_with_a_fake_tune(tmp_path, capsys):
 
 
 def test_bench_runtime_summary_and_markdown():
-    runtime_bench = _load("bench_runtime")
+    runtime_bench = load_benchmark("bench_runtime")
     cell = dict(op="spmm", n=32, rows=10, cols=10, nnz=30, correct=True, installed=True, cold_s=3.0, hot_us=5.0,
                 op_us=20.0, torch_sparse_us=10.0, decision="installed: group_row{}")
     document = {"env": {"gpu": "H100", "torch": "2.11"}, "command": "python benchmarks/bench_runtime.py", "budget_s": 8,

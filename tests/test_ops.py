@@ -1,6 +1,5 @@
 """Every sparserl operator against a float64 reference, over the named edge cases."""
 
-import itertools
 
 import pytest
 import torch

@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 import numpy as np
 import torch
