@@ -2,6 +2,7 @@
 shipped policy's candidates compiled with nvcc, and the runtime's choice of specializer."""
 
 import math
+import os
 import shutil
 
 import numpy as np
@@ -218,6 +219,40 @@ def test_shipped_policy_writes_kernels_that_parse_and_compile(shipped, op, n):
         if p.spec.key not in built:
             built[p.spec.key] = compile_only(p.spec)
         assert built[p.spec.key].compiled, built[p.spec.key].log[-2000:]
+
+
+def test_the_policy_in_a_sandbox_worker_samples_what_it_samples_here(shipped):
+    """The runtime runs the policy in the sandbox's worker (SandboxedPolicy): same seed, same
+    proposals as in this process, and this process never loads it for that."""
+    from torch_sparserl.datasets import load_matrix
+    from torch_sparserl.evaluate.sandbox import Sandbox
+    from torch_sparserl.policy import CHECKPOINT_DIR
+    from torch_sparserl.policy.propose import SandboxedPolicy, propose
+
+    A = load_matrix("cora")
+    here = propose(shipped, A.indptr, A.indices, A.shape, op="spmm", n=32, k=4, seed=3)
+    with Sandbox(init=None, matrix_loader=None, health_check=None) as box:  # a CPU worker
+        remote = SandboxedPolicy(box, CHECKPOINT_DIR)
+        assert remote.config == shipped.config and remote.load() == {"device": "cpu"}
+        there = propose(remote, A.indptr, A.indices, A.shape, op="spmm", n=32, k=4, seed=3)
+        worker = box.worker_pid
+        assert worker is not None and worker != os.getpid()
+    assert [p.compact for p in there] == [p.compact for p in here]
+    assert [p.sample.tokens for p in there] == [p.sample.tokens for p in here]
+    assert [p.sample.logprob for p in there] == pytest.approx([p.sample.logprob for p in here], abs=1e-4)
+
+
+
+def test_a_sandboxed_policy_that_cannot_load_says_why(tmp_path):
+    from torch_sparserl.evaluate.sandbox import Sandbox
+    from torch_sparserl.policy import CHECKPOINT_DIR
+    from torch_sparserl.policy.propose import SandboxedPolicy
+
+    shutil.copy(CHECKPOINT_DIR / "config.json", tmp_path)  # a configuration, no weights
+    with Sandbox(init=None, matrix_loader=None, health_check=None) as box:
+        with pytest.raises(RuntimeError, match=r"policy: load_task in the sandbox's worker failed \(error\): "
+                                               r"FileNotFoundError: policy: checkpoint .* lacks model.safetensors"):
+            SandboxedPolicy(box, tmp_path).load()
 
 
 @pytest.mark.parametrize("name,op,n", [("cora", "spmm", 32), ("rajat01", "spmv", 1)])

@@ -585,10 +585,6 @@ class autotune_specializer:  # noqa: N801 - used like a function
         """What a tuner takes for ``key``'s pattern: the matrix on the host, and the keyword
         arguments naming it (its fingerprint, for the sandbox) and its features once known, so
         that the keys of one pattern (A and its n's) do not recompute them."""
-        from .evaluate.sandbox import Sandbox
-
-        if self._sandbox is None:
-            self._sandbox = Sandbox()
         matrix = (crow.cpu(), col.cpu(), (crow.numel() - 1, ncols))
         if key.pattern not in self._features:
             from .features import structural_features
@@ -596,8 +592,17 @@ class autotune_specializer:  # noqa: N801 - used like a function
             while len(self._features) >= self._FEATURES_KEPT:
                 self._features.pop(next(iter(self._features)))
             self._features[key.pattern] = structural_features(*matrix)
-        return matrix, {"sandbox": self._sandbox, "features": self._features[key.pattern],
+        return matrix, {"sandbox": self.sandbox, "features": self._features[key.pattern],
                         "matrix_key": key.pattern}
+
+    @property
+    def sandbox(self):
+        """The sandbox kept for the runtime's life (its worker starts on first use)."""
+        if self._sandbox is None:
+            from .evaluate.sandbox import Sandbox
+
+            self._sandbox = Sandbox()
+        return self._sandbox
 
     def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
         from .autotune import tune
@@ -609,11 +614,7 @@ class autotune_specializer:  # noqa: N801 - used like a function
 
     def prewarm(self, device: torch.device) -> None:
         """Start the sandbox's worker (its CUDA context), as the first key would."""
-        from .evaluate.sandbox import Sandbox
-
-        if self._sandbox is None:
-            self._sandbox = Sandbox()
-        self._sandbox.worker_info  # noqa: B018 - starts the worker
+        self.sandbox.worker_info  # noqa: B018 - starts the worker
 
     def _entry(self, key: SpecializationKey, result, searched: str, what: str) -> CacheEntry:
         """The decision for ``key`` from a tuning result: install its best only when it is correct
@@ -637,7 +638,12 @@ class autotune_specializer:  # noqa: N801 - used like a function
 class learned_specializer(autotune_specializer):  # noqa: N801 - used like a function
     """Candidates from the shipped policy: K samples, the distinct ones screened in the sandbox,
     the fastest validated with the full evaluation. When the checkpoint does not load, every
-    key goes to the autotuner instead (logged once)."""
+    key goes to the autotuner instead (logged once).
+
+    For a CUDA pattern the policy runs in the sandbox's worker
+    (:class:`~torch_sparserl.policy.propose.SandboxedPolicy`): the user's process, where a
+    training loop shares the interpreter lock with the background thread, neither loads it
+    nor decodes with it. A CPU pattern (tests) uses it in this process."""
 
     def __init__(self, settings: RuntimeSettings, checkpoint=None):
         super().__init__(settings)
@@ -654,16 +660,20 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
             log.warning("runtime: the learned policy is unavailable (%s); the autotuner specializes instead", exc)
 
     def _load(self, device):
-        if self._policy is None:
-            from .policy import load_default
+        if torch.device(device).type == "cuda":
+            if self._policy is None:
+                from .policy.propose import SandboxedPolicy
 
-            self._policy = load_default(device, self.checkpoint)
-        return self._policy
+                self._policy = SandboxedPolicy(self.sandbox, self.checkpoint)
+            return self._policy
+        from .policy import load_default
+
+        return load_default(device, self.checkpoint)
 
     def prewarm(self, device: torch.device) -> None:
         super().prewarm(device)
-        if self.unavailable is None:
-            self._load(device)
+        if self.unavailable is None and torch.device(device).type == "cuda":
+            self._load(device).load()
 
     def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
         if self.unavailable is not None or key.op not in POLICY_OPS:
@@ -676,6 +686,10 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
                                            k=self.settings.k, **known)
         return self._entry(key, result, f"{result.screened} distinct of {len(proposals)} policy samples in "
                                         f"{result.elapsed_s:.1f} s", "policy sample")
+
+    def close(self) -> None:
+        super().close()
+        self._policy = None  # it lived in the closed sandbox's worker
 
 
 def settings_policy_id(settings: RuntimeSettings) -> str:

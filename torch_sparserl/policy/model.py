@@ -72,6 +72,16 @@ class Sample:
     token_logprobs: list[float] = field(default_factory=list)
 
 
+def read_config(folder: str | Path) -> tuple[PolicyConfig, dict]:
+    """A checkpoint's model configuration and the whole ``config.json`` (no weights read)."""
+    path = Path(folder) / CONFIG_FILE
+    info = json.loads(path.read_text())
+    if info.get("format") != "torch_sparserl.policy/1":
+        raise ValueError(f"policy: {path} is not a torch_sparserl policy checkpoint (format {info.get('format')!r})")
+    known = {f.name for f in dataclasses.fields(PolicyConfig)}
+    return PolicyConfig(**{k: v for k, v in info["config"].items() if k in known}), info
+
+
 class KernelPolicy(nn.Module):
     def __init__(self, config: PolicyConfig, tokenizer):
         super().__init__()
@@ -330,12 +340,7 @@ class KernelPolicy(nn.Module):
         for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):
             if not (folder / name).exists():
                 raise FileNotFoundError(f"policy: checkpoint {folder} lacks {name}")
-        info = json.loads((folder / CONFIG_FILE).read_text())
-        if info.get("format") != "torch_sparserl.policy/1":
-            raise ValueError(f"policy: {folder / CONFIG_FILE} is not a torch_sparserl policy checkpoint "
-                             f"(format {info.get('format')!r})")
-        known = {f.name for f in dataclasses.fields(PolicyConfig)}
-        config = PolicyConfig(**{k: v for k, v in info["config"].items() if k in known})
+        config, info = read_config(folder)
         policy = cls(config, load_tokenizer(folder / TOKENIZER_FILE))
         state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
         missing, unexpected = policy.load_state_dict(state, strict=False)

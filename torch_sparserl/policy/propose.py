@@ -66,15 +66,77 @@ def to_proposal(sample: Sample, op: str, dtype: str, n: int) -> Proposal:
     return Proposal(sample, compact, KernelSpec(source, family, params), error)
 
 
-def propose(policy: KernelPolicy, rowptr, col, shape, *, op: str, n: int, dtype: str = "f32",
+def propose(policy: KernelPolicy | SandboxedPolicy, rowptr, col, shape, *, op: str, n: int, dtype: str = "f32",
             k: int = 4, seed: int = 0, temperature: float = 1.0, features: dict | None = None) -> list[Proposal]:
     """K candidates for one pattern (the first is the greedy choice, the top-1)."""
     dtype = dtype_name(dtype)
     inp = PatternInput.from_pattern(rowptr, col, shape, op, dtype, n, policy.config.samples, seed=seed,
                                     features=features)
-    gen = torch.Generator(device=policy.device).manual_seed(seed)
-    samples = policy.sample_speculative(inp, op, dtype, n, k=k, temperature=temperature, generator=gen)
+    if isinstance(policy, SandboxedPolicy):
+        samples = policy.sample(inp, op, dtype, n, k=k, temperature=temperature, seed=seed)
+    else:
+        samples = _sample(policy, inp, op, dtype, n, k, temperature, seed)
     return [to_proposal(s, op, dtype, n) for s in samples]
+
+
+def _sample(policy: KernelPolicy, inp: PatternInput, op, dtype, n, k, temperature, seed) -> list[Sample]:
+    gen = torch.Generator(device=policy.device).manual_seed(seed)
+    return policy.sample_speculative(inp, op, dtype, n, k=k, temperature=temperature, generator=gen)
+
+
+class SandboxedPolicy:
+    """The policy run in a sandbox's worker process instead of the caller's.
+
+    The runtime specializes in a background thread of the user's process, next to a training
+    loop. Loading the policy (transformers, the weights) and decoding (a Python loop of small
+    GPU steps) there would take the interpreter lock from the loop for seconds; in the
+    sandbox's worker, which already holds a CUDA context on the same GPU, the thread only
+    waits on a pipe. The caller's process never imports transformers. Samples are those of
+    :meth:`KernelPolicy.sample_speculative` on the worker's device with the same seed.
+    """
+
+    def __init__(self, sandbox, checkpoint, timeout_s: float = 300.0):
+        from .model import read_config
+
+        self.sandbox, self.checkpoint, self.timeout_s = sandbox, str(checkpoint), timeout_s
+        self.config, _ = read_config(checkpoint)
+
+    def _run(self, task: str, *args):
+        outcome = self.sandbox.run(f"{__name__}:{task}", (self.checkpoint, *args), timeout_s=self.timeout_s)
+        if not outcome.ok:
+            raise RuntimeError(f"policy: {task} in the sandbox's worker failed ({outcome.status}): {outcome.error}\n"
+                               f"{outcome.traceback or outcome.output_tail}")
+        return outcome.value
+
+    def load(self) -> dict:
+        """Load the policy in the worker now (the first sample would); returns its device."""
+        return self._run("load_task")
+
+    def sample(self, inp: PatternInput, op: str, dtype: str, n: int, *, k: int, temperature: float,
+               seed: int) -> list[Sample]:
+        found = self._run("sample_task", inp.rows, inp.cols, tuple(inp.shape), inp.features, op, dtype, int(n),
+                          int(k), float(temperature), int(seed))
+        return [Sample(**fields) for fields in found]
+
+
+def _worker_policy(checkpoint: str) -> KernelPolicy:
+    from . import load_default
+
+    return load_default("cuda" if torch.cuda.is_available() else "cpu", checkpoint)
+
+
+def load_task(checkpoint: str) -> dict:
+    """Sandbox task: load the policy in the worker (once per worker process)."""
+    return {"device": str(_worker_policy(checkpoint).device)}
+
+
+def sample_task(checkpoint: str, rows, cols, shape, features, op: str, dtype: str, n: int, k: int,
+                temperature: float, seed: int) -> list[dict]:
+    """Sandbox task: K samples for one encoded pattern, as builtins (the pipe carries no torch objects)."""
+    policy = _worker_policy(checkpoint)
+    samples = _sample(policy, PatternInput(rows, cols, tuple(shape), features), op, dtype, n, k, temperature, seed)
+    return [{"text": s.text, "tokens": [int(t) for t in s.tokens], "logprob": float(s.logprob),
+             "finished": bool(s.finished), "token_logprobs": [float(v) for v in s.token_logprobs]} for s in samples]
 
 
 def _failed(p: Proposal, op: str, n: int, dtype: str) -> EvalRecord:
@@ -86,7 +148,7 @@ def _runtime(record: EvalRecord) -> float:
     return record.runtime_us if record.ok and record.runtime_us else math.inf
 
 
-def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolicy, k: int = 4,
+def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolicy | SandboxedPolicy, k: int = 4,
                 sandbox=None, seed: int = 0, temperature: float = 1.0, finalists: int = 1,
                 screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
                 timeout_s: float = 60.0, features: dict | None = None,
