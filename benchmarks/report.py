@@ -27,6 +27,7 @@ import html
 import json
 import math
 import os
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -105,11 +106,16 @@ def results_path(out: str | Path, prefix: str, gpu_name: str | None, date: str) 
     return path
 
 
+# a list of numbers as json.dumps(indent=1) writes it, one per line: written on one line instead
+_NUMBER_LIST = re.compile(r"\[\s*((?:-?[0-9][0-9.eE+-]*,\s*)*-?[0-9][0-9.eE+-]*)\s*\]")
+
+
 def write_json_md(doc: dict, path: Path, markdown, svg=None) -> None:
     """The results document as JSON at ``path`` (written atomically: a killed run leaves the
     previous file) and ``markdown(doc)`` beside it (.md), and ``svg(doc)`` (.svg) if given."""
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.write_text(_NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]",
+                                    json.dumps(doc, indent=1)) + "\n")
     tmp.replace(path)
     path.with_suffix(".md").write_text(markdown(doc))
     if svg is not None:

@@ -1,0 +1,398 @@
+"""The first training run on a graph, as a user meets it: a fresh process, an empty kernel
+cache, the runtime's defaults.
+
+By default the JIT runtime specializes in a background thread while cuSPARSE serves, so a
+training loop never waits for a kernel; the kernels take over from the epoch after they are
+installed. This benchmark measures what that costs and when it is repaid. Per (graph, model,
+hidden), in a child process of its own with an empty cache (``SPARSERL_CACHE_DIR``) and
+Inductor's caches off:
+
+* ``eager``: the model of ``bench_gnn`` on ``torch.sparse.mm`` (cuSPARSE), every epoch timed;
+* ``compiled, runtime off``: ``torch.compile(backend="sparserl")`` with the runtime off, on a
+  fresh copy of the adjacency: the compile alone (first epoch) and the epochs before any
+  kernel is installed (cuSPARSE inside the compiled graph);
+* ``cold``: the same with the runtime on (``--jit background``, the default; ``sync`` to
+  compare), another fresh copy of the adjacency: every epoch timed (synchronized), with the
+  number of products still being specialized, until every product is decided and
+  ``--after`` epochs more have run.
+
+Break-even: the first epoch k from which, for every later epoch j of the run,
+``waited + t_2 + ... + t_(j+1) <= j * t_eager``, where ``waited`` is what products waited for
+the runtime (``Runtime.stats["jit_s"]``: fingerprints, cache, and in sync mode the whole
+specialization), the t are the cold run's epochs after its first (the first holds the
+compile, which every compiled way pays and is reported apart), and ``t_eager`` is eager's
+median synchronized epoch. Losses of the first 20 epochs are compared with eager's.
+
+    python benchmarks/bench_cold_start.py --graphs pubmed,dblp-2010 --models gcn,sage --hidden 128 --out benchmarks/results
+    python benchmarks/bench_cold_start.py --report benchmarks/results/cold-start-....json   # re-render
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import html
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import geomean, results_path, write_json_md  # noqa: E402
+
+SCHEMA = "torch_sparserl.bench_cold_start/1"
+GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000"]
+LOSS_EPOCHS = 20
+LOSS_RTOL = 1e-3  # as bench_gnn: fp32, different summation orders, 20 Adam steps
+TARGET_EPOCHS = 10  # the issue's target: the JIT repaid within the first 10 epochs
+FIRST_EPOCHS = 10  # the report sums the epochs after the compile's over this many
+SVG_POINTS = 400  # points per row in the plot (means of consecutive epochs)
+
+
+# ------------------------------------------------------------------------ analysis
+
+
+def breakeven(waited_s: float, epochs_ms: list[float], eager_epochs_ms: list[float], eager_ms: float) -> int | None:
+    """The first k from which the run stays ahead of eager: for every j >= k (within the
+    measured epochs) ``waited + sum(epochs[:j]) <= sum(eager[:j])``; None when the measured
+    run ends behind. Both lists are the epochs after the first; eager's measured ones, then
+    its median ``eager_ms`` beyond them."""
+    found = None
+    spent, eager = waited_s * 1e3, 0.0
+    for j, t in enumerate(epochs_ms, start=1):
+        spent += t
+        eager += eager_epochs_ms[j - 1] if j <= len(eager_epochs_ms) else eager_ms
+        if spent <= eager:
+            found = j if found is None else found
+        else:
+            found = None
+    return found
+
+
+def row_metrics(row: dict) -> dict:
+    eager, cold = row["eager"], row["cold"]
+    steady = cold["steady_ms"]
+    out = {"breakeven_epochs": breakeven(cold["waited_s"], cold["epochs_ms"], eager["epochs_ms"], eager["epoch_ms"]),
+           "steady_speedup_vs_eager": eager["epoch_ms"] / steady if steady else None,
+           "first_epochs_ms": {"eager": sum(eager["epochs_ms"][:FIRST_EPOCHS]),
+                               "cold": sum(cold["epochs_ms"][:FIRST_EPOCHS])}}
+    during = cold["epochs_ms"][:cold["decided_after_epochs"]]
+    if during:
+        out["during_jit_vs_eager"] = eager["epoch_ms"] / statistics.median(during)
+    off = row.get("off")
+    if off:
+        out["first_epochs_ms"]["off"] = sum(off["epochs_ms"][:FIRST_EPOCHS])
+        out["compile_s"] = off["first_epoch_s"]
+        out["off_speedup_vs_eager"] = eager["epoch_ms"] / off["epoch_ms"]
+    a, b = eager["losses"][-1], cold["losses"][-1]
+    out["loss_rel_diff"] = abs(a - b) / abs(a)
+    out["losses_equal"] = out["loss_rel_diff"] <= LOSS_RTOL
+    return out
+
+
+# -------------------------------------------------------------------- one row (child)
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(epoch, device) -> tuple[float, float]:
+    _sync(device)
+    start = time.perf_counter()
+    loss = epoch()
+    _sync(device)
+    return round((time.perf_counter() - start) * 1e3, 4), float(loss)
+
+
+def _fresh(A):
+    import torch_sparserl as ts
+
+    # new index tensors: the pattern's transpose, fingerprint and decisions are computed
+    # again, as in a new process
+    return ts.csr((A.crow.clone(), A.col.clone(), A.val.clone()), shape=A.shape)
+
+
+def run_eager(bench, model, hidden, graph, device, epochs: int) -> dict:
+    task = bench.build_task("eager", model, hidden, graph, device, SimpleNamespace(mode="default"))
+    epoch = bench.epoch_fn(task)
+    times, losses = zip(*(_timed(epoch, device) for _ in range(epochs)))
+    return {"first_epoch_s": times[0] / 1e3, "epoch_ms": statistics.median(times[LOSS_EPOCHS:] or times[1:]),
+            "epochs_ms": list(times[1:]), "losses": list(losses[:LOSS_EPOCHS])}
+
+
+def run_off(bench, model, hidden, graph, device, epochs: int) -> dict:
+    """Compiled with the runtime off: the compile alone, then cuSPARSE inside the graph."""
+    import torch
+    from torch_sparserl import runtime as rt
+
+    rt.configure(mode="off")
+    torch._dynamo.reset()
+    A = graph[f"csr_matrix_{model}"]
+    task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode="default"),
+                            adjacency=_fresh(A))
+    epoch = bench.epoch_fn(task)
+    times = [_timed(epoch, device)[0] for _ in range(epochs)]
+    torch._dynamo.reset()
+    return {"first_epoch_s": times[0] / 1e3, "epoch_ms": statistics.median(times[LOSS_EPOCHS:] or times[1:]),
+            "epochs_ms": times[1:]}
+
+
+def pending_products(runtime, A) -> int:
+    """Products of ``A`` and of its transpose whose kernel is still being decided."""
+    return sum(text.startswith("specializing") for text in runtime.decisions(A.crow, A.col, A.shape[1]).values())
+
+
+def run_cold(bench, model, hidden, graph, device, *, jit: str, after: int, max_s: float,
+             runtime=None) -> dict:
+    """The first run with the runtime on and an empty cache: each epoch timed, until every
+    product is decided and ``after`` epochs more have run (or ``max_s`` has passed).
+    ``runtime``: use this one instead of configuring the process's (tests)."""
+    import torch
+    from torch_sparserl import runtime as rt
+
+    if runtime is None:
+        runtime = rt.configure(mode=jit)
+    else:
+        rt.set_active(runtime)
+    torch._dynamo.reset()
+    A = _fresh(graph[f"csr_matrix_{model}"])
+    task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode="default"), adjacency=A)
+    epoch = bench.epoch_fn(task)
+    first_ms, first_loss = _timed(epoch, device)
+    epochs_ms, pending, losses = [], [], [first_loss]
+    decided_at, started = None, time.perf_counter()
+    while True:
+        waiting = pending_products(runtime, A)
+        if waiting == 0 and decided_at is None:
+            decided_at = len(epochs_ms)
+        if (decided_at is not None and len(epochs_ms) - decided_at >= after and len(losses) >= LOSS_EPOCHS) \
+                or time.perf_counter() - started > max_s:
+            break
+        ms, loss = _timed(epoch, device)
+        epochs_ms.append(ms)
+        pending.append(waiting)
+        losses.append(loss)
+    runtime.wait()
+    steady = epochs_ms[decided_at:] if decided_at is not None else []
+    result = {"jit": jit, "first_epoch_s": first_ms / 1e3, "epochs_ms": epochs_ms, "pending": pending,
+              "decided_after_epochs": decided_at if decided_at is not None else len(epochs_ms),
+              "decided_after_s": sum(epochs_ms[:decided_at]) / 1e3 if decided_at is not None else None,
+              "all_decided": decided_at is not None,
+              "steady_ms": statistics.median(steady) if steady else None,
+              "losses": losses[:LOSS_EPOCHS], "waited_s": runtime.stats["jit_s"],
+              "background_s": runtime.stats["background_s"], "stats": dict(runtime.stats),
+              "kernels": runtime.decisions(A.crow, A.col, A.shape[1])}
+    torch._dynamo.reset()
+    return result
+
+
+def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: str = "background",
+                after: int = 50, max_s: float = 120.0, eager_epochs: int = 200, off: bool = True,
+                graph=None, runtime=None) -> dict:
+    import torch
+
+    import bench_gnn as bench
+
+    device = torch.device(device_name)
+    graph = graph or bench.prepare_graph(name, device)
+    row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model, "hidden": hidden}
+    row["eager"] = run_eager(bench, model, hidden, graph, device, eager_epochs)
+    if off:
+        row["off"] = run_off(bench, model, hidden, graph, device, 3 * LOSS_EPOCHS)
+    row["cold"] = run_cold(bench, model, hidden, graph, device, jit=jit, after=after, max_s=max_s, runtime=runtime)
+    row.update(row_metrics(row))
+    return row
+
+
+# ------------------------------------------------------------------------ report
+
+
+def _fmt(v, spec=".2f", suffix=""):
+    return "—" if v is None else f"{v:{spec}}{suffix}"
+
+
+def markdown(doc: dict) -> str:
+    env = doc.get("env", {})
+    rows = doc.get("rows", [])
+    lines = [f"# First run on a graph (empty kernel cache) — {env.get('gpu', '?')}", "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}. Each row in a fresh process with an empty kernel "
+             "cache and the runtime's default settings (JIT in the background: cuSPARSE serves until a kernel is "
+             "installed). Epochs timed one by one (synchronized). *compile*: the first epoch with the runtime off "
+             "(Dynamo, AOTAutograd, Inductor), paid by any compiled way and not counted below; beside it the cold "
+             "run's first epoch (the same compile, with the runtime starting its work). *waited*: what the "
+             "training loop waited for the runtime. *decided after*: epochs (and seconds) until no product was "
+             "still being specialized. *during JIT*: eager's epoch over the median cold epoch before that; "
+             "*steady*: after it. Break-even: the first epoch k from which waited + the cold epochs 2..j+1 stay at "
+             f"or under eager's epochs 2..j+1 for every later j of the run (target: {TARGET_EPOCHS}).", "",
+             "| graph | model | hidden | eager ms | compile s (runtime off / on) | waited ms "
+             f"| epochs 2–{FIRST_EPOCHS + 1} ms (eager / off / on) | decided after "
+             "| during JIT vs eager | steady vs eager | break-even epochs | kernels | losses equal |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|"]
+    for row in rows:
+        m, cold = row_metrics(row), row["cold"]
+        first = m["first_epochs_ms"]
+        installed = sum(v.startswith("installed") for v in cold["kernels"].values())
+        decided = (f"{cold['decided_after_epochs']} ({_fmt(cold['decided_after_s'], '.1f', ' s')})"
+                   if cold["all_decided"] else f"not within the run ({len(cold['epochs_ms'])} epochs)")
+        lines.append(f"| {row['graph']} | {row['model']} | {row['hidden']} | {row['eager']['epoch_ms']:.2f} | "
+                     f"{_fmt(m.get('compile_s'), '.1f')} / {cold['first_epoch_s']:.1f} | {cold['waited_s'] * 1e3:.0f} | "
+                     f"{first['eager']:.0f} / {_fmt(first.get('off'), '.0f')} / {first['cold']:.0f} | {decided} | "
+                     f"{_fmt(m.get('during_jit_vs_eager'), '.2f', '×')} | {_fmt(m['steady_speedup_vs_eager'], '.2f', '×')} | "
+                     f"{_fmt(m['breakeven_epochs'], 'd')} | {installed} of {len(cold['kernels'])} installed | "
+                     f"{'yes' if m['losses_equal'] else 'no'} ({m['loss_rel_diff']:.1e}) |")
+    if rows:
+        metrics = [row_metrics(r) for r in rows]
+        within = sum(1 for m in metrics if m["breakeven_epochs"] is not None and m["breakeven_epochs"] <= TARGET_EPOCHS)
+        lines += ["", f"Repaid within {TARGET_EPOCHS} epochs: {within} of {len(rows)} rows. Geometric means: "
+                  f"during JIT {_fmt(geomean(m.get('during_jit_vs_eager') for m in metrics), '.2f', '×')} eager, "
+                  f"steady {_fmt(geomean(m['steady_speedup_vs_eager'] for m in metrics), '.2f', '×')} eager, "
+                  f"compiled with the runtime off {_fmt(geomean(m.get('off_speedup_vs_eager') for m in metrics), '.2f', '×')} eager."]
+        lines += ["", "Kernels decided in the cold run:", ""]
+        for row in rows:
+            lines.append(f"- {row['graph']} {row['model']} {row['hidden']}: "
+                         + "; ".join(f"{k}: {v}" for k, v in row["cold"]["kernels"].items()))
+    lines += ["", "Runs:", ""] + [f"- `{r['command']}` ({r['started']})" for r in doc.get("runs", [])]
+    return "\n".join(lines) + "\n"
+
+
+def svg(doc: dict) -> str:
+    """Each row's cold epochs as eager's epoch over them, against seconds since the first epoch."""
+    rows = doc.get("rows", [])
+    left, top, w, h = 60, 40, 640, 300
+    series = []
+    for row in rows:
+        eager, t, points = row["eager"]["epoch_ms"], 0.0, []
+        epochs = row["cold"]["epochs_ms"]
+        step = max(1, len(epochs) // SVG_POINTS)  # one point per `step` epochs: their mean
+        for i in range(0, len(epochs), step):
+            chunk = epochs[i:i + step]
+            t += sum(chunk) / 1e3
+            points.append((t, eager * len(chunk) / sum(chunk)))
+        series.append((f"{row['graph'][:16]} {row['model']} {row['hidden']}", points))
+    t_max = max([1.0] + [p[-1][0] for _, p in series if p])
+    y_max = max([2.0] + [y for _, p in series for _, y in p])
+    colors = ["#2b6cb0", "#e39b2d", "#38a169", "#c53030", "#805ad5", "#d69e2e", "#319795", "#718096"]
+
+    def xy(t, y):
+        return left + w * t / t_max, top + h * (1 - min(y, y_max) / y_max)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + w + 220}" height="{top + h + 50}" '
+           'font-family="sans-serif" font-size="10"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="13" font-weight="bold">'
+           f'{html.escape("First run, background JIT: eager epoch / cold epoch — " + str(doc.get("env", {}).get("gpu", "?")))}</text>']
+    for tick in range(0, int(y_max) + 1):
+        _, y = xy(0, tick)
+        out.append(f'<line x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="{"#000" if tick == 1 else "#ddd"}"/>'
+                   f'<text x="{left - 4}" y="{y + 3:.1f}" text-anchor="end">{tick}×</text>')
+    out.append(f'<text x="{left + w / 2}" y="{top + h + 30}" text-anchor="middle">seconds since the first epoch</text>')
+    for i, (label, points) in enumerate(series):
+        color = colors[i % len(colors)]
+        if points:
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(t, v) for t, v in points))
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.2" points="{path}">'
+                       f'<title>{html.escape(label)}</title></polyline>')
+        out.append(f'<rect x="{left + w + 12}" y="{top + i * 16}" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{left + w + 26}" y="{top + i * 16 + 9}">{html.escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def save(doc: dict, path: Path) -> None:
+    write_json_md(doc, path, markdown, svg)
+
+
+# -------------------------------------------------------------------------- main
+
+
+def _child_env(cache_dir: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSERL_JIT") and "TORCHINDUCTOR" not in k}
+    env.update({"SPARSERL_CACHE_DIR": cache_dir, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--graphs", default=",".join(GRAPHS))
+    parser.add_argument("--models", default="gcn,sage")
+    parser.add_argument("--hidden", default="128")
+    parser.add_argument("--jit", default="background", choices=("background", "sync"))
+    parser.add_argument("--after", type=int, default=50, help="epochs timed after every product is decided")
+    parser.add_argument("--max-s", type=float, default=120.0, help="stop a row's timed run after this long")
+    parser.add_argument("--row-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", default="benchmarks/results", help="folder (a dated file in it) or a .json path")
+    parser.add_argument("--resume", help="add to this results file (rows already there are skipped)")
+    parser.add_argument("--report", help="only re-render the .md and .svg of this results file")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--row", nargs=3, metavar=("GRAPH", "MODEL", "HIDDEN"), help=argparse.SUPPRESS)
+    parser.add_argument("--row-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.report:
+        path = Path(args.report)
+        save(json.loads(path.read_text()), path)
+        return 0
+    import bench_gnn as bench
+    from bench_kernels import environment
+
+    device = args.device or ("cuda" if bench._cuda() else "cpu")
+    if args.row:  # the child: one row, in this fresh process
+        name, model, hidden = args.row
+        row = measure_row(name, model, int(hidden), device, jit=args.jit, after=args.after, max_s=args.max_s)
+        Path(args.row_out).write_text(json.dumps(row) + "\n")
+        return 0
+
+    env = environment()
+    if args.resume:
+        path = Path(args.resume)
+        doc = json.loads(path.read_text())
+    else:
+        path = results_path(args.out, "cold-start", env["gpu"], dt.date.today().isoformat())
+        doc = {"schema": SCHEMA, "env": env, "runs": [], "rows": []}
+    doc["runs"].append({"started": dt.datetime.now().isoformat(timespec="seconds"),
+                        "command": " ".join(["python benchmarks/bench_cold_start.py"]
+                                            + (argv if argv is not None else sys.argv[1:]))})
+    done = {(r["graph"], r["model"], r["hidden"]) for r in doc["rows"]}
+    for name in bench.split_graphs(args.graphs):
+        for model in args.models.split(","):
+            for hidden in map(int, args.hidden.split(",")):
+                if (name, model, hidden) in done:
+                    continue
+                with tempfile.TemporaryDirectory(prefix="sparserl-cold-") as tmp:
+                    row_out = Path(tmp) / "row.json"
+                    command = [sys.executable, __file__, "--row", name, model, str(hidden), "--row-out", str(row_out),
+                               "--jit", args.jit, "--after", str(args.after), "--max-s", str(args.max_s),
+                               "--device", device]
+                    started = time.perf_counter()
+                    result = subprocess.run(command, env=_child_env(str(Path(tmp) / "cache")), capture_output=True,
+                                            text=True, timeout=args.row_timeout_s)
+                    if result.returncode != 0 or not row_out.exists():
+                        print(f"{name} {model} {hidden}: the row failed (exit {result.returncode}):\n"
+                              f"{result.stdout[-2000:]}{result.stderr[-4000:]}", flush=True)
+                        continue
+                    row = json.loads(row_out.read_text())
+                row["process_s"] = time.perf_counter() - started
+                doc["rows"].append(row)
+                save(doc, path)
+                m = row_metrics(row)
+                print(f"{name} {model} h={hidden}: eager {row['eager']['epoch_ms']:.2f} ms, compile "
+                      f"{_fmt(m.get('compile_s'), '.1f')} s, waited {row['cold']['waited_s'] * 1e3:.0f} ms, decided after "
+                      f"{row['cold']['decided_after_epochs']} epochs, steady {_fmt(m['steady_speedup_vs_eager'], '.2f')}x, "
+                      f"break-even {m['breakeven_epochs']}", flush=True)
+    save(doc, path)
+    print(f"wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

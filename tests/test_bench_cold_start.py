@@ -1,0 +1,147 @@
+"""The first-run (cold start) benchmark: its break-even rule, and a CPU run of one row whose
+runtime specializes in the background with a slow fake specializer (timings meaningless here)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+from helpers import load_benchmark
+
+pytest.importorskip("torch_geometric")
+
+
+
+def test_breakeven_is_where_the_run_stays_ahead_of_eager():
+    breakeven = load_benchmark("bench_cold_start").breakeven
+    # eager 2 ms, waited 1 ms, 3 ms epochs during the JIT and 1 ms after: 1+3+3+1+1 = 10 <= 5 * 2
+    assert breakeven(0.001, [3, 3, 1, 1, 1, 1], [], 2.0) == 5
+    assert breakeven(0.0, [1, 1, 1], [], 2.0) == 1
+    assert breakeven(0.0, [1, 5, 1], [], 2.0) is None  # ahead after one epoch, then behind: 7 > 6 at the end
+    assert breakeven(0.0, [1, 5, 1, 1], [], 2.0) == 4  # 8 <= 8
+    assert breakeven(0.010, [1] * 12, [], 2.0) == 10  # 10 + j <= 2j from j = 10
+    assert breakeven(5.0, [1] * 100, [], 2.0) is None  # 5 s is not repaid at 1 ms per epoch in 100 epochs
+    # eager's own first epochs count as measured: after its slow start (9 ms, 5 ms), 10 + 2 <= 14
+    assert breakeven(0.010, [1] * 12, [9, 5], 2.0) == 2
+    assert breakeven(0.0, [], [], 2.0) is None
+
+
+class SlowSpecializer:
+    """Decides a key once ``ready()`` says so (polled, as a specializer waits on its sandbox),
+    with a kernel that computes the product densely."""
+
+    def __init__(self):
+        self.keys, self.ready, self.waited_s = [], None, 0.0
+        self.policy_id = "fake"
+
+    def __call__(self, key, crow, col, ncols):
+        from torch_sparserl.cache import CacheEntry
+
+        started = time.perf_counter()
+        while not self.ready() and time.perf_counter() - started < 60:
+            time.sleep(0.005)
+        self.waited_s += time.perf_counter() - started
+        self.keys.append(f"{key.op} n={key.n}")
+        return CacheEntry(key, "// fake\n", family="dense", params={}, reason="fake")
+
+    @staticmethod
+    def installer(entry, crow, col, ncols):
+        rows = crow.numel() - 1
+
+        def launch(crow, col, val, X):
+            return torch.sparse_csr_tensor(crow.to(torch.int64), col.to(torch.int64), val, (rows, ncols)).to_dense() @ X
+
+        return launch
+
+
+@pytest.mark.slow
+def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path, monkeypatch):
+    import torch._inductor.config
+
+    from torch_sparserl import runtime as rt
+    from torch_sparserl.cache import KernelCache
+
+    cold = load_benchmark("bench_cold_start")
+    bench = load_benchmark("bench_gnn")
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
+    specializer = SlowSpecializer()
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path / "cache"),
+                         specializer=specializer, installer=specializer.installer, devices=("cpu",))
+    # the kernel arrives after a few epochs served by the fallback (4 products per epoch)
+    specializer.ready = lambda: runtime.stats["fallback_calls"] >= 4 * 4
+    previous = rt.active_or_none()
+    graph = bench.prepare_graph("cora", torch.device("cpu"))
+    try:
+        row = cold.measure_row("cora", "gcn", 16, "cpu", after=5, max_s=60, eager_epochs=25, graph=graph,
+                               runtime=runtime)
+    finally:
+        rt.set_active(previous)
+        runtime.close()
+    c = row["cold"]
+    # layers 1 and 2 multiply by A (n=16 hidden, n=16 classes), the backward by Aᵀ; GCN's
+    # adjacency is symmetric, so Aᵀ's key is found in the cache under A's fingerprint
+    assert specializer.keys == ["spmm n=16"], specializer.keys
+    assert c["all_decided"] and c["decided_after_epochs"] >= 1, c  # served by the fallback meanwhile
+    assert c["pending"][0] >= 1 and c["pending"][-1] == 0
+    assert all(v.startswith("installed: dense") for v in c["kernels"].values()) and len(c["kernels"]) == 2
+    assert c["stats"]["installed_calls"] > 0 and c["stats"]["fallback_calls"] > 0
+    assert c["waited_s"] < specializer.waited_s  # the loop never waited for the specialization
+    assert len(c["epochs_ms"]) >= c["decided_after_epochs"] + 5 and len(c["losses"]) == cold.LOSS_EPOCHS
+    assert row["losses_equal"], row["loss_rel_diff"]
+    assert row["off"]["first_epoch_s"] > 0 and row["steady_speedup_vs_eager"] > 0
+
+    doc = {"env": {"gpu": None}, "runs": [{"command": "test", "started": "now"}], "rows": [row]}
+    path = tmp_path / "cold.json"
+    cold.save(doc, path)
+    md = path.with_suffix(".md").read_text()
+    assert "| cora | gcn | 16 |" in md and "2 of 2 installed" in md
+    ET.fromstring(path.with_suffix(".svg").read_text())
+    assert cold.main(["--report", str(path)]) == 0
+
+
+def test_the_background_thread_does_not_hold_the_loop(tmp_path):
+    """The specializer's thread sleeps (as it does waiting on the sandbox or a build): calls
+    return at once, served by the fallback."""
+    from torch_sparserl import pattern as patterns
+    from torch_sparserl import runtime as rt
+    from torch_sparserl.cache import KernelCache
+
+    gate = threading.Event()
+
+    def specializer(key, crow, col, ncols):
+        gate.wait(10)
+        raise RuntimeError("no kernel")
+
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path), specializer=specializer,
+                         devices=("cpu",))
+    crow, col = torch.tensor([0, 1, 2]), torch.tensor([1, 0])
+    entry = patterns.lookup(crow, col, 2)
+    started = time.perf_counter()
+    assert runtime.call("spmm", entry, crow, col, torch.ones(2), torch.ones(2, 3)) is None
+    assert time.perf_counter() - started < 5
+    gate.set()
+    runtime.wait(10)
+    runtime.close()
+
+
+@pytest.mark.slow
+def test_the_epoch_profile_runs_every_way_on_the_cpu(tmp_path):
+    from torch_sparserl import runtime as rt
+
+    out = tmp_path / "profile.json"
+    previous = rt.active_or_none()  # the profile configures the process's runtime per way
+    try:
+        assert load_benchmark("profile_epoch").main(["--graph", "cora", "--model", "gcn", "--hidden", "16",
+                                                     "--epochs", "3", "--device", "cpu", "--out", str(out)]) == 0
+    finally:
+        rt.set_active(previous)
+    doc = json.loads(out.read_text())
+    assert list(doc["ways"]) == ["eager", "inductor", "pyg", "sparserl", "sparserl_off"]
+    for way in doc["ways"].values():
+        assert way["synced_ms"] > 0 and way["chunked_ms"] > 0 and way["cpu_top"]
