@@ -232,3 +232,33 @@ def test_interception_keeps_nothing_alive():
     gc.collect()
     assert ref() is None and len(intercept._views) == 0
     assert all(entry.nrows != 6 for entry in pattern._CACHE.values())
+
+
+def test_a_transpose_under_compile_breaks_the_graph_with_a_reason_and_stays_correct(device):
+    """A.t() computes the transposed pattern once and caches it, outside any graph: fullgraph
+    refuses it with a message saying what to write instead; without fullgraph it is a graph
+    break and the result is right, gradients of the values included; the in-graph form
+    (X.t() @ A).t() compiles whole."""
+    M = make_pattern("random", seed=7)
+    A = ts.csr(M, dtype=torch.float64, device=device)
+    w = A.values().detach().clone().requires_grad_()
+    X = torch.randn(M.shape[0], 5, dtype=torch.float64, device=device)
+    rows = torch.repeat_interleave(torch.arange(M.shape[0], device=device), A.crow.diff().long())
+    w_ref = w.detach().clone().requires_grad_()
+    dense = torch.zeros(M.shape, dtype=torch.float64, device=device).index_put((rows, A.col.long()), w_ref)
+    want = dense.t() @ X
+    want.square().sum().backward()
+
+    def transposed(w, X):
+        return A.with_values(w).t() @ X
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"CSRMatrix\.t\(\): .*\(X\.t\(\) @ A\)\.t\(\)"):
+        torch.compile(transposed, backend="sparserl", fullgraph=True)(w, X)
+    torch._dynamo.reset()
+    out = torch.compile(transposed, backend="sparserl")(w, X)
+    assert_close_to_reference(out.detach(), want.detach(), torch.float64)
+    out.square().sum().backward()
+    assert_close_to_reference(w.grad, w_ref.grad, torch.float64)
+    torch._dynamo.reset()
+    whole = torch.compile(lambda X: (X.t() @ A).t(), backend="sparserl", fullgraph=True)(X)
+    assert_close_to_reference(whole, want.detach(), torch.float64)

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from . import ops
 from . import pattern as patterns
@@ -327,7 +328,15 @@ def _transpose_parts(A: CSRMatrix):
     return crow_t, col_t, perm
 
 
+_T_UNDER_COMPILE = (
+    "CSRMatrix.t(): the transposed pattern is computed once per pattern and cached outside any graph, so "
+    "under torch.compile this is a graph break (fullgraph=True refuses it). In a graph write Aᵀ @ X as "
+    "(X.t() @ A).t() (it runs on the cached transposed pattern), or transpose before compiling and pass Aᵀ in.")
+
+
 def _t(A: CSRMatrix) -> CSRMatrix:
+    if is_fake(A.col):  # torch.compile is tracing: refuse with the reason (a graph break, not a crash)
+        raise torch._dynamo.exc.Unsupported(_T_UNDER_COMPILE)
     crow_t, col_t, perm = _transpose_parts(A)
     return CSRMatrix(crow_t, col_t, values_of(A).index_select(0, perm), (A.shape[1], A.shape[0]))
 
