@@ -44,6 +44,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_gnn as bench  # noqa: E402
+from bench_gnn import _fmt  # noqa: E402
 from report import geomean, results_path, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_cold_start/1"
@@ -99,30 +101,15 @@ def row_metrics(row: dict) -> dict:
 # -------------------------------------------------------------------- one row (child)
 
 
-def _sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(epoch, device) -> tuple[float, float]:
-    _sync(device)
+    bench._sync(device)
     start = time.perf_counter()
     loss = epoch()
-    _sync(device)
+    bench._sync(device)
     return round((time.perf_counter() - start) * 1e3, 4), float(loss)
 
 
-def _fresh(A):
-    import torch_sparserl as ts
-
-    # new index tensors: the pattern's transpose, fingerprint and decisions are computed
-    # again, as in a new process
-    return ts.csr((A.crow.clone(), A.col.clone(), A.val.clone()), shape=A.shape)
-
-
-def run_eager(bench, model, hidden, graph, device, epochs: int) -> dict:
+def run_eager(model, hidden, graph, device, epochs: int) -> dict:
     task = bench.build_task("eager", model, hidden, graph, device, SimpleNamespace(mode="default"))
     epoch = bench.epoch_fn(task)
     times, losses = zip(*(_timed(epoch, device) for _ in range(epochs)))
@@ -130,7 +117,7 @@ def run_eager(bench, model, hidden, graph, device, epochs: int) -> dict:
             "epochs_ms": list(times[1:]), "losses": list(losses[:LOSS_EPOCHS])}
 
 
-def run_off(bench, model, hidden, graph, device, epochs: int) -> dict:
+def run_off(model, hidden, graph, device, epochs: int) -> dict:
     """Compiled with the runtime off: the compile alone, then cuSPARSE inside the graph."""
     import torch
     from torch_sparserl import runtime as rt
@@ -139,7 +126,7 @@ def run_off(bench, model, hidden, graph, device, epochs: int) -> dict:
     torch._dynamo.reset()
     A = graph[f"csr_matrix_{model}"]
     task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode="default"),
-                            adjacency=_fresh(A))
+                            adjacency=bench.fresh_copy(A))
     epoch = bench.epoch_fn(task)
     times = [_timed(epoch, device)[0] for _ in range(epochs)]
     torch._dynamo.reset()
@@ -152,7 +139,7 @@ def pending_products(runtime, A) -> int:
     return sum(text.startswith("specializing") for text in runtime.decisions(A.crow, A.col, A.shape[1]).values())
 
 
-def run_cold(bench, model, hidden, graph, device, *, jit: str, after: int, max_s: float,
+def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float,
              runtime=None) -> dict:
     """The first run with the runtime on and an empty cache: each epoch timed, until every
     product is decided and ``after`` epochs more have run (or ``max_s`` has passed).
@@ -165,7 +152,7 @@ def run_cold(bench, model, hidden, graph, device, *, jit: str, after: int, max_s
     else:
         rt.set_active(runtime)
     torch._dynamo.reset()
-    A = _fresh(graph[f"csr_matrix_{model}"])
+    A = bench.fresh_copy(graph[f"csr_matrix_{model}"])
     task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode="default"), adjacency=A)
     epoch = bench.epoch_fn(task)
     first_ms, first_loss = _timed(epoch, device)
@@ -201,24 +188,18 @@ def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: st
                 graph=None, runtime=None) -> dict:
     import torch
 
-    import bench_gnn as bench
-
     device = torch.device(device_name)
     graph = graph or bench.prepare_graph(name, device)
     row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model, "hidden": hidden}
-    row["eager"] = run_eager(bench, model, hidden, graph, device, eager_epochs)
+    row["eager"] = run_eager(model, hidden, graph, device, eager_epochs)
     if off:
-        row["off"] = run_off(bench, model, hidden, graph, device, 3 * LOSS_EPOCHS)
-    row["cold"] = run_cold(bench, model, hidden, graph, device, jit=jit, after=after, max_s=max_s, runtime=runtime)
+        row["off"] = run_off(model, hidden, graph, device, 3 * LOSS_EPOCHS)
+    row["cold"] = run_cold(model, hidden, graph, device, jit=jit, after=after, max_s=max_s, runtime=runtime)
     row.update(row_metrics(row))
     return row
 
 
 # ------------------------------------------------------------------------ report
-
-
-def _fmt(v, spec=".2f", suffix=""):
-    return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
 def markdown(doc: dict) -> str:
@@ -342,7 +323,6 @@ def main(argv=None) -> int:
         path = Path(args.report)
         save(json.loads(path.read_text()), path)
         return 0
-    import bench_gnn as bench
     from bench_kernels import environment
 
     device = args.device or ("cuda" if bench._cuda() else "cpu")

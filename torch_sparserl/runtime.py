@@ -16,8 +16,9 @@ A miss computes the pattern's fingerprint, asks the :class:`~torch_sparserl.cach
 (memory, then disk, shared between processes), and otherwise specializes: before the call
 returns in ``mode="sync"`` (tests, benchmarks); in ``mode="background"`` (the default) the
 call only records ``Pending`` and all of it, a cache hit's install too, runs in a
-background thread, so a training loop never waits for a decision. The *specializer* decides (by default: the autotuner, every candidate evaluated in
-the sandbox's child process, installed only when it beats cuSPARSE by ``margin``); the
+background thread, so a training loop never waits for a decision. The *specializer*
+decides (by default: the autotuner, every candidate evaluated in the sandbox's child
+process, installed only when it beats cuSPARSE by ``margin``); the
 *installer* turns a cache entry into a launchable kernel (by default: the lean extension
 build). Both are injectable, which is how every fallback path is tested without a GPU.
 
