@@ -100,18 +100,28 @@ class _Layer(torch.nn.Module):
         return (self.adj @ self.lin(x)).relu().sum()
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_under_cuda_graphs_the_backend_waits_for_background_decisions(tmp_path, mode):
-    """CUDA graphs replay the kernels they recorded: under them, compilation waits for the
-    graph's decisions; otherwise it returns and cuSPARSE serves until they are taken."""
+@pytest.mark.parametrize("mode,recorded_again", [(None, True), ("reduce-overhead", True),
+                                                  ("reduce-overhead", False)])
+def test_the_backend_waits_for_background_decisions_only_where_graphs_cannot_be_recorded_again(
+        tmp_path, monkeypatch, mode, recorded_again):
+    """CUDA graphs replay the kernels they recorded. Where the graph can be recorded again once
+    its kernels are decided (this torch), compilation does not wait, under CUDA graphs or not,
+    and cuSPARSE serves until the decisions are taken; where it cannot, compilation under CUDA
+    graphs waits for them."""
     import threading
 
+    from torch_sparserl import cudagraphs
+
+    if not recorded_again:
+        monkeypatch.setattr(cudagraphs, "supported", lambda: False)
+    waits = mode is not None and not recorded_again
+    torch._dynamo.reset()  # the same model was compiled by the previous case
     gate = threading.Event()
     fakes = Fakes(gate=gate)
     runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path),
                          specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     previous = rt.set_active(runtime)
-    timer = threading.Timer(0.5, gate.set) if mode else None
+    timer = threading.Timer(0.5, gate.set) if waits else None
     try:
         M = make_pattern("random")
         A = ts.csr(M, dtype=torch.float32)
@@ -121,7 +131,7 @@ def test_under_cuda_graphs_the_backend_waits_for_background_decisions(tmp_path, 
         model(torch.randn(M.shape[1], 16)).backward()
         decided = runtime.decisions(A.crow, A.col, A.shape[1])
         assert set(decided) == {"A spmm n=16 float32", "At spmm n=16 float32"}, decided
-        if mode:  # decided before the graph first ran: the kernels served every product
+        if waits:  # decided before the graph first ran: the kernels served every product
             assert all(v.startswith("installed") for v in decided.values()), decided
             assert runtime.stats["fallback_calls"] == 0 and runtime.stats["installed_calls"] == 2
         else:

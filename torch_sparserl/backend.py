@@ -5,14 +5,17 @@ Registered through the ``torch_dynamo_backends`` entry point, so
 ``compile_fx`` with :class:`~torch_sparserl.passes.SparseOpsPass` as the post-grad pass.
 Before that, the products of the graph's CSRMatrix inputs (module buffers, constants,
 arguments) are handed to the JIT runtime (:mod:`~torch_sparserl.prespecialize`), so their
-kernels are being specialized while Inductor compiles; under CUDA graphs
-(``mode="reduce-overhead"``), which capture the kernels they replay, compilation waits for
-those decisions.
+kernels are being specialized while Inductor compiles. Under CUDA graphs
+(``mode="reduce-overhead"``), which replay the kernels they recorded, the graph is recorded
+with cuSPARSE serving and recorded again once its kernels are decided
+(:mod:`~torch_sparserl.cudagraphs`); where this torch does not allow that, compilation waits
+for the decisions.
 """
 
 from __future__ import annotations
 
-from . import intercept
+from . import cudagraphs, intercept
+from . import runtime as rt
 from .passes import SparseOpsPass
 from .prespecialize import prespecialize_graph
 from .settings import Settings
@@ -27,15 +30,20 @@ def sparserl_backend(gm, example_inputs, *, options=None, mode=None):
     if settings.intercept_sparse:
         intercept.activate_for_backend()
     patches = dict(list_mode_options(mode)) if mode else {}
-    if settings.prespecialize:
-        # CUDA graphs capture whichever kernel serves each product when they are recorded,
-        # and replay it: a product still being decided in the background would be captured
-        # on cuSPARSE for good. So under them, the graph's decisions come first.
-        captured = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
-        prespecialize_graph(gm, example_inputs, wait=bool(captured))
     patches["post_grad_custom_post_pass"] = SparseOpsPass(
         settings, chained=inductor_config.post_grad_custom_post_pass)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    if not settings.prespecialize:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    # CUDA graphs replay whichever kernel served each product when they were recorded: a
+    # product still being decided in the background would replay cuSPARSE for good.
+    captured = bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+    started = prespecialize_graph(gm, example_inputs, wait=captured and not cudagraphs.supported())
+    pending = [state.future for _, state in started if isinstance(state, rt.Pending)]
+    if not (captured and pending):
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    decisions = cudagraphs.Decisions(pending, what=f"a graph of {len(gm.graph.nodes)} nodes")
+    with decisions.collecting():
+        return compile_fx(gm, example_inputs, inner_compile=decisions.inner_compile, config_patches=patches)
 
 
 # Recognized by torch_sparserl.intercept in Dynamo's callback chain.

@@ -115,25 +115,23 @@ def specialize(A, op: str = "spmm", n: int = 1, *, transposed: bool = False, run
     return runtime.prespecialize(op, entry, crow, col, n, A.dtype)
 
 
-def prespecialize_graph(gm: torch.fx.GraphModule, example_inputs, *, wait: bool = False) -> list[tuple[Planned, str]]:
-    """Start specializing every product :func:`plan_graph` finds; returns what it did.
-    ``wait``: in background mode, return only once those decisions are taken (CUDA graphs
-    record the kernels that serve their products)."""
+def prespecialize_graph(gm: torch.fx.GraphModule, example_inputs, *, wait: bool = False) -> list[tuple[Planned, object]]:
+    """Start specializing every product :func:`plan_graph` finds; returns each with the
+    runtime's state for it (``Pending`` in background mode) or why it was not started.
+    ``wait``: in background mode, return only once those decisions are taken."""
     runtime = rt.active()
     if runtime.settings.mode == "off":
         return []
     started = [(item, _start(runtime, item, example_inputs)) for item in plan_graph(gm, example_inputs, runtime.devices)]
     if wait and any(isinstance(state, rt.Pending) for _, state in started):
-        log.info("sparserl: CUDA graphs record the kernels they replay: waiting for this graph's decisions")
+        log.info("sparserl: waiting for this graph's decisions before compiling it")
         runtime.wait()
         started = [(item, _start(runtime, item, example_inputs)) for item, _ in started]  # now decided
-    done = []
     for item, state in started:
         verdict = state if isinstance(state, str) else runtime.describe(state)
         log.info("sparserl: compile-time specialization of %s%s n=%d (%s): %s", item.op,
                  " on the transpose" if item.transposed else "", item.n, item.why, verdict)
-        done.append((item, verdict))
-    return done
+    return started
 
 
 def _start(runtime: rt.Runtime, item: Planned, example_inputs):

@@ -1,0 +1,147 @@
+"""CUDA graphs that follow the JIT: recorded once with cuSPARSE, recorded again with the kernels.
+
+Under ``mode="reduce-overhead"`` Inductor records each compiled graph (the forward, the
+backward) as a CUDA graph on its first calls and then only replays it: the kernel that served
+a sparse product while the graph was recorded is the one every later step runs. The runtime
+decides its kernels in the background, seconds after the first step; a graph recorded before
+then would replay cuSPARSE for good, and waiting for the decisions at compile time costs
+those seconds (10–20 s for a first run on an H100) before the first step.
+
+Instead, the backend has the graph recorded at once, with cuSPARSE serving, and recorded
+again when its decisions are taken: :class:`Decisions` holds the futures of one compiled
+graph's pending decisions and the CUDA-graph callables Inductor made for it. At the first
+forward call after the last of them is decided, when at least one installed a kernel, each
+callable is replaced by a fresh one made from the same arguments. Inductor's CUDA graph
+trees see a new function, as after a recompilation: it is warmed up on its next call and
+recorded on the one after, now with the kernels, then replayed.
+
+How the callables are found: Inductor wraps a compiled graph by calling
+``torch._inductor.compile_fx.cudagraphify``, which returns a callable that records on its
+first call. While the backend compiles a graph, and when AOTAutograd compiles its backward
+(lazily, through the backend's inner compile), that function is replaced by one that keeps
+its arguments and returns a :class:`Recording` in their place. :func:`supported` says whether
+this torch has that function; where it does not, the backend waits for the decisions before
+compiling, as it did before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from concurrent.futures import Future
+
+log = logging.getLogger("torch_sparserl.cudagraphs")
+
+_PATCH_LOCK = threading.RLock()
+
+
+def _compile_fx_module():
+    import torch._inductor.compile_fx as compile_fx
+
+    return compile_fx
+
+
+def supported() -> bool:
+    """Whether Inductor wraps graphs for CUDA graphs through ``compile_fx.cudagraphify``."""
+    try:
+        return callable(getattr(_compile_fx_module(), "cudagraphify", None))
+    except ImportError:
+        return False
+
+
+class Recording:
+    """A compiled graph's CUDA-graph callable, which :meth:`rerecord` replaces by a fresh one."""
+
+    def __init__(self, decisions: Decisions, make, is_backward: bool):
+        self._decisions = decisions
+        self._make = make
+        self.is_backward = is_backward
+        self._run = make()
+        self.made = 1
+
+    def __call__(self, *args, **kwargs):
+        # Only a forward call swaps the graphs: a step's backward then runs the recording
+        # made in the same generation as its forward.
+        if self._decisions.waiting and not self.is_backward:
+            self._decisions.poll()
+        return self._run(*args, **kwargs)
+
+    def rerecord(self) -> None:
+        self._run = self._make()
+        self.made += 1
+
+
+class Decisions:
+    """The pending decisions of one compiled graph and the CUDA-graph callables made for it."""
+
+    def __init__(self, futures: list[Future], what: str = "graph"):
+        self._futures = list(futures)
+        self.what = what
+        self.recordings: list[Recording] = []
+        self.rerecorded = 0
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._futures)
+
+    def poll(self) -> bool:
+        """Once every decision is taken: record the graph again if one installed a kernel.
+        Returns whether it did."""
+        if not all(future.done() for future in self._futures):
+            return False
+        from .runtime import Installed
+
+        installed = sum(isinstance(_result(future), Installed) for future in self._futures)
+        self._futures = []
+        if not installed or not self.recordings:
+            return False
+        for recording in self.recordings:
+            recording.rerecord()
+        self.rerecorded += 1
+        log.info("sparserl: %d kernel(s) of %s decided: its %d CUDA graph(s) are recorded again", installed,
+                 self.what, len(self.recordings))
+        return True
+
+    def wrap(self, original):
+        """``original`` (Inductor's cudagraphify) as one that makes :class:`Recording` s."""
+
+        def cudagraphify(model, *args, **kwargs):
+            recording = Recording(self, functools.partial(original, model, *args, **kwargs),
+                                  is_backward=bool(kwargs.get("is_backward", False)))
+            self.recordings.append(recording)
+            return recording
+
+        cudagraphify._sparserl_decisions = self
+        return cudagraphify
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Within it, the CUDA-graph callables Inductor makes are this graph's recordings."""
+        module = _compile_fx_module()
+        with _PATCH_LOCK:
+            current = module.cudagraphify
+            if getattr(current, "_sparserl_decisions", None) is self:
+                yield  # already collecting (the inner compile within the backend's call)
+                return
+            module.cudagraphify = self.wrap(current)
+            try:
+                yield
+            finally:
+                module.cudagraphify = current
+
+    def inner_compile(self, *args, **kwargs):
+        """Inductor's ``compile_fx_inner``, collecting: also for the backward, which AOTAutograd
+        compiles at the first backward call, after the backend has returned."""
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        with self.collecting():
+            return compile_fx_inner(*args, **kwargs)
+
+
+def _result(future: Future):
+    try:
+        return future.result(timeout=0)
+    except Exception:  # noqa: BLE001 - a failed decision serves cuSPARSE; nothing to record again
+        return None
