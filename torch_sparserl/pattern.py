@@ -8,11 +8,16 @@ weak references only, so it never keeps a user's adjacency alive.
 
 Values are not part of the pattern: they may change every step (attention-weighted
 graphs), and nothing here depends on them.
+
+The cached tensors are computed by :func:`run_kept`, outside any CUDA graph's private
+memory pool: the first product on a pattern may run inside the warm-up of a CUDA graph
+(``mode="reduce-overhead"``), where a tensor kept beyond the step is an error.
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import weakref
 
 import torch
@@ -27,6 +32,54 @@ def row_indices(crow: torch.Tensor, nnz: int) -> torch.Tensor:
     lengths = (crow[1:] - crow[:-1]).to(torch.int64)
     rows = torch.arange(crow.shape[0] - 1, device=crow.device)
     return torch.repeat_interleave(rows, lengths, output_size=nnz)
+
+
+_KEEPER = threading.local()
+_KEEPER_POOL: ThreadPoolExecutor | None = None
+_KEEPER_LOCK = threading.Lock()
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def run_kept(device: torch.device, fn, *args):
+    """``fn(*args)`` for data kept beyond the current step (pattern data, kernel plans): on CUDA,
+    run in a helper thread, on a side stream ordered after the caller's current stream and
+    before its later work, so that its tensors come from the caching allocator's ordinary pool.
+
+    The first product on a pattern may run inside the warm-up of a CUDA graph (``mode=
+    "reduce-overhead"``), where CUDA graph trees route every allocation of the warming-up
+    thread to the graphs' private pool, which must hold only the step's own tensors. Refused
+    during a capture, which cannot run the host synchronizations this data needs. ``fn`` must
+    not wait for locks its caller holds."""
+    global _KEEPER_POOL
+    if device.type != "cuda" or getattr(_KEEPER, "active", False):
+        return fn(*args)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("sparserl: pattern data (transpose, row indices, kernel plans) cannot be computed while "
+                           "a CUDA graph is being captured; run the product once before capturing it (CUDA graph "
+                           "trees do so in their warm-up)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    caller = torch.cuda.current_stream(index)
+    with _KEEPER_LOCK:
+        if _KEEPER_POOL is None:
+            _KEEPER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-pattern")
+        side = _SIDE_STREAMS.get(index)
+        if side is None:
+            side = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+
+    def work():
+        _KEEPER.active = True
+        try:
+            with torch.cuda.device(index), torch.cuda.stream(side):
+                side.wait_stream(caller)
+                return fn(*args)
+        finally:
+            _KEEPER.active = False
+
+    out = _KEEPER_POOL.submit(work).result()
+    # The kept tensors are freed only when their owner dies; later work on the side stream
+    # first waits for the caller's stream, so their memory is not reused under a pending read.
+    caller.wait_stream(side)
+    return out
 
 
 def _version(t: torch.Tensor) -> int:
@@ -75,7 +128,7 @@ class Pattern:
     def row_indices(self, crow: torch.Tensor) -> torch.Tensor:
         """The row of each nonzero, shape (nnz,), int64."""
         if self._row_indices is None:
-            self._row_indices = row_indices(crow, self.nnz)
+            self._row_indices = run_kept(crow.device, row_indices, crow, self.nnz)
         return self._row_indices
 
     def transpose(self, crow: torch.Tensor, col: torch.Tensor):
@@ -87,19 +140,22 @@ class Pattern:
         """
         with self._lock:
             if self._transpose is None:
-                rows = self.row_indices(crow)
-                perm = torch.argsort(col, stable=True)
-                col_t = rows.index_select(0, perm).to(self.index_dtype)
-                counts = torch.bincount(col.to(torch.int64), minlength=self.ncols)
-                crow_t = torch.zeros(self.ncols + 1, dtype=self.index_dtype, device=col.device)
-                crow_t[1:] = counts.cumsum(0)
-                pattern_t = Pattern(crow_t, col_t, self.nrows)
-                pattern_t.validated = self.validated
-                # The transposed tensors are owned here, so the transposed Pattern needs no
-                # identity cache of its own: it is reached only through this one.
-                self._transpose = (pattern_t, crow_t, col_t, perm)
+                self._transpose = run_kept(col.device, self._transposed, crow, col)
                 _STATS["transposes"] += 1
             return self._transpose
+
+    def _transposed(self, crow: torch.Tensor, col: torch.Tensor):
+        rows = self.row_indices(crow)
+        perm = torch.argsort(col, stable=True)
+        col_t = rows.index_select(0, perm).to(self.index_dtype)
+        counts = torch.bincount(col.to(torch.int64), minlength=self.ncols)
+        crow_t = torch.zeros(self.ncols + 1, dtype=self.index_dtype, device=col.device)
+        crow_t[1:] = counts.cumsum(0)
+        pattern_t = Pattern(crow_t, col_t, self.nrows)
+        pattern_t.validated = self.validated
+        # The transposed tensors are owned here, so the transposed Pattern needs no
+        # identity cache of its own: it is reached only through this one.
+        return pattern_t, crow_t, col_t, perm
 
     def with_diagonal(self, crow: torch.Tensor, col: torch.Tensor):
         """``(crow_d, col_d, src_pos, diag_pos)``: the pattern with every diagonal position
@@ -112,7 +168,7 @@ class Pattern:
         """
         with self._lock:
             if self._diagonal is None:
-                self._diagonal = _with_diagonal(self, crow, col)
+                self._diagonal = run_kept(col.device, _with_diagonal, self, crow, col)
                 _STATS["diagonals"] += 1
             return self._diagonal
 

@@ -48,7 +48,7 @@ import torch
 from .abi import DTYPES
 from .cache import CacheEntry, KernelCache
 from .fingerprint import SpecializationKey, fingerprint
-from .pattern import Pattern
+from .pattern import Pattern, run_kept
 
 log = logging.getLogger("torch_sparserl.runtime")
 
@@ -320,7 +320,7 @@ class Runtime:
             spec = render(family, {**_family_params(entry.params), "epilogue": epilogue}, op="spmm",
                           dtype=base.key.dtype, n=n)
             with _on_device(col):
-                launch = self.fused_installer(spec, crow, col, pattern.ncols, n)
+                launch = run_kept(col.device, self.fused_installer, spec, crow, col, pattern.ncols, n)
                 check_fused(launch, pattern, crow, col, n, DTYPES[base.key.dtype], epilogue)
         except Exception as exc:  # noqa: BLE001 - the unfused path is always there
             return self._fallback(pattern, slot, base.key, f"fused {family} with epilogue {epilogue} failed: "
@@ -379,6 +379,9 @@ class Runtime:
         """Fingerprint, cache, and otherwise specialize: the decision for one slot. The
         pattern's GPU is the current device throughout (a background thread would say cuda:0)."""
         with _on_device(col):
+            if col.is_cuda and torch.cuda.is_current_stream_capturing():
+                return self._fallback(pattern, slot, None, "first asked for while a CUDA graph was being captured, "
+                                      "where no decision can run (warm the graph up first)", None)
             try:
                 key = self._key(op, n, pattern, crow, col, dtype)
             except Exception as exc:  # noqa: BLE001 - fingerprinting must not break a product
@@ -402,7 +405,9 @@ class Runtime:
         if entry.spec_source is None:
             return self._fallback(pattern, slot, key, f"no kernel: {entry.reason}", None, quiet=True)
         try:
-            launch = self.installer(entry, crow, col, pattern.ncols)
+            # The plan data and index copies outlive the step: kept out of a CUDA graph's
+            # private pool when this runs in its warm-up (sync mode).
+            launch = run_kept(col.device, self.installer, entry, crow, col, pattern.ncols)
         except Exception as exc:  # noqa: BLE001
             return self._fallback(pattern, slot, key, f"installing {entry.family} failed: {exc}", exc)
         state = Installed(key, launch, f"{entry.family}{entry.params}", entry.reason, entry)
