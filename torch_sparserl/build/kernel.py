@@ -61,9 +61,9 @@ class Kernel:
                 f"pattern sizes changed since prepare (rows={rows}, nnz={nnz})")
         for name, t in (("val", val), ("x", x), ("y", y)):
             shape = operand_shapes(plan.op, rows, cols, nnz, n)[name]
+            dims = " x ".join(map(str, shape)) + " = " if len(shape) > 1 else ""
             _expect(t.numel() == math.prod(shape),
-                    f"{name} must have {' x '.join(map(str, shape))} = {math.prod(shape)} elements for "
-                    f"op={plan.op} (got {t.numel()})")
+                    f"{name} must have {dims}{math.prod(shape)} elements for op={plan.op} (got {t.numel()})")
         _expect(prepared.block <= self.max_threads,
                 f"block={prepared.block} exceeds the {self.max_threads} threads this kernel can run "
                 f"with {self.registers} registers per thread")
