@@ -16,6 +16,9 @@ Inductor's caches off:
   number of products still being specialized, until every product is decided and
   ``--after`` epochs more have run.
 
+``--mode reduce-overhead`` compiles both compiled ways under CUDA graphs (eager stays eager):
+the graphs are recorded with cuSPARSE, and recorded again once the kernels are decided.
+
 Break-even: the first epoch k from which, for every later epoch j of the run,
 ``waited + t_2 + ... + t_(j+1) <= j * t_eager``, where ``waited`` is what products waited for
 the runtime (``Runtime.stats["jit_s"]``: fingerprints, cache, and in sync mode the whole
@@ -24,6 +27,7 @@ compile, which every compiled way pays and is reported apart), and ``t_eager`` i
 median synchronized epoch. Losses of the first 20 epochs are compared with eager's.
 
     python benchmarks/bench_cold_start.py --graphs pubmed,dblp-2010 --models gcn,sage --hidden 128 --out benchmarks/results
+    python benchmarks/bench_cold_start.py --graphs pubmed --models gcn --mode reduce-overhead --out benchmarks/results/x.json
     python benchmarks/bench_cold_start.py --report benchmarks/results/cold-start-....json   # re-render
 """
 
@@ -82,6 +86,7 @@ def row_metrics(row: dict) -> dict:
     steady = cold["steady_ms"]
     out = {"breakeven_epochs": breakeven(cold["waited_s"], cold["epochs_ms"], eager["epochs_ms"], eager["epoch_ms"]),
            "steady_speedup_vs_eager": eager["epoch_ms"] / steady if steady else None,
+           "closed_speedup_vs_eager": eager["epoch_ms"] / cold["closed_ms"] if cold.get("closed_ms") else None,
            "first_epochs_ms": {"eager": sum(eager["epochs_ms"][:FIRST_EPOCHS]),
                                "cold": sum(cold["epochs_ms"][:FIRST_EPOCHS])}}
     during = cold["epochs_ms"][:cold["decided_after_epochs"]]
@@ -117,7 +122,7 @@ def run_eager(model, hidden, graph, device, epochs: int) -> dict:
             "epochs_ms": list(times[1:]), "losses": list(losses[:LOSS_EPOCHS])}
 
 
-def run_off(model, hidden, graph, device, epochs: int) -> dict:
+def run_off(model, hidden, graph, device, epochs: int, mode: str = "default") -> dict:
     """Compiled with the runtime off: the compile alone, then cuSPARSE inside the graph."""
     import torch
     from torch_sparserl import runtime as rt
@@ -125,7 +130,7 @@ def run_off(model, hidden, graph, device, epochs: int) -> dict:
     rt.configure(mode="off")
     torch._dynamo.reset()
     A = graph[f"csr_matrix_{model}"]
-    task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode="default"),
+    task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode=mode),
                             adjacency=bench.fresh_copy(A))
     epoch = bench.epoch_fn(task)
     times = [_timed(epoch, device)[0] for _ in range(epochs)]
@@ -139,7 +144,7 @@ def pending_products(runtime, A) -> int:
     return sum(text.startswith("specializing") for text in runtime.decisions(A.crow, A.col, A.shape[1]).values())
 
 
-def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float,
+def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float, mode: str = "default",
              runtime=None) -> dict:
     """The first run with the runtime on and an empty cache: each epoch timed, until every
     product is decided and ``after`` epochs more have run (or ``max_s`` has passed).
@@ -153,7 +158,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
         rt.set_active(runtime)
     torch._dynamo.reset()
     A = bench.fresh_copy(graph[f"csr_matrix_{model}"])
-    task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode="default"), adjacency=A)
+    task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode=mode), adjacency=A)
     epoch = bench.epoch_fn(task)
     first_ms, first_loss = _timed(epoch, device)
     epochs_ms, pending, losses = [], [], [first_loss]
@@ -171,11 +176,16 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
         losses.append(loss)
     runtime.wait()
     steady = epochs_ms[decided_at:] if decided_at is not None else []
-    result = {"jit": jit, "first_epoch_s": first_ms / 1e3, "epochs_ms": epochs_ms, "pending": pending,
+    # The same model once the runtime is closed (its sandbox worker, with the policy on the
+    # same GPU, stopped): what the worker's presence costs the epochs after the decisions.
+    runtime.close()
+    closed = [_timed(epoch, device)[0] for _ in range(after)]
+    result = {"jit": jit, "mode": mode, "first_epoch_s": first_ms / 1e3, "epochs_ms": epochs_ms, "pending": pending,
               "decided_after_epochs": decided_at if decided_at is not None else len(epochs_ms),
               "decided_after_s": sum(epochs_ms[:decided_at]) / 1e3 if decided_at is not None else None,
               "all_decided": decided_at is not None,
               "steady_ms": statistics.median(steady) if steady else None,
+              "closed_ms": statistics.median(closed) if closed else None,
               "losses": losses[:LOSS_EPOCHS], "waited_s": runtime.stats["jit_s"],
               "background_s": runtime.stats["background_s"], "stats": dict(runtime.stats),
               "kernels": runtime.decisions(A.crow, A.col, A.shape[1])}
@@ -184,17 +194,18 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
 
 
 def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: str = "background",
-                after: int = 50, max_s: float = 120.0, eager_epochs: int = 200, off: bool = True,
-                graph=None, runtime=None) -> dict:
+                mode: str = "default", after: int = 50, max_s: float = 120.0, eager_epochs: int = 200,
+                off: bool = True, graph=None, runtime=None) -> dict:
     import torch
 
     device = torch.device(device_name)
     graph = graph or bench.prepare_graph(name, device)
-    row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model, "hidden": hidden}
+    row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model, "hidden": hidden, "mode": mode}
     row["eager"] = run_eager(model, hidden, graph, device, eager_epochs)
     if off:
-        row["off"] = run_off(model, hidden, graph, device, 3 * LOSS_EPOCHS)
-    row["cold"] = run_cold(model, hidden, graph, device, jit=jit, after=after, max_s=max_s, runtime=runtime)
+        row["off"] = run_off(model, hidden, graph, device, 3 * LOSS_EPOCHS, mode=mode)
+    row["cold"] = run_cold(model, hidden, graph, device, jit=jit, after=after, max_s=max_s, mode=mode,
+                           runtime=runtime)
     row.update(row_metrics(row))
     return row
 
@@ -205,20 +216,26 @@ def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: st
 def markdown(doc: dict) -> str:
     env = doc.get("env", {})
     rows = doc.get("rows", [])
+    modes = sorted({row.get("mode", "default") for row in rows})
+    under = ("" if modes == ["default"] else
+             f" The compiled ways run under torch.compile mode {', '.join(modes)}"
+             + (": CUDA graphs, recorded with cuSPARSE serving and recorded again once the kernels are decided;"
+                " eager stays eager." if "reduce-overhead" in modes else "."))
     lines = [f"# First run on a graph (empty kernel cache) — {env.get('gpu', '?')}", "",
-             f"torch {env.get('torch')}, CUDA {env.get('cuda')}. Each row in a fresh process with an empty kernel "
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}.{under} Each row in a fresh process with an empty kernel "
              "cache and the runtime's default settings (JIT in the background: cuSPARSE serves until a kernel is "
              "installed). Epochs timed one by one (synchronized). *compile*: the first epoch with the runtime off "
              "(Dynamo, AOTAutograd, Inductor), paid by any compiled way and not counted below; beside it the cold "
              "run's first epoch (the same compile, with the runtime starting its work). *waited*: what the "
              "training loop waited for the runtime. *decided after*: epochs (and seconds) until no product was "
              "still being specialized. *during JIT*: eager's epoch over the median cold epoch before that; "
-             "*steady*: after it. Break-even: the first epoch k from which waited + the cold epochs 2..j+1 stay at "
+             "*steady*: after it; *closed*: then with the runtime closed (its sandbox worker stopped). Break-even: the first epoch k from which waited + the cold epochs 2..j+1 stay at "
              f"or under eager's epochs 2..j+1 for every later j of the run (target: {TARGET_EPOCHS}).", "",
              "| graph | model | hidden | eager ms | compile s (runtime off / on) | waited ms "
              f"| epochs 2–{FIRST_EPOCHS + 1} ms (eager / off / on) | decided after "
-             "| during JIT vs eager | steady vs eager | break-even epochs | kernels | losses equal |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|"]
+             "| during JIT vs eager | steady vs eager | closed vs eager | off vs eager | break-even epochs | kernels "
+             "| losses equal |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for row in rows:
         m, cold = row_metrics(row), row["cold"]
         first = m["first_epochs_ms"]
@@ -229,6 +246,7 @@ def markdown(doc: dict) -> str:
                      f"{_fmt(m.get('compile_s'), '.1f')} / {cold['first_epoch_s']:.1f} | {cold['waited_s'] * 1e3:.0f} | "
                      f"{first['eager']:.0f} / {_fmt(first.get('off'), '.0f')} / {first['cold']:.0f} | {decided} | "
                      f"{_fmt(m.get('during_jit_vs_eager'), '.2f', '×')} | {_fmt(m['steady_speedup_vs_eager'], '.2f', '×')} | "
+                     f"{_fmt(m.get('closed_speedup_vs_eager'), '.2f', '×')} | {_fmt(m.get('off_speedup_vs_eager'), '.2f', '×')} | "
                      f"{_fmt(m['breakeven_epochs'], 'd')} | {installed} of {len(cold['kernels'])} installed | "
                      f"{'yes' if m['losses_equal'] else 'no'} ({m['loss_rel_diff']:.1e}) |")
     if rows:
@@ -308,6 +326,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="gcn,sage")
     parser.add_argument("--hidden", default="128")
     parser.add_argument("--jit", default="background", choices=("background", "sync"))
+    parser.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
+                        help="torch.compile mode of the compiled ways (eager stays eager)")
     parser.add_argument("--after", type=int, default=50, help="epochs timed after every product is decided")
     parser.add_argument("--max-s", type=float, default=120.0, help="stop a row's timed run after this long")
     parser.add_argument("--row-timeout-s", type=float, default=600.0)
@@ -328,7 +348,8 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if bench._cuda() else "cpu")
     if args.row:  # the child: one row, in this fresh process
         name, model, hidden = args.row
-        row = measure_row(name, model, int(hidden), device, jit=args.jit, after=args.after, max_s=args.max_s)
+        row = measure_row(name, model, int(hidden), device, jit=args.jit, mode=args.mode, after=args.after,
+                          max_s=args.max_s)
         Path(args.row_out).write_text(json.dumps(row) + "\n")
         return 0
 
@@ -351,7 +372,7 @@ def main(argv=None) -> int:
                 with tempfile.TemporaryDirectory(prefix="sparserl-cold-") as tmp:
                     row_out = Path(tmp) / "row.json"
                     command = [sys.executable, __file__, "--row", name, model, str(hidden), "--row-out", str(row_out),
-                               "--jit", args.jit, "--after", str(args.after), "--max-s", str(args.max_s),
+                               "--jit", args.jit, "--mode", args.mode, "--after", str(args.after), "--max-s", str(args.max_s),
                                "--device", device]
                     started = time.perf_counter()
                     result = subprocess.run(command, env=_child_env(str(Path(tmp) / "cache")), capture_output=True,
