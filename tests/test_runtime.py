@@ -414,3 +414,59 @@ def test_background_mode_decides_off_the_callers_thread(tmp_path, monkeypatch):
     torch.testing.assert_close(call(background, A, crow2, col2, val, X), expected(A, crow2, col2, val, X))
     assert background.stats["jit_s"] < 0.1
     background.close()
+
+
+class _ClosingSpecializer:
+    """A specializer with a worker to stop: counts the stops."""
+
+    def __init__(self, fakes):
+        self.fakes, self.closed = fakes, 0
+
+    def __call__(self, key, crow, col, ncols):
+        return self.fakes.specializer(key, crow, col, ncols)
+
+    def close(self):
+        self.closed += 1
+
+
+def _idle_runtime(tmp_path, idle_s):
+    fakes = Fakes()
+    specializer = _ClosingSpecializer(fakes)
+    runtime = Runtime(RuntimeSettings(mode="sync", idle_s=idle_s), cache=KernelCache(tmp_path),
+                      specializer=specializer, installer=fakes.installer, devices=("cpu",))
+    A = make_pattern("cora (real)")
+    crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
+    return runtime, specializer, A, crow, col, val
+
+
+def test_an_idle_worker_is_stopped_and_a_busy_one_kept(tmp_path):
+    runtime, specializer, A, crow, col, val = _idle_runtime(tmp_path, idle_s=1.0)
+    try:
+        call(runtime, A, crow, col, val, torch.randn(A.shape[1], 4))
+        time.sleep(0.6)
+        call(runtime, A, crow, col, val, torch.randn(A.shape[1], 8))  # another key: the idle clock restarts
+        time.sleep(0.5)
+        assert specializer.closed == 0  # 1.1 s since the first, 0.5 s since the last
+        deadline = time.monotonic() + 5
+        while specializer.closed == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert specializer.closed == 1 and runtime.stats["worker_stops"] == 1
+        time.sleep(1.2)
+        assert specializer.closed == 1  # once per idle spell
+        call(runtime, A, crow, col, val, torch.randn(A.shape[1], 16))  # the worker would start again
+        assert len(specializer.fakes.specialized) == 3
+    finally:
+        runtime.close()
+
+
+def test_idle_zero_keeps_the_worker(tmp_path):
+    runtime, specializer, A, crow, col, val = _idle_runtime(tmp_path, idle_s=0)
+    try:
+        call(runtime, A, crow, col, val, torch.randn(A.shape[1], 4))
+        time.sleep(0.2)
+        assert specializer.closed == 0 and runtime._idle_timer is None
+    finally:
+        runtime.close()
+    with pytest.raises(ValueError, match="idle_s must be >= 0"):
+        RuntimeSettings(idle_s=-1)
+    assert RuntimeSettings.from_env({"SPARSERL_JIT_IDLE_S": "2.5"}).idle_s == 2.5

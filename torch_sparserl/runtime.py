@@ -81,6 +81,11 @@ class RuntimeSettings:
     Part of the cache key, with the checkpoint's hash."""
     k: int = 4
     """Candidates the learned policy samples per key."""
+    idle_s: float = 30.0
+    """Seconds without a specialization after which the specializer's worker process (the
+    sandbox, with the policy on the GPU) is stopped, giving back its GPU memory and context;
+    the next specialization starts it again, in the background (about 17 s on an H100, so the
+    default waits about twice that). 0: keep it for the runtime's life."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -95,16 +100,19 @@ class RuntimeSettings:
             raise ValueError(f"RuntimeSettings: policy must be one of {POLICIES} (got {self.policy!r})")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 64:
             raise ValueError(f"RuntimeSettings: k must be an integer in 1..64 (got {self.k!r})")
+        if not self.idle_s >= 0:
+            raise ValueError(f"RuntimeSettings: idle_s must be >= 0 (got {self.idle_s})")
 
     @classmethod
     def from_env(cls, environ=os.environ) -> RuntimeSettings:
         """Defaults, overridden by ``SPARSERL_JIT``, ``SPARSERL_JIT_BUDGET_S``, ``SPARSERL_JIT_MARGIN``,
-        ``SPARSERL_JIT_STRICT``, ``SPARSERL_JIT_POLICY`` and ``SPARSERL_JIT_K``."""
+        ``SPARSERL_JIT_STRICT``, ``SPARSERL_JIT_POLICY``, ``SPARSERL_JIT_K`` and ``SPARSERL_JIT_IDLE_S``."""
         changes = {}
         for name, field_name, parse in (("SPARSERL_JIT", "mode", str), ("SPARSERL_JIT_BUDGET_S", "budget_s", float),
                                         ("SPARSERL_JIT_MARGIN", "margin", float),
                                         ("SPARSERL_JIT_STRICT", "strict", _parse_bool),
-                                        ("SPARSERL_JIT_POLICY", "policy", str), ("SPARSERL_JIT_K", "k", int)):
+                                        ("SPARSERL_JIT_POLICY", "policy", str), ("SPARSERL_JIT_K", "k", int),
+                                        ("SPARSERL_JIT_IDLE_S", "idle_s", float)):
             raw = environ.get(name)
             if raw:
                 try:
@@ -194,13 +202,15 @@ class Runtime:
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()  # reentrant: sync mode specializes inside _resolve
         self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
+        self._idle_timer: threading.Timer | None = None
+        self._last_specialized = 0.0
         # calls served by a kernel / by cuSPARSE; kernels installed (from the cache or freshly
         # specialized: the cache's own stats count the builds); fallback decisions taken;
         # seconds products waited for decisions (fingerprint, cache, and in sync mode the
         # specialization and build: the JIT cost a training loop sees) and seconds the
         # background thread spent deciding
         self.stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
-                      "jit_s": 0.0, "background_s": 0.0}
+                      "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0}
 
     @property
     def cache(self) -> KernelCache:
@@ -399,6 +409,8 @@ class Runtime:
                 entry = self.cache.get_or_create(key, lambda k: self.specializer(k, crow, col, pattern.ncols))
         except Exception as exc:  # noqa: BLE001 - any failure falls back, loudly
             return self._fallback(pattern, slot, key, f"specialization failed: {type(exc).__name__}: {exc}", exc)
+        finally:
+            self._arm_idle_stop()
         return self._install(pattern, slot, key, entry, crow, col)
 
     def _install(self, pattern, slot, key, entry: CacheEntry, crow, col):
@@ -448,6 +460,35 @@ class Runtime:
                 return fn(*args)
         return self._pool().submit(timed)
 
+    # ------------------------------------------------------------------ the worker's life
+    def _arm_idle_stop(self) -> None:
+        """After a specialization: stop the specializer's worker once ``idle_s`` pass without another."""
+        self._last_specialized = time.monotonic()
+        if self.settings.idle_s <= 0 or getattr(self.specializer, "close", None) is None:
+            return
+        timer = threading.Timer(self.settings.idle_s, self._stop_if_idle)
+        timer.daemon = True
+        with self._lock:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self._idle_timer = timer
+        timer.start()
+
+    def _stop_if_idle(self) -> None:
+        if not self._specialize_lock.acquire(blocking=False):
+            return  # a specialization is running: it arms the timer again when it ends
+        try:
+            if time.monotonic() - self._last_specialized < self.settings.idle_s:
+                return  # another one ended since: its own timer decides
+            self.specializer.close()
+            self.stats["worker_stops"] += 1
+            log.info("sparserl: no specialization for %.0f s: the specializer's worker is stopped (it starts "
+                     "again with the next one)", self.settings.idle_s)
+        except Exception as exc:  # noqa: BLE001 - a worker that will not stop is closed with the runtime
+            log.warning("sparserl runtime: stopping the idle worker failed: %s", exc)
+        finally:
+            self._specialize_lock.release()
+
     def prewarm(self, device=None, *, background: bool = False) -> float | None:
         """Start now what the first specialization of a process waits for: the sandbox's
         worker and the learned policy (about 10 s on an H100). In ``background``, a training
@@ -470,6 +511,8 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001 - the first key will try again
                 log.warning("sparserl runtime: prewarm failed: %s", exc)
                 return None
+            finally:
+                self._arm_idle_stop()
             return time.perf_counter() - started
 
         if background:
@@ -515,6 +558,10 @@ class Runtime:
 
     def close(self) -> None:
         """Stop the background thread and the specializer's worker process."""
+        with self._lock:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
