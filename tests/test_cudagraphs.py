@@ -67,7 +67,7 @@ def test_graphs_are_kept_when_no_kernel_was_installed(made, outcome):
 
 
 def test_only_the_collecting_graph_takes_the_callables(made):
-    ours, other = Decisions([Future()]), Decisions([Future()])
+    ours, other = cudagraphs.Decisions([Future()]), cudagraphs.Decisions([Future()])
     with ours.collecting():
         compile_fx.cudagraphify(lambda x: x, (), device_index=0, is_backward=False, is_inference=False)
     with other.collecting():
@@ -75,8 +75,6 @@ def test_only_the_collecting_graph_takes_the_callables(made):
     compile_fx.cudagraphify(lambda x: x, (), device_index=0, is_backward=False, is_inference=False)
     assert len(ours.recordings) == 1 and len(other.recordings) == 1 and len(made) == 3
 
-
-Decisions = cudagraphs.Decisions
 
 
 def test_this_torch_is_supported():
