@@ -221,7 +221,7 @@ def markdown(doc: dict) -> str:
     rows = doc.get("rows", [])
     modes = sorted({row.get("mode", "default") for row in rows})
     order = ("the cold run is the first compiled model of its process, the runtime-off one comes after it."
-             if all(row.get("order", ["eager", "off", "cold"]).index("cold") < 2 for row in rows) else
+             if all(row.get("order", [])[:2] == ["eager", "cold"] for row in rows) else
              "the runtime-off run comes before the cold one in the same process, so the cold run does not pay the "
              "process's first CUDA graph recording.")
     under = ("" if modes == ["default"] else

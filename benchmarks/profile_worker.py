@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,8 +46,6 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-
-    import os
 
     os.environ["SPARSERL_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparserl-worker-")
     import torch
@@ -83,16 +82,12 @@ def main(argv=None) -> int:
           f"the worker holds {summary['worker_gpu_mib']:.0f} MiB of GPU memory", flush=True)
     from bench_kernels import environment
 
+    A = graph[f"csr_matrix_{args.model}"]
     doc = {"schema": "torch_sparserl.profile_worker/1", "env": environment(), "args": vars(args),
            "command": "python benchmarks/profile_worker.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "rows": rows, "summary": summary, "kernels": runtime.decisions(*_parts(graph, args.model))}
+           "rows": rows, "summary": summary, "kernels": runtime.decisions(A.crow, A.col, A.shape[1])}
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
-
-
-def _parts(graph, model):
-    A = graph[f"csr_matrix_{model}"]
-    return A.crow, A.col, A.shape[1]
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ class Recording:
         self._make = make
         self.is_backward = is_backward
         self._run = make()
-        self.made = 1
 
     def __call__(self, *args, **kwargs):
         # Only a forward call swaps the graphs: a step's backward then runs the recording
@@ -70,7 +69,6 @@ class Recording:
 
     def rerecord(self) -> None:
         self._run = self._make()
-        self.made += 1
 
 
 class Decisions:
