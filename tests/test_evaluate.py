@@ -7,6 +7,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import torch_sparserl
 from torch_sparserl.abi import KernelSpec, check_source
 from torch_sparserl.evaluate import (ErrorKind, EvalConfig, EvalRecord, Sandbox, SandboxError, harness,
                                      reward)
@@ -307,6 +311,51 @@ def test_sandbox_start_failure_is_the_sandbox_s_error():
     with pytest.raises(ValueError, match="Sandbox: task must name a function"):
         Sandbox(task="no_colon")
 
+
+
+def test_sandbox_does_not_rerun_a_flat_script(tmp_path):
+    """A script without a main guard runs its top level once: the worker never imports it
+    (spawn did, and the worker then trained a second time before answering)."""
+    marker = tmp_path / "runs"
+    script = tmp_path / "flat_script.py"
+    script.write_text(textwrap.dedent(f"""\
+        from torch_sparserl.evaluate import Sandbox
+        with open({str(marker)!r}, "a") as f:
+            f.write("top level ran\\n")
+        box = Sandbox(task={task("echo")!r}, init=None, matrix_loader=None, health_check=None,
+                      start_timeout_s=30)
+        print("result:", box.run({task("echo")!r}, ("flat",), timeout_s=30).value["value"])
+        box.close()
+        """))
+    root = str(Path(torch_sparserl.__file__).parents[1])  # the package under test, not another install
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                            env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "result: flat" in result.stdout
+    assert marker.read_text().splitlines() == ["top level ran"]
+
+
+def test_sandbox_without_pidfd_and_with_the_parents_sys_path(tmp_path, monkeypatch):
+    """Without os.pidfd_open the parent polls for the worker's death; tasks importable only
+    through the parent's sys.path resolve in the worker."""
+    (tmp_path / "sandbox_path_task.py").write_text("import os\n\ndef where():\n    return os.getpid()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def no_pidfd(pid):
+        raise OSError("pidfd_open: not here")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd, raising=False)
+    with Sandbox(task=task("echo"), init=None, matrix_loader=None, health_check=None) as box:
+        pid = box.run("sandbox_path_task:where", timeout_s=5).value
+        assert pid == box.worker_pid != os.getpid()
+        assert box.run(task("echo"), (1,), timeout_s=5).value["value"] == 1
+        crashed = box.run(task("exit_hard"), timeout_s=5)
+        assert crashed.status == "crash" and crashed.exitcode == 9 and "about to exit" in crashed.output_tail
+        start = time.monotonic()
+        hung = box.run(task("hang"), timeout_s=0.5)
+        assert hung.status == "timeout" and time.monotonic() - start < 3
+        assert box.run("sandbox_path_task:where", timeout_s=5).value not in (pid, None)
 
 # =========================================================================== verdicts, CPU stand-ins
 

@@ -1,9 +1,11 @@
 """The sandbox's worker process: runs tasks for :class:`~.sandbox.Sandbox`, one at a time.
 
 This module must not import ``torch_sparserl`` (or torch) at module level. The sandbox
-starts it with ``runpy.run_path`` rather than by import, so that starting a worker does not
-import the package (seconds: it imports torch); a worker for GPU tasks imports what its
-task needs, once. Messages carry only builtins and numpy arrays for the same reason.
+starts it in a fresh interpreter (``subprocess``, never the caller's main module) with
+``runpy.run_path`` rather than by import, so that starting a worker does not import the
+package (seconds: it imports torch); a worker for GPU tasks imports what its task needs,
+once. Messages carry only builtins and numpy arrays for the same reason. Its arguments come
+as JSON in ``sys.argv[1]``; the pipe is a socket inherited as file descriptor ``fd``.
 
 Protocol (parent → worker): ``("matrix", key, payload)``, ``("task", path, args, kwargs,
 matrix_key, matrix_arg, progress)``, ``("stop",)``. Worker → parent: ``("ready", pid,
@@ -16,6 +18,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import threading
@@ -145,5 +148,10 @@ def main(conn, log_path: str, parent_pid: int, init: str | None, matrix_loader: 
             os._exit(0)
 
 
-if __name__ == RUN_NAME:
-    main(**globals()["SANDBOX_ARGS"])  # injected by sandbox.Sandbox through runpy's init_globals
+if __name__ == RUN_NAME:  # started by sandbox._Worker, which has set sys.path to its own
+    from multiprocessing.connection import Connection
+
+    _arguments = json.loads(sys.argv[1])
+    del sys.argv[1:]
+    os.set_inheritable(_arguments["fd"], False)  # not passed on to programs a task runs
+    main(Connection(_arguments.pop("fd")), **_arguments)

@@ -1,6 +1,8 @@
 """Run untrusted candidates in a child process, so a crash or a hang never takes the caller down.
 
-A :class:`Sandbox` keeps one persistent worker process (``spawn``: CUDA cannot be forked).
+A :class:`Sandbox` keeps one persistent worker process: a fresh interpreter started with
+``subprocess`` (CUDA cannot be forked), so the caller's main module is never imported in it
+and a flat script without an ``if __name__ == "__main__":`` guard is not run a second time.
 The worker initializes CUDA once, caches the matrices it was sent, and runs one task at a
 time. The parent waits with a timeout:
 
@@ -11,19 +13,17 @@ time. The parent waits with a timeout:
 
 The worker runs tasks named by import path, so the machinery is tested on CPU with
 hostile Python tasks (hang, ``os._exit``, abort, segfault, megabytes of output).
-
-Scripts that use a Sandbox need the usual ``if __name__ == "__main__":`` guard (spawn
-re-imports the main module in the child).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
-import runpy
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,52 +98,95 @@ def _parent_cuda_device() -> str | None:
     return names[index] if index < len(names) else None
 
 
+# The child's command line: ``-c BOOTSTRAP ARGUMENTS_JSON *PARENT_SYS_PATH``. The parent's
+# sys.path is installed before anything is imported (only the builtin sys before it), so the
+# worker imports what the parent would, and tasks importable only through the parent's path
+# (a test directory) resolve. runpy, not an import of this package: see _worker's docstring.
+_BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[2:]; del sys.argv[2:]; import runpy; "
+              f"runpy.run_path({_worker.__file__!r}, run_name={_worker.RUN_NAME!r})")
+_POLL_S = 0.05  # how often wait() checks the worker's life without a pidfd
+
+
 class _Worker:
-    """One child process and its end of the pipe."""
+    """One child process and its end of the pipe (a socket pair, as ``multiprocessing.Pipe``)."""
 
     def __init__(self, sandbox: Sandbox):
-        context = multiprocessing.get_context("spawn")
-        self.conn, child_conn = context.Pipe(duplex=True)
-        arguments = dict(conn=child_conn, log_path=sandbox.log_path, parent_pid=os.getpid(),
+        parent_sock, child_sock = socket.socketpair()
+        arguments = dict(fd=child_sock.fileno(), log_path=sandbox.log_path, parent_pid=os.getpid(),
                          init=sandbox.init, matrix_loader=sandbox.matrix_loader,
                          health_check=sandbox.health_check, cuda_visible_devices=_parent_cuda_device())
-        # runpy.run_path, not a function of this package: the child starts without importing
-        # torch_sparserl (and torch); see _worker's docstring.
-        self.process = context.Process(
-            target=runpy.run_path, args=(_worker.__file__,),
-            kwargs=dict(init_globals={"SANDBOX_ARGS": arguments}, run_name=_worker.RUN_NAME),
-            daemon=True, name="sparserl-sandbox")
-        self.process.start()
-        child_conn.close()
+        path = [os.fsdecode(entry) for entry in sys.path if isinstance(entry, (str, bytes, os.PathLike))]
+        try:
+            # Its output goes to the log from the start (the worker redirects it there too):
+            # an interpreter that fails before main() still leaves its traceback for the parent.
+            with open(sandbox.log_path, "ab") as output:
+                self.popen = subprocess.Popen(
+                    [sys.executable, "-c", _BOOTSTRAP, json.dumps(arguments), *path],
+                    stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+                    pass_fds=(child_sock.fileno(),), start_new_session=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            parent_sock.close()
+            raise SandboxError(f"Sandbox: cannot start the worker ({exc})") from exc
+        finally:
+            child_sock.close()
+        self.conn = multiprocessing.connection.Connection(parent_sock.detach())
+        self.pid = self.popen.pid
+        try:  # readable once the worker exits: wait() sees a message or the death at once
+            self.pidfd: int | None = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3: wait() polls instead
+            self.pidfd = None
         self.matrices: set[str] = set()
         self.info: dict = {}
-        self.pid = self.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while the worker runs; negative: killed by that signal (as multiprocessing)."""
+        return self.popen.poll()
+
+    def join(self, timeout: float | None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
     def wait(self, timeout: float | None) -> str:
         """``"message"``, ``"dead"`` or ``"timeout"``."""
-        ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], timeout)
-        if self.conn in ready:
-            return "message"
-        return "dead" if ready else "timeout"
+        if self.pidfd is not None:
+            ready = multiprocessing.connection.wait([self.conn, self.pidfd], timeout)
+            if self.conn in ready:
+                return "message"
+            return "dead" if ready else "timeout"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
+            if self.conn.poll(left):
+                return "message"
+            if self.exitcode is not None:  # what it sent before dying is read first
+                return "message" if self.conn.poll(0) else "dead"
+            if deadline is not None and time.monotonic() >= deadline:
+                return "timeout"
 
     def kill(self) -> None:
-        """SIGKILL the worker's whole process group (compilers it started die with it)."""
-        if self.process.exitcode is None:
+        """SIGKILL the worker's whole process group (compilers it started die with it), reap it."""
+        if self.exitcode is None:
             try:
-                if os.getpgid(self.pid) == self.pid:
+                if os.getpgid(self.pid) == self.pid:  # its own session (start_new_session)
                     os.killpg(self.pid, signal.SIGKILL)
-                else:  # setsid has not run yet: kill the worker alone
-                    self.process.kill()
+                else:  # not its own group (no setsid): kill the worker alone
+                    self.popen.kill()
             except (ProcessLookupError, PermissionError):
                 pass
-        self.process.join(10)
+        self.join(10)
         self.conn.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     def stop(self, timeout: float = 5.0) -> None:
         try:
-            if self.process.exitcode is None:
+            if self.exitcode is None:
                 self.conn.send(("stop",))
-                self.process.join(timeout)
+                self.join(timeout)
         except (OSError, BrokenPipeError):
             pass
         self.kill()
@@ -213,7 +256,7 @@ class Sandbox:
         bytes its device allocator still reserves; None without a worker (none is started).
         Tuners call it after each problem: on a 65 M-nonzero graph the worker otherwise kept
         ~68 GB of GPU memory from the training it was specializing for (measured on the H100)."""
-        if self.release_task is None or self._worker is None or self._worker.process.exitcode is not None:
+        if self.release_task is None or self._worker is None or self._worker.exitcode is not None:
             return None
         outcome = self.run(self.release_task, timeout_s=timeout_s)
         if outcome.status != "ok":
@@ -238,7 +281,7 @@ class Sandbox:
     def _ensure_worker(self) -> _Worker:
         if self.closed:
             raise SandboxError("Sandbox: used after close()")
-        if self._worker is not None and self._worker.process.exitcode is None:
+        if self._worker is not None and self._worker.exitcode is None:
             return self._worker
         self._drop_worker()
         self._truncate_log()
@@ -249,7 +292,7 @@ class Sandbox:
         if message is None or message[0] != "ready":
             detail = message[1] if message and message[0] == "init_error" else {
                 "timeout": f"no answer within {self.start_timeout_s} s",
-                "dead": _describe_exit(worker.process.exitcode)[0],
+                "dead": _describe_exit(worker.exitcode)[0],
                 "message": "it closed the pipe"}[state]
             worker.kill()
             raise SandboxError(f"Sandbox: the worker did not start ({detail})\n"
@@ -350,7 +393,7 @@ class Sandbox:
                 outcome.output_tail = self._log_tail()
             outcome.restarted = bool(message[-1])
             if outcome.restarted:
-                worker.process.join(10)
+                worker.join(10)
                 self._drop_worker()
             return outcome
         if state == "timeout":
@@ -358,9 +401,9 @@ class Sandbox:
             outcome.error = f"no answer within {timeout_s:g} s; the worker was killed"
             self._drop_worker()
         else:  # the worker died (or closed the pipe, then died)
-            worker.process.join(10)
+            worker.join(10)
             outcome.status = "crash"
-            outcome.exitcode = worker.process.exitcode
+            outcome.exitcode = worker.exitcode
             outcome.error, outcome.signal = _describe_exit(outcome.exitcode)
             self._drop_worker()
         outcome.restarted = True
