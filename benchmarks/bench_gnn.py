@@ -198,6 +198,17 @@ def pyg_task(model_name: str, params: dict, features, hidden, classes, edge_inde
 # ----------------------------------------------------------------------- training
 
 
+def reset_compiled():
+    """Forget compiled code, and take out the eager interception of raw CSR products that
+    compiling with the sparserl backend installs for the rest of the process, so that the
+    next way (eager ``torch.sparse`` above all) runs as in a process that never named it."""
+    import torch
+    from torch_sparserl import intercept
+
+    torch._dynamo.reset()
+    intercept.deactivate_backend()
+
+
 def _sync(device):
     import torch
     if device.type == "cuda":
@@ -288,7 +299,7 @@ def run_way(way, model_name, hidden, graph, device, args) -> dict:
     import torch
     from torch_sparserl import runtime as rt
 
-    torch._dynamo.reset()
+    reset_compiled()
     if way in SPARSERL_WAYS:
         runtime = rt.active()  # one runtime for the process (main configures and prewarms it)
         before = dict(runtime.stats), SPECIALIZED["keys"]
@@ -298,7 +309,7 @@ def run_way(way, model_name, hidden, graph, device, args) -> dict:
     except torch.cuda.OutOfMemoryError as exc:
         return {"status": "oom", "error": str(exc).splitlines()[0]}
     finally:
-        torch._dynamo.reset()
+        reset_compiled()
     if way in SPARSERL_WAYS:
         from torch_sparserl import passes
 
@@ -342,7 +353,7 @@ def warm_start(way, model_name, hidden, graph, device, args) -> dict:
     warm = rt.Runtime(cold.settings, cache=KernelCache(cold.cache.root), specializer=no_specializing)
     fresh = fresh_copy(graph[f"csr_matrix_{model_name}"])
     rt.set_active(warm)
-    torch._dynamo.reset()
+    reset_compiled()
     try:
         epoch = epoch_fn(build_task(way, model_name, hidden, graph, device, args, adjacency=fresh))
         _sync(device)
@@ -351,7 +362,7 @@ def warm_start(way, model_name, hidden, graph, device, args) -> dict:
         _sync(device)
         first_s = time.perf_counter() - start
     finally:
-        torch._dynamo.reset()
+        reset_compiled()
         rt.set_active(cold)
         warm.close()
     return {"jit_s": warm.stats["jit_s"], "first_epoch_s": first_s, "loss": float(loss.detach()),

@@ -216,13 +216,22 @@ def _nvidia_smi() -> dict:
             "power_limit_w": values[5], "temperature_c": values[6]}
 
 
+def _cpu_model() -> str | None:
+    """The host CPU's model name (launch-bound timings depend on it), or None where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return platform.processor() or None
+
+
 def environment() -> dict:
     import scipy
     import torch
 
     env = {"gpu": None, "gpu_slug": "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
-           "platform": platform.platform(), "host": platform.node(),
+           "platform": platform.platform(), "host": platform.node(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
            "clocks_changed": False}
     if torch.cuda.is_available():

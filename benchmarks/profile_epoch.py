@@ -32,7 +32,7 @@ def profile_way(way: str, graph, model: str, hidden: int, device, epochs: int, r
     from torch_sparserl import runtime as rt
 
     rt.configure(mode="off" if way == "sparserl_off" else "sync")
-    torch._dynamo.reset()
+    bench.reset_compiled()
     task = bench.build_task("sparserl" if way.startswith("sparserl") else way, model, hidden, graph, device,
                             SimpleNamespace(mode="default"))
     epoch = bench.epoch_fn(task)
@@ -68,7 +68,7 @@ def profile_way(way: str, graph, model: str, hidden: int, device, epochs: int, r
     if way == "sparserl":
         A = graph[f"csr_matrix_{model}"]
         result["kernels"] = rt.active().decisions(A.crow, A.col, A.shape[1])
-    torch._dynamo.reset()
+    bench.reset_compiled()
     return result
 
 

@@ -31,6 +31,17 @@ def test_breakeven_is_where_the_run_stays_ahead_of_eager():
     assert breakeven(0.0, [], [], 2.0) is None
 
 
+def test_eager_reference_brackets_the_compiled_runs():
+    cold = load_benchmark("bench_cold_start")
+    skipped = [100.0] * (cold.LOSS_EPOCHS - 1)  # eager's first epochs are not in its reference
+    before = {"epoch_ms": 2.0, "epochs_ms": skipped + [2.0, 2.0, 2.0]}
+    assert cold.eager_ms({"eager": before}) == 2.0  # rows from before the bracketing
+    after = {"epoch_ms": 4.0, "epochs_ms": skipped + [4.0, 4.0]}
+    assert cold.eager_ms({"eager": before, "eager_after": after}) == 2.0  # median of 2, 2, 2, 4, 4
+    after["epochs_ms"] += [4.0, 4.0]
+    assert cold.eager_ms({"eager": before, "eager_after": after}) == 4.0
+
+
 class SlowSpecializer:
     """Decides a key once ``ready()`` says so (polled, as a specializer waits on its sandbox),
     with a kernel that computes the product densely."""
@@ -95,6 +106,7 @@ def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path
     assert len(c["epochs_ms"]) >= c["decided_after_epochs"] + 5 and len(c["losses"]) == cold.LOSS_EPOCHS
     assert row["losses_equal"], row["loss_rel_diff"]
     assert row["off"]["first_epoch_s"] > 0 and row["steady_speedup_vs_eager"] > 0
+    assert row["order"] == ["eager", "cold", "off", "eager"] and row["eager_ms"] == cold.eager_ms(row)
 
     doc = {"env": {"gpu": None}, "runs": [{"command": "test", "started": "now"}], "rows": [row]}
     path = tmp_path / "cold.json"
