@@ -54,8 +54,9 @@ MODELS = ["gcn", "sage"]
 HIDDEN = [128, 256]
 WAYS = ["eager", "inductor", "pyg", "sparserl"]
 # also available: sparserl with the fused epilogues (off by default), to measure what the
-# fusion is worth against Inductor's pointwise kernel after the product: --ways ...,sparserl,sparserl_fused
-EXTRA_WAYS = ["sparserl_fused"]
+# fusion is worth against Inductor's pointwise kernel after the product: --ways ...,sparserl,sparserl_fused;
+# and sparserl_eager, the CSRMatrix model run eagerly (no torch.compile) on the same runtime and kernels
+EXTRA_WAYS = ["sparserl_fused", "sparserl_eager"]
 FEATURES = 128
 CLASSES = 16
 LOSS_EPOCHS = 20
@@ -266,7 +267,8 @@ def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dic
             "losses": [float(v) for v in torch.stack(losses).cpu()]}
 
 
-SPARSERL_WAYS = ("sparserl", "sparserl_fused")
+SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager")
+COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused")
 
 
 def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
@@ -288,7 +290,7 @@ def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
         mm = torch.sparse.mm
         aggregate = Product(graph[f"torch_csr_{model_name}"], torch.compiler.disable(mm) if way == "inductor" else mm)
     task = Task(model, aggregate, x, y, train)
-    if way in ("inductor",) + SPARSERL_WAYS:
+    if way in COMPILED_WAYS:
         task = torch.compile(task, backend="inductor" if way == "inductor" else "sparserl",
                              mode=None if args.mode == "default" else args.mode,
                              options={"fuse_epilogues": True} if way == "sparserl_fused" else None)
@@ -299,10 +301,13 @@ def run_way(way, model_name, hidden, graph, device, args) -> dict:
     import torch
     from torch_sparserl import runtime as rt
 
+    from torch_sparserl import passes
+
     reset_compiled()
     if way in SPARSERL_WAYS:
         runtime = rt.active()  # one runtime for the process (main configures and prewarms it)
         before = dict(runtime.stats), SPECIALIZED["keys"]
+        passes.REPORTS.clear()  # what an earlier way's warm start compiled is not this way's
     task = build_task(way, model_name, hidden, graph, device, args)
     try:
         result = train_and_time(task, list(task.parameters()), device, args.chunks, args.min_chunk_s)
@@ -311,8 +316,6 @@ def run_way(way, model_name, hidden, graph, device, args) -> dict:
     finally:
         reset_compiled()
     if way in SPARSERL_WAYS:
-        from torch_sparserl import passes
-
         result["fused_epilogues"] = sorted({line for report in passes.REPORTS for line in report.fused})
         passes.REPORTS.clear()
         result["jit_s"] = runtime.stats["jit_s"] - before[0]["jit_s"]
@@ -444,6 +447,12 @@ def row_metrics(row: dict) -> dict:
     fused = ways.get("sparserl_fused", {})
     if "sparserl" in ms and fused.get("status") == "ok":
         out["fusion_speedup"] = ms["sparserl"] / fused["epoch_ms"]
+    uncompiled = ways.get("sparserl_eager", {})
+    if uncompiled.get("status") == "ok":
+        if "eager" in ms:
+            out["uncompiled_vs_eager"] = ms["eager"] / uncompiled["epoch_ms"]
+        if "sparserl" in ms:
+            out["uncompiled_vs_compiled"] = ms["sparserl"] / uncompiled["epoch_ms"]
     finals = {w: ways[w]["losses"][-1] for w in WAYS + EXTRA_WAYS if ways.get(w, {}).get("status") == "ok"}
     if len(finals) > 1:
         ref = finals.get("eager", next(iter(finals.values())))
@@ -517,6 +526,18 @@ def markdown(doc: dict) -> str:
                          f"{_fmt(u.get('epoch_ms'), '.3f')} | {_fmt(m.get('fusion_speedup'), '.3f', '×')} | "
                          f"{'; '.join(f.get('fused_epilogues', [])) or '—'} |")
         lines.append(f"| geometric mean | | | | | {_fmt(geomean(m.get('fusion_speedup') for _, m in fusion), '.3f', '×')} | |")
+    uncompiled = [(r, row_metrics(r)) for r in rows if "sparserl_eager" in r["ways"]]
+    if uncompiled:
+        lines += ["", "Without torch.compile: sparserl_eager (the CSRMatrix model run eagerly, same runtime and "
+                  "kernels) against eager torch.sparse and against sparserl compiled:", "",
+                  "| graph | model | hidden | sparserl_eager ms | vs eager | vs sparserl compiled |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r, m in uncompiled:
+            lines.append(f"| {r['graph']} | {r['model']} | {r['hidden']} | "
+                         f"{_fmt(r['ways']['sparserl_eager'].get('epoch_ms'), '.2f')} | "
+                         f"{_fmt(m.get('uncompiled_vs_eager'), '.2f', '×')} | {_fmt(m.get('uncompiled_vs_compiled'), '.2f', '×')} |")
+        lines.append(f"| geometric mean | | | | {_fmt(geomean(m.get('uncompiled_vs_eager') for _, m in uncompiled), '.2f', '×')} | "
+                     f"{_fmt(geomean(m.get('uncompiled_vs_compiled') for _, m in uncompiled), '.2f', '×')} |")
     lines += ["", "Runs (the runtime's one-time start — sandbox worker, policy load — is done by a prewarm "
               "before the first graph and is not in any row's JIT):", ""]
     lines += [f"- `{r['command']}` ({r['started']}; compile mode {r.get('compile_mode', 'default')}; prewarm "
@@ -619,7 +640,7 @@ def main(argv=None) -> int:
     unknown = set(args.ways.split(",")) - set(WAYS + EXTRA_WAYS)
     if unknown:
         parser.error(f"--ways: unknown {sorted(unknown)} (expected some of {WAYS + EXTRA_WAYS})")
-    wants_runtime = {"sparserl", "sparserl_fused"} & set(args.ways.split(","))
+    wants_runtime = set(SPARSERL_WAYS) & set(args.ways.split(","))
     prewarm_s = start_runtime(args.policy, device) if wants_runtime else None
     doc["runs"].append({"started": dt.datetime.now().isoformat(timespec="seconds"),
                         "command": " ".join(["python benchmarks/bench_gnn.py"] + (argv if argv is not None else sys.argv[1:])),
