@@ -16,7 +16,7 @@ Inductor's caches off:
 * ``compiled, runtime off``: the same with the runtime off, after it, on another fresh copy:
   the compile (first epoch) and cuSPARSE inside the compiled graph;
 * ``eager`` again, last: eager's reference epoch is the median over both of its runs, which
-  bracket the compiled ones (a launch-bound epoch drifts by tens of percent within minutes on
+  bracket the compiled ones (a launch-bound epoch drifts by up to about 10% within minutes on
   the benchmark's VMs).
 
 ``--mode reduce-overhead`` compiles both compiled ways under CUDA graphs (eager stays eager):
@@ -27,7 +27,8 @@ Break-even: the first epoch k from which, for every later epoch j of the run,
 waited for the runtime (``Runtime.stats["jit_s"]``: fingerprints, cache, and in sync mode the
 whole specialization), the t are the cold run's epochs after its first (the first holds the
 compile, which every compiled way pays and is reported apart), and the e are eager's epochs
-after its first as measured, then its reference epoch beyond them. Losses of the first 20 epochs are compared with eager's.
+after its first as measured, then its reference epoch beyond them. Losses of the first 20
+epochs are compared with eager's.
 
     python benchmarks/bench_cold_start.py --graphs pubmed,dblp-2010 --models gcn,sage --hidden 128 --out benchmarks/results
     python benchmarks/bench_cold_start.py --graphs pubmed --models gcn --mode reduce-overhead --out benchmarks/results/x.json
@@ -225,7 +226,7 @@ def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: st
         row["off"] = run_off(model, hidden, graph, device, 3 * LOSS_EPOCHS, mode=mode)
         row["order"].append("off")
     # Eager again at the end: on a launch-bound graph (2-3 ms epochs) a VM's epoch time drifts
-    # by tens of percent within a minute, so eager's reference brackets the compiled runs.
+    # by up to about 10% within minutes, so eager's reference brackets the compiled runs.
     row["eager_after"] = run_eager(model, hidden, graph, device, EAGER_AFTER_EPOCHS)
     row["order"].append("eager")
     row.update(row_metrics(row))

@@ -299,9 +299,8 @@ def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
 
 def run_way(way, model_name, hidden, graph, device, args) -> dict:
     import torch
-    from torch_sparserl import runtime as rt
-
     from torch_sparserl import passes
+    from torch_sparserl import runtime as rt
 
     reset_compiled()
     if way in SPARSERL_WAYS:

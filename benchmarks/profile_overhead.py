@@ -1,7 +1,7 @@
 """What a CPU-bound epoch costs eager and compiled, measured interleaved.
 
-On small graphs (pubmed, fb100) an epoch is 2-3 ms and its time moves by ±20 % between
-minutes of the same process, so ways timed one after the other cannot be compared. Here one
+On small graphs (pubmed, fb100) an epoch is 2-3 ms and its time moves by up to about 10%
+between minutes of the same process, as large as the differences between ways. Here one
 compiled model serves three ways, switched round by round: the runtime off (cuSPARSE in
 the graph), the runtime on with its kernels installed and its sandbox worker alive, and the
 same after the worker is stopped; eager ``torch.sparse`` runs in every round too. Each
