@@ -308,3 +308,18 @@ def test_bench_runtime_summary_and_markdown():
     assert "| spmm n=32 | 2 | 1.00x | 1 | 2 | 1 | 3.0 s |" in text
     assert "| a | spmm n=32 | 10 | 30 | 3.0 | 42 | 5.0 | 20.0 | 10.0 | 2.00x | installed: group_row{} |" in text
     assert "failed: RuntimeError: boom" in text
+
+
+def test_bench_intercept_times_every_state_and_leaves_nothing_installed(tmp_path):
+    from torch_sparserl import intercept
+
+    bench_intercept = load_benchmark("bench_intercept")
+    out = tmp_path / "intercept.json"
+    assert bench_intercept.main(["--devices", "cpu", "--calls", "3", "--repeats", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {(r["product"], r["state"]) for r in doc["rows"]} == {
+        (p, s) for p in ("torch.sparse.mm(A, X)", "A @ X", "torch.addmm(B, A, X)", "torch.mv(A, x)")
+        for s in bench_intercept.STATES}
+    assert all(r["us_per_call"] > 0 for r in doc["rows"])
+    assert "| cpu | torch.mv(A, x) |" in out.with_suffix(".md").read_text()
+    assert not intercept.installed() and intercept._delegate is not bench_intercept._old_delegate

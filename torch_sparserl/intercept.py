@@ -249,9 +249,10 @@ def _delegate(name: str, *args, **kwargs):
     sparse-compressed kernel is an empty result (of the first operand's layout; ``mv``'s is
     dense) plus the ``out=`` kernel, so calling the ``out=`` overload on such a result is the
     same call, for the cost of an allocation. Taking the override out and putting it back
-    (:func:`_suspended`) instead costs a registration round trip, about a millisecond on
-    every eager sparse product of the process; it stays only for what the ``out=`` call
-    refuses, so that torch's own error (or result) comes back.
+    (:func:`_suspended`) instead costs a registration round trip on every eager sparse
+    product of the process (``benchmarks/bench_intercept.py``: on a CPU, 105 µs against 44 µs
+    this way and 32 µs without the override); it stays only for what the ``out=`` call refuses,
+    so that torch's own error (or result) comes back.
     """
     _counts["delegated"] += 1
     first = args[0]
