@@ -466,7 +466,10 @@ def _fmt(v, spec=".2f", suffix=""):
 
 def markdown(doc: dict) -> str:
     env = doc.get("env", {})
-    lines = [f"# GNN epoch time — {env.get('gpu', '?')}", "",
+    lines = [f"# GNN epoch time — {env.get('gpu', '?')}", ""]
+    if doc.get("superseded"):
+        lines += [f"> **Superseded:** {doc['superseded']}", ""]
+    lines += [
              f"torch {env.get('torch')}, CUDA {env.get('cuda')}; features {FEATURES}, classes {CLASSES}, "
              f"Adam, fp32. Epoch = forward + loss + backward + step; median of timed chunks after "
              f"{LOSS_EPOCHS} epochs. Speedups are sparserl's over the way named. JIT = the time products "

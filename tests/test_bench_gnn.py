@@ -113,3 +113,10 @@ def test_ddp_example_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["ok"] and report["world_size"] == 2 and len(report["ranks"]) == 2
     assert report["max_rel_loss_diff"] < 1e-4
+
+
+def test_a_superseded_results_file_says_so_first():
+    bench = _bench()
+    md = bench.markdown({"env": {"gpu": "G"}, "rows": [], "runs": [], "superseded": "its baselines were slowed"})
+    assert md.splitlines()[:3] == ["# GNN epoch time — G", "", "> **Superseded:** its baselines were slowed"]
+    assert "Superseded" not in bench.markdown({"env": {"gpu": "G"}, "rows": [], "runs": []})
