@@ -82,7 +82,8 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
 
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse
     assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
-                       "--ways", "eager,sparserl,sparserl_fused,sparserl_eager", "--chunks", "1", "--min-chunk-s", "0.01",
+                       "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,bound_inductor", "--chunks", "1",
+                       "--min-chunk-s", "0.01",
                        "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     # layer 1: the bias and the ReLU; layer 2: the bias (the loss reads the logits)
@@ -91,8 +92,10 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     assert row["fusion_speedup"] > 0 and row["losses_equal"], row
     assert row["ways"]["sparserl_eager"]["fused_epilogues"] == []  # not compiled: no post-grad pass
     assert row["uncompiled_vs_eager"] > 0 and row["uncompiled_vs_compiled"] > 0
+    # the bound: no product, so its losses differ, and they are kept out of the comparison
+    assert row["bound_vs_eager"] > 0 and row["ways"]["bound_inductor"]["losses"][-1] != row["ways"]["eager"]["losses"][-1]
     md = out.with_suffix(".md").read_text()
-    assert "Fused epilogues" in md and "Without torch.compile" in md
+    assert "Fused epilogues" in md and "Without torch.compile" in md and "The bound of a compiled way" in md
     with pytest.raises(SystemExit):
         bench.main(["--ways", "eager,fastest", "--out", str(tmp_path)])
 

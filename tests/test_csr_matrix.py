@@ -145,6 +145,38 @@ def test_transpose_and_dense_gradients(pattern):
 # ------------------------------------------------------------------ the direct eager path
 
 
+@pytest.mark.parametrize("product", ["A @ X", "A @ x", "X @ A", "x @ A"])
+def test_eager_gradients_match_float64(device, product):
+    """The lean eager autograd node (:func:`ops.eager_product`): gradients of the values and
+    of the dense operand, first and second order, against dense float64 on fresh data."""
+    M = make_pattern("empty rows in the middle", seed=np.random.randint(1 << 30))
+    A = ts.csr(M, dtype=torch.float64, device=device)
+    rows = torch.repeat_interleave(torch.arange(M.shape[0]), torch.from_numpy(np.diff(M.indptr))).to(device)
+    cols = A.col.long()
+    operand = {"A @ X": (M.shape[1], 5), "A @ x": (M.shape[1],), "X @ A": (3, M.shape[0]), "x @ A": (M.shape[0],)}
+    X = torch.randn(operand[product], dtype=torch.float64, device=device)
+
+    def run(w, X, dense):
+        matrix = (torch.zeros(M.shape, dtype=torch.float64, device=device).index_put((rows, cols), w)
+                  if dense else A.with_values(w))
+        out = matrix @ X if product.startswith("A") else X @ matrix
+        return out, out.square().sum()
+
+    grads = []
+    for dense in (False, True):
+        w = A.values().detach().clone().requires_grad_()
+        Xl = X.clone().requires_grad_()
+        out, loss = run(w, Xl, dense)
+        if not dense:  # X @ A is (Aᵀ Xᵀ)ᵀ: the node is under the transpose's
+            node = out.grad_fn if product != "X @ A" else out.grad_fn.next_functions[0][0]
+            assert type(node).__name__ == "_EagerProductBackward"
+        g_w, g_X = torch.autograd.grad(loss, (w, Xl), create_graph=True)
+        second = torch.autograd.grad(g_w.square().sum() + g_X.square().sum(), (w, Xl))
+        grads.append((g_w, g_X, *second))
+    for got, want in zip(*grads):
+        assert_close_to_reference(got.detach(), want.detach())
+
+
 def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -177,10 +209,18 @@ def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypat
     with Seen() as seen:
         A @ X  # a dispatch mode must see the operator
     assert "sparserl.spmm.default" in seen.ops and calls == []
+    lean = []
+    real_eager = ops.eager_product
+    monkeypatch.setattr(ops, "eager_product", lambda op, *args: lean.append(op) or real_eager(op, *args))
     Xg = X.clone().requires_grad_()
-    (A @ Xg).sum().backward()  # autograd needs the operator
+    out = A @ Xg  # autograd needs a node, not the operator's dispatch
+    assert type(out.grad_fn).__name__ == "_EagerProductBackward" and lean == ["spmm"]
+    out.sum().backward()
     torch.testing.assert_close(Xg.grad, dense.t() @ torch.ones(M.shape[0], 4))
     assert calls == []
+    with Seen() as seen:
+        A @ Xg  # under a dispatch mode, with a gradient, the operator again
+    assert "sparserl.spmm.default" in seen.ops and lean == ["spmm"]
     with torch.no_grad():
         A @ Xg  # nothing to differentiate under no_grad
     assert calls == ["spmm"]

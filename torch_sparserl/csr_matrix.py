@@ -196,8 +196,10 @@ def _autocast(val: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
-    """``torch.ops.sparserl.<op>`` on A's parts, or its implementation directly when nothing
-    (autograd, a tracer, a mode) needs to see the operator (:func:`ops.direct_ok`)."""
+    """``torch.ops.sparserl.<op>`` on A's parts; in eager code its implementation directly
+    when nothing (autograd, a tracer, a mode) needs to see the operator
+    (:func:`ops.direct_ok`), or with a lean autograd node when only autograd does
+    (:func:`ops.eager_product`)."""
     val, X = _autocast(values_of(A), X)
     if ops.direct_ok(val, X):
         runtime = rt.active_or_none()
@@ -206,6 +208,8 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
         if op in ("spmm", "spmv") and runtime is not None and runtime.stats["installed_calls"] != served:
             _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
         return out
+    if ops.eager_ok(val, X):
+        return ops.eager_product(op, A.crow, A.col, val, A.shape[1], X)
     return getattr(_ops, op)(A.crow, A.col, val, A.shape[1], X)
 
 

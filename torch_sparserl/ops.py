@@ -86,14 +86,21 @@ def _spmm_setup(ctx, inputs, output):
     ctx.save_for_backward(crow, col, val, X)
 
 
+def _backward_impls(*tensors) -> dict:
+    """The products a backward runs: the implementations themselves when nothing needs to
+    see the operators (an eager backward: no double backward, no tracer, no mode), since the
+    operators' dispatch costs more CPU than the products on a small graph; the
+    differentiable operators otherwise."""
+    if all(direct_ok(a, b) for a, b in zip(tensors, tensors[1:])):
+        return _IMPLS
+    return _OPERATORS
+
+
 def _spmm_backward(ctx, grad):
     crow, col, val, X = ctx.saved_tensors
-    # An eager backward (no double backward, no tracer) calls the implementations directly:
-    # the operators' dispatch would cost more CPU than the products on a small graph.
-    eager = direct_ok(val, grad) and direct_ok(grad, X)
-    grad_val = (_sddmm if eager else sddmm)(crow, col, grad, X) if ctx.needs_input_grad[2] else None
-    grad_X = ((_spmm_transposed if eager else spmm_transposed)(crow, col, val, ctx.ncols, grad)
-              if ctx.needs_input_grad[4] else None)
+    impl = _backward_impls(val, grad, X)
+    grad_val = impl["sddmm"](crow, col, grad, X) if ctx.needs_input_grad[2] else None
+    grad_X = impl["spmm_transposed"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
     return None, None, grad_val, None, grad_X
 
 
@@ -127,8 +134,9 @@ def _(crow, col, val, ncols, G):
 
 def _spmm_transposed_backward(ctx, grad):
     crow, col, val, G = ctx.saved_tensors
-    grad_val = sddmm(crow, col, G, grad) if ctx.needs_input_grad[2] else None
-    grad_G = spmm(crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    impl = _backward_impls(val, grad, G)
+    grad_val = impl["sddmm"](crow, col, G, grad) if ctx.needs_input_grad[2] else None
+    grad_G = impl["spmm"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
     return None, None, grad_val, None, grad_G
 
 
@@ -159,8 +167,9 @@ def _(crow, col, val, ncols, x):
 
 def _spmv_backward(ctx, grad):
     crow, col, val, x = ctx.saved_tensors
-    grad_val = sddmm(crow, col, grad.unsqueeze(1), x.unsqueeze(1)) if ctx.needs_input_grad[2] else None
-    grad_x = spmv_transposed(crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    impl = _backward_impls(val, grad, x)
+    grad_val = impl["sddmm"](crow, col, grad.unsqueeze(1), x.unsqueeze(1)) if ctx.needs_input_grad[2] else None
+    grad_x = impl["spmv_transposed"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
     return None, None, grad_val, None, grad_x
 
 
@@ -194,8 +203,9 @@ def _(crow, col, val, ncols, g):
 
 def _spmv_transposed_backward(ctx, grad):
     crow, col, val, g = ctx.saved_tensors
-    grad_val = sddmm(crow, col, g.unsqueeze(1), grad.unsqueeze(1)) if ctx.needs_input_grad[2] else None
-    grad_g = spmv(crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    impl = _backward_impls(val, grad, g)
+    grad_val = impl["sddmm"](crow, col, g.unsqueeze(1), grad.unsqueeze(1)) if ctx.needs_input_grad[2] else None
+    grad_g = impl["spmv"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
     return None, None, grad_val, None, grad_g
 
 
@@ -262,8 +272,9 @@ def _sddmm_setup(ctx, inputs, output):
 def _sddmm_backward(ctx, grad):
     crow, col, Y, X = ctx.saved_tensors
     ncols = X.shape[0]
-    grad_Y = spmm(crow, col, grad, ncols, X) if ctx.needs_input_grad[2] else None
-    grad_X = spmm_transposed(crow, col, grad, ncols, Y) if ctx.needs_input_grad[3] else None
+    impl = _backward_impls(grad, Y, X)
+    grad_Y = impl["spmm"](crow, col, grad, ncols, X) if ctx.needs_input_grad[2] else None
+    grad_X = impl["spmm_transposed"](crow, col, grad, ncols, Y) if ctx.needs_input_grad[3] else None
     return None, None, grad_Y, grad_X
 
 
@@ -342,28 +353,64 @@ def _(crow, col, val, ncols, X, scale, bias, relu):
 
 _DIRECT_DEVICES = ("cuda", "cpu")  # not meta: fake tensors go through the operator's fake implementation
 _DIRECT = {"spmm": _spmm, "spmv": _spmv, "spmm_transposed": _spmm_transposed, "spmv_transposed": _spmv_transposed}
+_IMPLS = {**_DIRECT, "sddmm": _sddmm}
+_OPERATORS = {"spmm": spmm, "spmv": spmv, "spmm_transposed": spmm_transposed, "spmv_transposed": spmv_transposed,
+              "sddmm": sddmm}
+_BACKWARDS = {"spmm": _spmm_backward, "spmv": _spmv_backward, "spmm_transposed": _spmm_transposed_backward,
+              "spmv_transposed": _spmv_transposed_backward}
+
+
+def eager_ok(val: Tensor, X: Tensor) -> bool:
+    """Whether no tracer, dispatch mode or functorch transform needs to see a product of
+    these operands: eager code on plain CPU or CUDA tensors. Autograd may (see
+    :func:`eager_product`)."""
+    return (type(X) is Tensor and type(val) is Tensor and X.device.type in _DIRECT_DEVICES
+            and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 def direct_ok(val: Tensor, X: Tensor) -> bool:
     """Whether calling an operator's implementation directly is indistinguishable from
-    calling the operator: eager code on plain CPU or CUDA tensors with nothing to
-    differentiate, and no tracer, dispatch mode or functorch transform that should see the call.
+    calling the operator: :func:`eager_ok`, and nothing to differentiate.
 
     The operator's dispatch (custom_op, autograd wrapper) costs tens of microseconds of
     CPU per call, as much as a whole cuSPARSE product on a small graph; ``CSRMatrix``
     products take this path when they can (:func:`direct`).
     """
-    return (type(X) is Tensor and type(val) is Tensor and X.device.type in _DIRECT_DEVICES
-            and not (torch.is_grad_enabled() and (X.requires_grad or val.requires_grad))
-            and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0
-            and torch._C._functorch.peek_interpreter_stack() is None)
+    return not (torch.is_grad_enabled() and (X.requires_grad or val.requires_grad)) and eager_ok(val, X)
 
 
 def direct(op: str, crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
     """``torch.ops.sparserl.<op>(crow, col, val, ncols, X)`` without the dispatcher; only
     where :func:`direct_ok` holds. Same checks, same errors, same kernels."""
     return _DIRECT[op](crow, col, val, ncols, X)
+
+
+class _EagerProduct(torch.autograd.Function):
+    """A differentiable product for eager code: the implementation forward, the operator's
+    own backward formula (which calls the implementations again when it can).
+
+    The operator's autograd (custom_op's wrapper around its dispatch) costs about three
+    times the CPU of a whole product on a small graph; this node costs one
+    ``autograd.Function`` call. Double backward goes through the differentiable operators.
+    """
+
+    @staticmethod
+    def forward(ctx, crow, col, val, ncols, X, op):
+        ctx.ncols, ctx.op = ncols, op
+        ctx.save_for_backward(crow, col, val, X)
+        return _DIRECT[op](crow, col, val, ncols, X)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*_BACKWARDS[ctx.op](ctx, grad), None)
+
+
+def eager_product(op: str, crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+    """``torch.ops.sparserl.<op>(crow, col, val, ncols, X)`` for eager code that needs a
+    gradient; only where :func:`eager_ok` holds. Same checks, errors, kernels and gradients."""
+    return _EagerProduct.apply(crow, col, val, ncols, X, op)
 
 
 def registered_ops() -> list[str]:
