@@ -479,6 +479,20 @@ def _fmt(v, spec=".2f", suffix=""):
     return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
+def _way_section(rows, way, intro, columns, align, cells, mean) -> list[str]:
+    """The Markdown section of an extra way: ``intro``, then a table of the rows that ran it
+    (graph, model, hidden, then ``cells(row, metrics)``) and the ``mean(selected)`` line."""
+    selected = [(r, row_metrics(r)) for r in rows if way in r["ways"]]
+    if not selected:
+        return []
+    def line(values):
+        return "|" + "|".join(f" {v} " if v else " " for v in values) + "|"
+
+    lines = ["", intro, "", line(["graph", "model", "hidden", *columns]), "|---|---|---:|" + align + "|"]
+    lines += [line([r["graph"], r["model"], str(r["hidden"]), *cells(r, m)]) for r, m in selected]
+    return lines + [line(mean(selected))]
+
+
 def markdown(doc: dict) -> str:
     env = doc.get("env", {})
     lines = [f"# GNN epoch time — {env.get('gpu', '?')}", ""]
@@ -530,50 +544,45 @@ def markdown(doc: dict) -> str:
                  f"{_fmt(geomean(v[1] for v in means.values()), '.2f', '×')} |")
     lines.append(f"| all rows | | {_fmt(geomean(m.get('speedup_vs_eager') for m in every), '.2f', '×')} | "
                  f"{_fmt(geomean(m.get('speedup_vs_best_other') for m in every), '.2f', '×')} |")
-    fusion = [(r, row_metrics(r)) for r in rows if "sparserl_fused" in r["ways"]]
-    if fusion:
-        lines += ["", "Fused epilogues: sparserl_fused (the post-grad pass fuses the layer tail into the "
-                  "product's kernel where that kernel stores each row once) against sparserl (Inductor's "
-                  "pointwise kernel after the product), same kernels otherwise:", "",
-                  "| graph | model | hidden | fused ms | unfused ms | fusion speedup | fused chains |",
-                  "|---|---|---:|---:|---:|---:|---|"]
-        for r, m in fusion:
-            f, u = r["ways"]["sparserl_fused"], r["ways"].get("sparserl", {})
-            lines.append(f"| {r['graph']} | {r['model']} | {r['hidden']} | {_fmt(f.get('epoch_ms'), '.3f')} | "
-                         f"{_fmt(u.get('epoch_ms'), '.3f')} | {_fmt(m.get('fusion_speedup'), '.3f', '×')} | "
-                         f"{'; '.join(f.get('fused_epilogues', [])) or '—'} |")
-        lines.append(f"| geometric mean | | | | | {_fmt(geomean(m.get('fusion_speedup') for _, m in fusion), '.3f', '×')} | |")
-    uncompiled = [(r, row_metrics(r)) for r in rows if "sparserl_eager" in r["ways"]]
-    if uncompiled:
-        lines += ["", "Without torch.compile: sparserl_eager (the CSRMatrix model run eagerly, same runtime and "
-                  "kernels) against eager torch.sparse and against sparserl compiled:", "",
-                  "| graph | model | hidden | sparserl_eager ms | vs eager | vs sparserl compiled |",
-                  "|---|---|---:|---:|---:|---:|"]
-        for r, m in uncompiled:
-            lines.append(f"| {r['graph']} | {r['model']} | {r['hidden']} | "
-                         f"{_fmt(r['ways']['sparserl_eager'].get('epoch_ms'), '.2f')} | "
-                         f"{_fmt(m.get('uncompiled_vs_eager'), '.2f', '×')} | {_fmt(m.get('uncompiled_vs_compiled'), '.2f', '×')} |")
-        lines.append(f"| geometric mean | | | | {_fmt(geomean(m.get('uncompiled_vs_eager') for _, m in uncompiled), '.2f', '×')} | "
-                     f"{_fmt(geomean(m.get('uncompiled_vs_compiled') for _, m in uncompiled), '.2f', '×')} |")
-    bounded = [(r, row_metrics(r)) for r in rows if "bound_inductor" in r["ways"]]
-    if bounded:
-        lines += ["", "The bound of a compiled way: bound_inductor is the model compiled by Inductor with the "
-                  "adjacency product taken out, what a compiled epoch would cost with free sparse products "
-                  "(Dynamo, AOTAutograd and Inductor's per-call work, the dense layers, the loss, Adam). "
-                  "Eager over it is the most any compiled way could gain over eager on that row:", "",
-                  "| graph | model | hidden | eager ms | bound_inductor ms | bound vs eager | sparserl vs eager |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
-        for r, m in bounded:
-            lines.append(f"| {r['graph']} | {r['model']} | {r['hidden']} | "
-                         f"{_fmt(r['ways'].get('eager', {}).get('epoch_ms'), '.2f')} | "
-                         f"{_fmt(r['ways']['bound_inductor'].get('epoch_ms'), '.2f')} | "
-                         f"{_fmt(m.get('bound_vs_eager'), '.2f', '×')} | {_fmt(m.get('speedup_vs_eager'), '.2f', '×')} |")
+    lines += _way_section(
+        rows, "sparserl_fused",
+        "Fused epilogues: sparserl_fused (the post-grad pass fuses the layer tail into the product's kernel "
+        "where that kernel stores each row once) against sparserl (Inductor's pointwise kernel after the "
+        "product), same kernels otherwise:",
+        ["fused ms", "unfused ms", "fusion speedup", "fused chains"], "---:|---:|---:|---",
+        lambda r, m: [_fmt(r["ways"]["sparserl_fused"].get("epoch_ms"), ".3f"),
+                      _fmt(r["ways"].get("sparserl", {}).get("epoch_ms"), ".3f"),
+                      _fmt(m.get("fusion_speedup"), ".3f", "×"),
+                      "; ".join(r["ways"]["sparserl_fused"].get("fused_epilogues", [])) or "—"],
+        lambda sel: ["geometric mean", "", "", "", "", _fmt(geomean(m.get("fusion_speedup") for _, m in sel), ".3f", "×"), ""])
+    lines += _way_section(
+        rows, "sparserl_eager",
+        "Without torch.compile: sparserl_eager (the CSRMatrix model run eagerly, same runtime and kernels) "
+        "against eager torch.sparse and against sparserl compiled:",
+        ["sparserl_eager ms", "vs eager", "vs sparserl compiled"], "---:|---:|---:",
+        lambda r, m: [_fmt(r["ways"]["sparserl_eager"].get("epoch_ms"), ".2f"),
+                      _fmt(m.get("uncompiled_vs_eager"), ".2f", "×"), _fmt(m.get("uncompiled_vs_compiled"), ".2f", "×")],
+        lambda sel: ["geometric mean", "", "", "", _fmt(geomean(m.get("uncompiled_vs_eager") for _, m in sel), ".2f", "×"),
+                     _fmt(geomean(m.get("uncompiled_vs_compiled") for _, m in sel), ".2f", "×")])
+
+    def over_graphs(sel, key):
         per_graph = {}
-        for r, m in bounded:
-            per_graph.setdefault(r["graph"], []).append(m)
-        lines.append("| geometric mean over the graphs (each graph one mean) | | | | | "
-                     f"{_fmt(geomean(geomean(m.get('bound_vs_eager') for m in ms) for ms in per_graph.values()), '.2f', '×')} | "
-                     f"{_fmt(geomean(geomean(m.get('speedup_vs_eager') for m in ms) for ms in per_graph.values()), '.2f', '×')} |")
+        for r, m in sel:
+            per_graph.setdefault(r["graph"], []).append(m.get(key))
+        return _fmt(geomean(geomean(v) for v in per_graph.values()), ".2f", "×")
+
+    lines += _way_section(
+        rows, "bound_inductor",
+        "The bound of a compiled way: bound_inductor is the model compiled by Inductor with the adjacency "
+        "product taken out, what a compiled epoch would cost with free sparse products (Dynamo, AOTAutograd "
+        "and Inductor's per-call work, the dense layers, the loss, Adam). Eager over it is the most any "
+        "compiled way could gain over eager on that row:",
+        ["eager ms", "bound_inductor ms", "bound vs eager", "sparserl vs eager"], "---:|---:|---:|---:",
+        lambda r, m: [_fmt(r["ways"].get("eager", {}).get("epoch_ms"), ".2f"),
+                      _fmt(r["ways"]["bound_inductor"].get("epoch_ms"), ".2f"),
+                      _fmt(m.get("bound_vs_eager"), ".2f", "×"), _fmt(m.get("speedup_vs_eager"), ".2f", "×")],
+        lambda sel: ["geometric mean over the graphs (each graph one mean)", "", "", "", "",
+                     over_graphs(sel, "bound_vs_eager"), over_graphs(sel, "speedup_vs_eager")])
     lines += ["", "Runs (the runtime's one-time start — sandbox worker, policy load — is done by a prewarm "
               "before the first graph and is not in any row's JIT):", ""]
     lines += [f"- `{r['command']}` ({r['started']}; compile mode {r.get('compile_mode', 'default')}; prewarm "
