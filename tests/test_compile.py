@@ -293,3 +293,25 @@ def test_a_transpose_under_compile_breaks_the_graph_with_a_reason_and_stays_corr
     torch._dynamo.reset()
     whole = torch.compile(lambda X: (X.t() @ A).t(), backend="sparserl", fullgraph=True)(X)
     assert_close_to_reference(whole, want.detach(), torch.float64)
+
+
+def test_compiled_code_cache_tells_matrices_of_other_sizes_apart(tmp_path):
+    """Inductor's and AOTAutograd's on-disk caches key a CSRMatrix by its shape and its parts'
+    sizes: a matrix of the same structure with another nnz gets code of its own, not code
+    whose size assertions (or kernels) are those of the first."""
+    from torch._inductor.utils import fresh_cache
+
+    def product_of(A, x):
+        compiled = torch.compile(lambda f: (A @ f).square().sum(), backend="sparserl", fullgraph=True)
+        return compiled(x)
+
+    shape = (40, 40)
+    with fresh_cache(dir=str(tmp_path)), torch._functorch.config.patch(enable_autograd_cache=True):
+        for density in (0.1, 0.2):
+            torch._dynamo.reset()  # no in-memory code: the second matrix goes to the disk caches
+            M = torch.rand(shape).lt(density).double() * torch.randn(shape, dtype=torch.float64)
+            A, x = ts.csr(M.to_sparse_csr()), torch.randn(40, 3, dtype=torch.float64)
+            assert_close_to_reference(product_of(A, x), (M @ x).square().sum())
+    first, second = (ts.csr(torch.eye(4).to_sparse_csr()), ts.csr((torch.eye(4) + torch.eye(4).roll(1, 0)).to_sparse_csr()))
+    assert first._stable_hash_for_caching() != second._stable_hash_for_caching()
+    assert first._stable_hash_for_caching() == ts.csr(torch.eye(4).to_sparse_csr())._stable_hash_for_caching()

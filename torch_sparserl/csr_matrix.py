@@ -124,9 +124,14 @@ class CSRMatrix(Tensor):
         return (CSRMatrix, (self.crow, self.col, self.val, tuple(self.shape)))
 
     def _stable_hash_for_caching(self) -> str:
-        # AOTAutograd's cache key: what is traced depends on this module's code (the
-        # __torch_function__ mapping), on the dtypes and on whether values need a gradient.
-        return f"{_SOURCE_HASH}/{self.crow.dtype}/{self.val.dtype}/{self.requires_grad}"
+        # AOTAutograd's cache key. What is traced depends on this module's code (the
+        # __torch_function__ mapping); the compiled code also asserts the sizes and strides
+        # of the parts, so they are in the key, with dtypes, devices and requires_grad (as
+        # torch's default hash of a wrapper subclass has them).
+        parts = tuple((name, tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device), t.requires_grad)
+                      for name, t in (("crow", self.crow), ("col", self.col), ("val", self.val)))
+        payload = repr((_SOURCE_HASH, tuple(self.shape), self.requires_grad, parts))
+        return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
 
 
 class _FromParts(torch.autograd.Function):
