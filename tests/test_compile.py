@@ -106,6 +106,33 @@ def test_post_grad_pass_sees_sparse_ops():
     assert any("relu" in c for site in forward.sites for c in site.consumers)
 
 
+@pytest.mark.parametrize("direct_ops", [True, False])
+def test_compiled_graphs_call_the_direct_twins(direct_ops):
+    """The post-grad pass points the differentiated graphs' products at sparserl_direct::*
+    (no autograd layers); gradients are those of float64 either way."""
+    from torch._inductor.utils import run_and_get_code
+
+    A, x = _graph_data("cpu", torch.float64)
+    model = GCN().double()
+    adj = ts.csr(A, dtype=torch.float64)
+    model(x, adj).square().sum().backward()
+    want = _grads(model)
+    model.zero_grad()
+    compiled = torch.compile(model, backend="sparserl", fullgraph=True, options={"direct_ops": direct_ops})
+
+    def step():
+        compiled(x, adj).square().sum().backward()
+
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    assert ("sparserl_direct.spmm.default" in code) == direct_ops, code
+    assert ("sparserl_direct.spmm_transposed.default" in code) == direct_ops  # the backward graph
+    assert ("sparserl.spmm.default" in code) != direct_ops
+    for name, grad in _grads(model).items():
+        assert_close_to_reference(grad, want[name])
+
+
 def test_backend_found_by_name_without_import():
     code = textwrap.dedent("""
         import sys, torch

@@ -74,7 +74,7 @@ def spmm(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tenso
 
 
 @spmm.register_fake
-def _(crow, col, val, ncols, X):
+def _spmm_fake(crow, col, val, ncols, X):
     check_csr_meta("sparserl.spmm", crow, col, val, ncols)
     check_dense("sparserl.spmm", "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
     return X.new_empty((crow.shape[0] - 1, X.shape[1]))
@@ -115,7 +115,7 @@ def _spmm_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tens
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "G", G, dim=2, rows=entry.nrows, rows_name="nrows", like=val)
     entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
-    return _product("spmm", entry_t, crow_t, col_t, val.index_select(0, perm), G)
+    return _product("spmm", entry_t, crow_t, col_t, entry.transposed_values(val, perm), G)
 
 
 @torch.library.custom_op("sparserl::spmm_transposed", mutates_args=())
@@ -125,7 +125,7 @@ def spmm_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tenso
 
 
 @spmm_transposed.register_fake
-def _(crow, col, val, ncols, G):
+def _spmm_transposed_fake(crow, col, val, ncols, G):
     op = "sparserl.spmm_transposed"
     check_csr_meta(op, crow, col, val, ncols)
     check_dense(op, "G", G, dim=2, rows=crow.shape[0] - 1, rows_name="nrows", like=val)
@@ -159,7 +159,7 @@ def spmv(crow: Tensor, col: Tensor, val: Tensor, ncols: int, x: Tensor) -> Tenso
 
 
 @spmv.register_fake
-def _(crow, col, val, ncols, x):
+def _spmv_fake(crow, col, val, ncols, x):
     check_csr_meta("sparserl.spmv", crow, col, val, ncols)
     check_dense("sparserl.spmv", "x", x, dim=1, rows=ncols, rows_name="ncols", like=val)
     return x.new_empty((crow.shape[0] - 1,))
@@ -184,7 +184,7 @@ def _spmv_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, g: Tens
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "g", g, dim=1, rows=entry.nrows, rows_name="nrows", like=val)
     entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
-    return _product("spmv", entry_t, crow_t, col_t, val.index_select(0, perm), g)
+    return _product("spmv", entry_t, crow_t, col_t, entry.transposed_values(val, perm), g)
 
 
 @torch.library.custom_op("sparserl::spmv_transposed", mutates_args=())
@@ -194,7 +194,7 @@ def spmv_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, g: Tenso
 
 
 @spmv_transposed.register_fake
-def _(crow, col, val, ncols, g):
+def _spmv_transposed_fake(crow, col, val, ncols, g):
     op = "sparserl.spmv_transposed"
     check_csr_meta(op, crow, col, val, ncols)
     check_dense(op, "g", g, dim=1, rows=crow.shape[0] - 1, rows_name="nrows", like=val)
@@ -259,7 +259,7 @@ def sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
 
 
 @sddmm.register_fake
-def _(crow, col, Y, X):
+def _sddmm_fake(crow, col, Y, X):
     _check_sddmm("sparserl.sddmm", crow, col, Y, X)
     return Y.new_empty((col.shape[0],))
 
@@ -299,17 +299,8 @@ def _check_epilogue(op: str, crow: Tensor, X: Tensor, scale: Tensor | None, bias
             raise ValueError(f"{op}: {name} must be {X.dtype} on {X.device}, like X (got {t.dtype} on {t.device})")
 
 
-@torch.library.custom_op("sparserl::spmm_epilogue", mutates_args=())
-def spmm_epilogue(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor, scale: Tensor | None,
-                  bias: Tensor | None, relu: bool) -> Tensor:
-    """``relu(scale[:, None] * (A @ X) + bias)``, each step optional: the product with what
-    follows it in a GNN layer, in one kernel where the installed SpMM kernel can store its
-    rows through the epilogue (else the product, then the steps).
-
-    The backend's post-grad pass writes it into compiled graphs in place of ``spmm``
-    followed by a row scaling, a bias add and a ReLU (``passes.fuse_epilogues``); it has no
-    autograd of its own, since post-grad graphs are already differentiated.
-    """
+def _spmm_epilogue(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor, scale: Tensor | None,
+                   bias: Tensor | None, relu: bool) -> Tensor:
     op = "sparserl.spmm_epilogue"
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
@@ -331,6 +322,21 @@ def spmm_epilogue(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor,
     return Y.relu_() if relu else Y
 
 
+@torch.library.custom_op("sparserl::spmm_epilogue", mutates_args=())
+def spmm_epilogue(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor, scale: Tensor | None,
+                  bias: Tensor | None, relu: bool) -> Tensor:
+    """``relu(scale[:, None] * (A @ X) + bias)``, each step optional: the product with what
+    follows it in a GNN layer, in one kernel where the installed SpMM kernel can store its
+    rows through the epilogue (else the product, then the steps).
+
+    The backend's post-grad pass writes it into compiled graphs in place of ``spmm``
+    followed by a row scaling, a bias add and a ReLU (``passes.fuse_epilogues``); it has no
+    autograd of its own, since post-grad graphs are already differentiated (there it runs as
+    ``sparserl_direct::spmm_epilogue``, see :data:`DIRECT_OPS`).
+    """
+    return _spmm_epilogue(crow, col, val, ncols, X, scale, bias, relu)
+
+
 def _spmm_epilogue_backward(ctx, grad):
     raise RuntimeError("sparserl.spmm_epilogue: not differentiable (it is the fused form the post-grad pass "
                        "writes into already differentiated graphs); use A @ X and apply the epilogue with torch "
@@ -341,7 +347,7 @@ spmm_epilogue.register_autograd(_spmm_epilogue_backward, setup_context=lambda ct
 
 
 @spmm_epilogue.register_fake
-def _(crow, col, val, ncols, X, scale, bias, relu):
+def _spmm_epilogue_fake(crow, col, val, ncols, X, scale, bias, relu):
     op = "sparserl.spmm_epilogue"
     check_csr_meta(op, crow, col, val, ncols)
     check_dense(op, "X", X, dim=2, rows=ncols, rows_name="ncols", like=val)
@@ -411,6 +417,34 @@ def eager_product(op: str, crow: Tensor, col: Tensor, val: Tensor, ncols: int, X
     """``torch.ops.sparserl.<op>(crow, col, val, ncols, X)`` for eager code that needs a
     gradient; only where :func:`eager_ok` holds. Same checks, errors, kernels and gradients."""
     return _EagerProduct.apply(crow, col, val, ncols, X, op)
+
+
+# ------------------------------------------------ operators for differentiated graphs
+
+DIRECT_NAMESPACE = "sparserl_direct"
+_direct_library = torch.library.Library(DIRECT_NAMESPACE, "DEF")
+_FAKES = {"spmm": _spmm_fake, "spmv": _spmv_fake, "spmm_transposed": _spmm_transposed_fake,
+          "spmv_transposed": _spmv_transposed_fake, "sddmm": _sddmm_fake, "spmm_epilogue": _spmm_epilogue_fake}
+
+
+def _define_direct(name: str, impl) -> tuple:
+    """``sparserl_direct::<name>``: the schema, implementation and fake of ``sparserl::<name>``
+    with no autograd kernel, registered straight with the dispatcher."""
+    public = getattr(torch.ops.sparserl, name).default
+    _direct_library.define(str(public._schema).split("::", 1)[1])
+    _direct_library.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{DIRECT_NAMESPACE}::{name}", _FAKES[name], lib=_direct_library)
+    return public, getattr(torch.ops.sparserl_direct, name).default
+
+
+DIRECT_OPS: dict = dict(_define_direct(name, impl) for name, impl in {**_IMPLS, "spmm_epilogue": _spmm_epilogue}.items())
+"""``torch.ops.sparserl.<op>.default`` -> ``torch.ops.sparserl_direct.<op>.default``.
+
+A graph Inductor compiles has been differentiated by AOTAutograd already: its products need
+no autograd, yet custom_op's layers around each call (the autograd wrapper, the redispatch,
+the aliasing check) cost several times the dispatcher's own work. The backend's post-grad
+pass (:func:`torch_sparserl.passes.to_direct_ops`) retargets the graph's calls to these
+implementation-only twins: same schema, same checks, errors and kernels, same fake."""
 
 
 def registered_ops() -> list[str]:

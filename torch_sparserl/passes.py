@@ -2,12 +2,13 @@
 
 It runs on every graph Inductor compiles (forward and backward), after AOTAutograd and
 before lowering. It records each sparse product it finds with what consumes its result
-(the debug log and :data:`REPORTS`), and it fuses epilogues (:func:`fuse_epilogues`): a
+(the debug log and :data:`REPORTS`); it fuses epilogues (:func:`fuse_epilogues`): a
 ``sparserl::spmm`` followed by a row scaling (``D^-1/2`` of a symmetric normalization), a
 bias add and a ReLU — a GNN layer's tail — becomes one ``sparserl::spmm_epilogue``, which
 the runtime serves with the installed kernel re-rendered to apply the steps in its row
 stores. Only intermediate results nothing else reads are fused away, so what AOTAutograd
-saved for the backward is still computed.
+saved for the backward is still computed. Last, it retargets the products to their
+implementation-only twins (:func:`to_direct_ops`): the graph is differentiated already.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .ops import NAMESPACE
+from .ops import DIRECT_OPS, NAMESPACE
 from .settings import Settings, logger
 
 
@@ -160,6 +161,18 @@ def fuse_epilogues(graph: torch.fx.Graph, can_fuse=served_fused) -> list[str]:
     return done_lines
 
 
+def to_direct_ops(graph: torch.fx.Graph) -> int:
+    """Point every ``sparserl::<op>`` call of a differentiated graph at ``sparserl_direct::<op>``
+    (:data:`~torch_sparserl.ops.DIRECT_OPS`: same schema, checks and kernels, no autograd
+    layers); returns how many calls were retargeted."""
+    count = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in DIRECT_OPS:
+            node.target = DIRECT_OPS[node.target]
+            count += 1
+    return count
+
+
 class SparseOpsPass(CustomGraphPass):
     """Inductor ``post_grad_custom_post_pass`` of the sparserl backend."""
 
@@ -179,6 +192,8 @@ class SparseOpsPass(CustomGraphPass):
                          ", ".join(site.consumers) or "(graph output)")
         for line in report.fused:
             logger.debug("sparserl fused: %s", line)
+        if self.settings.direct_ops:
+            to_direct_ops(graph)
 
     def uuid(self):
         chained = self.chained.uuid() if self.chained is not None else None

@@ -20,6 +20,7 @@ DEFAULT_PRESPECIALIZE = True
 # that cost 150-370 us of CPU; and 10 of 12 products were served by split families, which
 # cannot fuse. Opt in with options={"fuse_epilogues": True}.
 DEFAULT_FUSE_EPILOGUES = False
+DEFAULT_DIRECT_OPS = True
 
 logger = logging.getLogger("torch_sparserl")
 if os.environ.get("SPARSERL_LOG"):
@@ -49,6 +50,11 @@ class Settings:
     where the installed kernel can store rows through them (the post-grad pass writes
     ``sparserl::spmm_epilogue``). Off by default: no gain was measured
     (``benchmarks/bench_epilogue.py``; ``bench_gnn.py`` way ``sparserl_fused``)."""
+
+    direct_ops: bool = DEFAULT_DIRECT_OPS
+    """Run the sparse products of compiled graphs as ``sparserl_direct::*``, the operators'
+    implementation-only twins, instead of through custom_op's autograd layers, which an
+    already differentiated graph does not need (``ops.DIRECT_OPS``). Off: for comparisons."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | "Settings" | None) -> "Settings":
