@@ -61,6 +61,40 @@ def test_transpose_computed_once_per_pattern(device):
     assert pattern.stats()["transposes"] == before + 1
 
 
+def test_transposed_values_kept_while_unchanged_and_refreshed_when_changed(device):
+    """Aᵀ @ G gathers the values into the transposed order; values seen twice unchanged are
+    kept, and an in-place change, new values or a version bump are seen at once. Each
+    result against float64 dense, written into a NaN-prefilled buffer."""
+    from torch_sparserl import pattern
+
+    A = make_pattern("random", seed=36)
+    crow, col, val = to_parts(A, torch.float64, torch.int32, device)
+    dense = lambda v: torch.sparse_csr_tensor(crow.long(), col.long(), v, A.shape).to_dense()  # noqa: E731
+    before = pattern.stats()["transposed_values"]
+
+    def check(v):
+        G = torch.randn(A.shape[0], 3, dtype=torch.float64, device=device)
+        out = torch.full((A.shape[1], 3), float("nan"), dtype=torch.float64, device=device)
+        out.copy_(ops.spmm_transposed(crow, col, v, A.shape[1], G))
+        torch.testing.assert_close(out, dense(v.detach()).T @ G)
+
+    for _ in range(3):
+        check(val)
+    assert pattern.stats()["transposed_values"] == before + 1  # kept on the second sight
+    val.mul_(-2.0)  # in place: the version moves
+    check(val)
+    check(val)
+    check(val.clone())  # other values, same numbers
+    check(val + 1.0)
+    check(_leaf(val))  # needs a gradient: never kept
+    with torch.inference_mode():
+        inference = val * 3.0
+    check(inference)
+    inference_before = pattern.stats()["transposed_values"]
+    check(inference)
+    assert pattern.stats()["transposed_values"] == inference_before  # no version counter: never kept
+
+
 def test_an_eager_backward_skips_the_dispatch_and_a_double_backward_keeps_it(device, monkeypatch):
     from torch_sparserl import ops as module
 

@@ -7,7 +7,8 @@ use and reused while the same ``crow``/``col`` tensors live unmodified. The cach
 weak references only, so it never keeps a user's adjacency alive.
 
 Values are not part of the pattern: they may change every step (attention-weighted
-graphs), and nothing here depends on them.
+graphs). The one thing kept about them is the last values carried into the transposed
+order (:meth:`Pattern.transposed_values`), checked by identity and version on every use.
 
 The cached tensors are computed by :func:`run_kept`, outside any CUDA graph's private
 memory pool: the first product on a pattern may run inside the warm-up of a CUDA graph
@@ -16,12 +17,12 @@ memory pool: the first product on a pattern may run inside the warm-up of a CUDA
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .validation import check_csr_values
 
@@ -96,11 +97,13 @@ def versions(crow: torch.Tensor, col: torch.Tensor) -> tuple[int, int]:
 class Pattern:
     """Derived data of one CSR pattern. Create through :func:`lookup`."""
 
-    __slots__ = ("_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
-                 "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal", "_lock",
-                 "__weakref__")
+    __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
+                 "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
+                 "_values_t", "_lock", "__weakref__")
 
-    def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int):
+    def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
+        # key: the id of crow in the cache (lookup), whose entry goes when crow dies
+        self._crow_ref = weakref.ref(crow, None if key is None else functools.partial(_forget, key))
         self._col_ref = weakref.ref(col)
         self._versions = (_version(crow), _version(col))
         self.ncols = int(ncols)
@@ -114,10 +117,11 @@ class Pattern:
         self._row_indices: torch.Tensor | None = None
         self._transpose: tuple[Pattern, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._diagonal: tuple | None = None
+        self._values_t: tuple | None = None  # (weakref to val, its version, val[perm] or None)
         self._lock = threading.Lock()
 
     def matches(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> bool:
-        return (self._col_ref() is col and self.ncols == ncols
+        return (self._crow_ref() is crow and self._col_ref() is col and self.ncols == ncols
                 and self._versions == (_version(crow), _version(col)))
 
     def validate(self, op: str, crow: torch.Tensor, col: torch.Tensor) -> None:
@@ -143,6 +147,30 @@ class Pattern:
                 self._transpose = run_kept(col.device, self._transposed, crow, col)
                 _STATS["transposes"] += 1
             return self._transpose
+
+    def transposed_values(self, val: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        """``val[perm]``: values in the order of the transposed pattern (``perm`` from
+        :meth:`transpose`), which the backward of ``A @ X`` needs every step.
+
+        A GCN's adjacency values are the same tensor, unmodified, step after step: values
+        seen twice with the same identity and version are gathered once more into a kept
+        tensor (:func:`run_kept`) and served from it while they stay so. Values that change
+        (attention weights, a new tensor each step) are gathered each call, as are values
+        that need a gradient, inference tensors (no version counter) and calls inside a
+        CUDA graph capture, where a replay must read the values of its own step.
+        """
+        if (val.requires_grad or val.is_inference()
+                or (val.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return val.index_select(0, perm)
+        version = val._version
+        seen = self._values_t
+        if seen is not None and seen[0]() is val and seen[1] == version:
+            if seen[2] is None:
+                seen = self._values_t = (seen[0], version, run_kept(val.device, torch.index_select, val, 0, perm))
+                _STATS["transposed_values"] += 1
+            return seen[2]
+        self._values_t = (weakref.ref(val), version, None)
+        return val.index_select(0, perm)
 
     def _transposed(self, crow: torch.Tensor, col: torch.Tensor):
         rows = self.row_indices(crow)
@@ -201,9 +229,19 @@ def _with_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
     return crow_d, col_d, src_pos, diag_pos
 
 
-_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(crow) -> Pattern; an entry is dropped when its crow dies (the weak reference's
+# callback), so ids are never confused and no adjacency is kept alive. A plain dict: the
+# operators look their pattern up on every call.
+_CACHE: dict[int, Pattern] = {}
 _CACHE_LOCK = threading.Lock()
-_STATS = {"lookups": 0, "misses": 0, "transposes": 0, "diagonals": 0}
+_STATS = {"lookups": 0, "misses": 0, "transposes": 0, "diagonals": 0, "transposed_values": 0}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    # crow died; runs at garbage collection, maybe inside a lock holder's thread: no lock
+    entry = _CACHE.get(key)
+    if entry is not None and entry._crow_ref is ref:
+        _CACHE.pop(key, None)
 
 
 def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
@@ -213,24 +251,22 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
     version counters, so an in-place change of the indices invalidates the entry.
     """
     _STATS["lookups"] += 1
-    entry = _CACHE.get(crow)
+    entry = _CACHE.get(id(crow))
     if entry is not None and entry.matches(crow, col, ncols):
         return entry
     with _CACHE_LOCK:
-        entry = _CACHE.get(crow)
+        entry = _CACHE.get(id(crow))
         if entry is None or not entry.matches(crow, col, ncols):
             _STATS["misses"] += 1
-            entry = Pattern(crow, col, ncols)
-            _CACHE[crow] = entry
+            entry = Pattern(crow, col, ncols, key=id(crow))
+            _CACHE[id(crow)] = entry
         return entry
 
 
 def validated(crow, col, ncols) -> Pattern | None:
     """The cached entry of ``(crow, col, ncols)`` if it exists, matches and was validated
     (its metadata and index values checked); else None. The operators' fast lookup."""
-    if not isinstance(crow, torch.Tensor):
-        return None
-    entry = _CACHE.get(crow)
+    entry = _CACHE.get(id(crow))
     if entry is not None and entry.validated and entry.matches(crow, col, ncols):
         _STATS["lookups"] += 1
         return entry
@@ -240,9 +276,9 @@ def validated(crow, col, ncols) -> Pattern | None:
 def live_patterns() -> list[Pattern]:
     """The cached patterns whose index tensors are still alive."""
     with _CACHE_LOCK:
-        return list(_CACHE.values())
+        return [entry for entry in list(_CACHE.values()) if entry._crow_ref() is not None]
 
 
 def stats() -> dict[str, int]:
-    """Counters of cache use (lookups, misses, transposes and diagonals computed); for tests and logs."""
+    """Counters of cache use (lookups, misses, transposes, diagonals and transposed values kept); for tests and logs."""
     return dict(_STATS)
