@@ -5,11 +5,13 @@ backward (CPU-bound at this size) in four forms: a dense ``x @ W`` (the floor); 
 ``torch.library.custom_op`` matmul (what custom_op's machinery costs); the sparserl operator
 on the matrix's parts; and ``A @ x`` on a CSRMatrix (the subclass on top). Each runs eagerly
 and compiled with the sparserl backend, and the sparse ones compiled with the runtime off
-(cuSPARSE). Writes ``$OUT/where.json`` and a profiler table, ``$OUT/where-profile.txt``.
+(cuSPARSE) and with ``direct_ops`` off (custom_op's layers kept in the compiled graphs).
+Writes ``$OUT/where.json``, and in ``$OUT/where-profile.txt`` a profiler table and the Python
+functions of a compiled CSRMatrix step by their own time.
 
     OUT=/tmp python benchmarks/profile_product_layers.py
 """
-import sys, time, statistics, json, os
+import cProfile, io, json, os, pstats, statistics, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
@@ -67,11 +69,29 @@ for name, fn in fns.items():
         rt.set_active(off)
         res[f"compiled {name} (runtime off)"] = us(lambda: c(X).backward())
         rt.set_active(on)
+        torch._dynamo.reset()
+        c = torch.compile(fn, backend="sparserl", options={"direct_ops": False})
+        c(X).backward()
+        intercept.deactivate_backend()
+        res[f"compiled {name} (direct_ops off)"] = us(lambda: c(X).backward())
     torch._dynamo.reset()
     print(json.dumps(res, indent=1), flush=True)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     c = torch.compile(fns["sparserl op (parts)"], backend="sparserl"); c(X).backward()
     for _ in range(50): c(X).backward()
     torch.cuda.synchronize()
-Path(os.environ.get("OUT", "/tmp"), "where-profile.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+# Python functions of the compiled CSRMatrix step, by own time: where the CPU goes around the products
+torch._dynamo.reset()
+c = torch.compile(fns["CSRMatrix A @ x"], backend="sparserl"); c(X).backward()
+intercept.deactivate_backend()
+for _ in range(30): c(X).backward()
+profiler = cProfile.Profile()
+profiler.enable()
+for _ in range(500): c(X).backward()
+torch.cuda.synchronize()
+profiler.disable()
+stream = io.StringIO()
+pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(45)
+Path(os.environ.get("OUT", "/tmp"), "where-profile.txt").write_text(table + "\n\ncProfile, 500 compiled CSRMatrix steps:\n" + stream.getvalue())
 Path(os.environ.get("OUT", "/tmp"), "where.json").write_text(json.dumps(res, indent=1))

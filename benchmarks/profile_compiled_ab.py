@@ -1,0 +1,81 @@
+"""A/B of the compiled product's CPU trims, interleaved round by round (pubmed, N=128, CUDA).
+
+One training step of ``mean(square(product(x)))``, forward + backward, compiled with the
+sparserl backend, the product on the matrix's parts (``torch.ops.sparserl.spmm``) or on a
+CSRMatrix (``A @ x``), in four configurations: the post-grad pass's retargeting to the
+operators' implementation-only twins (``options={"direct_ops": ...}``) on or off, and the
+transposed values kept across steps (``Pattern.transposed_values``) or gathered every step.
+Every configuration runs once per round, in turn, so that the machine's drift falls on all
+alike; the median round is kept. Writes ``$OUT/compiled-ab.json``.
+
+    OUT=/tmp python benchmarks/profile_compiled_ab.py
+"""
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
+import bench_gnn as bench  # noqa: E402
+from torch_sparserl import intercept  # noqa: E402
+from torch_sparserl import pattern as patterns  # noqa: E402
+from torch_sparserl import runtime as rt  # noqa: E402
+
+ROUNDS, STEPS = 11, 200
+dev = torch.device("cuda")
+graph = bench.prepare_graph("pubmed", dev)
+rt.configure(mode="sync")
+A = graph["csr_matrix_gcn"]
+n = graph["n"]
+crow, col, val = A.crow, A.col, A.val
+X = torch.randn(n, 128, device=dev, requires_grad=True)
+A @ X.detach()
+forms = {
+    "parts": lambda x: torch.ops.sparserl.spmm(crow, col, val, n, x).square().mean(),
+    "CSRMatrix": lambda x: (A @ x).square().mean(),
+}
+kept = patterns.Pattern.transposed_values
+
+
+def gathered(self, val, perm):
+    return val.index_select(0, perm)
+
+
+def use_kept(on: bool) -> None:
+    patterns.Pattern.transposed_values = kept if on else gathered
+
+
+steps = {}
+for form, fn in forms.items():
+    for direct in (True, False):
+        for keep in (True, False):
+            compiled = torch.compile(fn, backend="sparserl", options={"direct_ops": direct})
+            use_kept(keep)
+            compiled(X).backward()
+            intercept.deactivate_backend()
+            steps[(form, direct, keep)] = compiled
+
+times = {key: [] for key in steps}
+for _ in range(ROUNDS):
+    for key, compiled in steps.items():
+        use_kept(key[2])
+        for _ in range(20):
+            compiled(X).backward()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            compiled(X).backward()
+        torch.cuda.synchronize()
+        times[key].append((time.perf_counter() - start) / STEPS * 1e6)
+use_kept(True)
+result = {"rounds": ROUNDS, "steps_per_round": STEPS, "device": torch.cuda.get_device_name(),
+          "torch": torch.__version__, "us_per_step": {}}
+for (form, direct, keep), values in times.items():
+    label = f"{form}, direct_ops {'on' if direct else 'off'}, values {'kept' if keep else 'gathered'}"
+    result["us_per_step"][label] = round(statistics.median(values), 1)
+print(json.dumps(result, indent=1))
+Path(os.environ.get("OUT", "/tmp"), "compiled-ab.json").write_text(json.dumps(result, indent=1) + "\n")
