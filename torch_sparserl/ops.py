@@ -15,6 +15,11 @@ columns. The transposed operators run on the transposed *pattern*, which is comp
 per pattern and cached (:mod:`torch_sparserl.pattern`); they are what the backward of the
 forward products calls, and SDDMM gives the gradient of the values. All five close under
 differentiation, so higher-order gradients work too.
+
+Each has an implementation-only twin, ``sparserl_direct::<op>`` (:data:`DIRECT_OPS`): the same
+schema, checks, kernels and fake, registered without an autograd kernel. Compiled graphs call
+the twins (the backend's post-grad pass retargets them), since AOTAutograd has differentiated
+those graphs already.
 """
 
 from __future__ import annotations
