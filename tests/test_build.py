@@ -180,3 +180,19 @@ def test_launch_refuses_operands_that_do_not_match():
         kernel(rowptr, col, val.half(), x, y, prep)
     with pytest.raises(LaunchError, match="operands must be CUDA tensors"):
         kernel(rowptr, col, val, x, y.cpu(), prep)
+
+
+def test_inline_is_built_reads_the_completed_marker(tmp_path):
+    """is_built: the library's .ok marker, written after a complete build, per sources and arch."""
+    a, b = spec(3), spec(5)
+    assert not inline.is_built([a], "sm_90", directory=tmp_path)
+    assert not inline.is_built([], "sm_90", directory=tmp_path)
+    name = inline.module_name([a], "sm_90")
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"")  # half-linked: no marker yet
+    assert not inline.is_built([a], "sm_90", directory=tmp_path)
+    (tmp_path / name / f"{name}.ok").write_text(a.key)
+    assert inline.is_built([a], "sm_90", directory=tmp_path)
+    assert inline.is_built([a, a], "sm_90", directory=tmp_path)
+    assert not inline.is_built([a], "sm_80", directory=tmp_path)
+    assert not inline.is_built([a, b], "sm_90", directory=tmp_path)

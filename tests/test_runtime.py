@@ -470,3 +470,35 @@ def test_idle_zero_keeps_the_worker(tmp_path):
     with pytest.raises(ValueError, match="idle_s must be >= 0"):
         RuntimeSettings(idle_s=-1)
     assert RuntimeSettings.from_env({"SPARSERL_JIT_IDLE_S": "2.5"}).idle_s == 2.5
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_specializers_prebuild_runs_before_the_install_and_may_fail(tmp_path, fails):
+    """A specializer with ``prebuild`` (the real ones: the library built in the sandbox's
+    worker) gets the entry and the key's architecture before the installer runs; when it fails
+    the installer builds and installs as before, and products stay correct."""
+    fakes = Fakes()
+    order = []
+
+    class Specializer:
+        def __call__(self, key, crow, col, ncols):
+            return fakes.specializer(key, crow, col, ncols)
+
+        def prebuild(self, entry, arch):
+            order.append(("prebuild", entry.family, arch))
+            if fails:
+                raise RuntimeError("the worker's build failed")
+
+    def installer(entry, crow, col, ncols):
+        order.append(("install", entry.family))
+        return fakes.installer(entry, crow, col, ncols)
+
+    runtime = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=Specializer(),
+                      installer=installer, devices=("cpu",))
+    A = make_pattern("cora (real)")
+    crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
+    X = torch.randn(A.shape[1], 8)
+    for _ in range(2):
+        torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+    assert order == [("prebuild", "fake", "cpu"), ("install", "fake")]
+    assert runtime.stats["installs"] == 1 and runtime.stats["installed_calls"] == 2

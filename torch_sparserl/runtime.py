@@ -57,6 +57,7 @@ MODES = ("background", "sync", "off")
 OPS = ("spmm", "spmv", "sddmm")  # kernel ops; the transposed operators use these on the transposed pattern
 POLICY_OPS = ("spmm", "spmv")  # what the learned policy was trained on; the autotuner specializes the rest
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
+PREBUILD_TIMEOUT_S = 300.0  # building one installed kernel's library in the sandbox's worker
 _INT32_LIMIT = 2**31 - 1
 
 
@@ -416,6 +417,16 @@ class Runtime:
     def _install(self, pattern, slot, key, entry: CacheEntry, crow, col):
         if entry.spec_source is None:
             return self._fallback(pattern, slot, key, f"no kernel: {entry.reason}", None, quiet=True)
+        prebuild = getattr(self.specializer, "prebuild", None)
+        if prebuild is not None:
+            try:
+                # The library is built out of this process when it is not on disk yet (a training
+                # loop here would stall while torch's builder holds the interpreter lock).
+                with self._specialize_lock:
+                    prebuild(entry, key.arch if key is not None else _device_arch(col.device))
+            except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
+                log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
+                         entry.family, exc)
         try:
             # The plan data and index copies outlive the step: kept out of a CUDA graph's
             # private pool when this runs in its warm-up (sync mode).
@@ -668,6 +679,23 @@ class autotune_specializer:  # noqa: N801 - used like a function
     def prewarm(self, device: torch.device) -> None:
         """Start the sandbox's worker (its CUDA context), as the first key would."""
         self.sandbox.worker_info  # noqa: B018 - starts the worker
+
+    def prebuild(self, entry: CacheEntry, arch: str) -> None:
+        """Build the library of ``entry``'s kernel in the sandbox's worker, when the worker is
+        running (it just specialized the key) and the library is not on disk, so that the
+        installer in this process only loads it (``build.inline.prebuild``). A worker is not
+        started for it: where none runs (a later run, its decisions from the disk cache), the
+        installer builds a missing library itself."""
+        from .abi import KernelSpec
+        from .build import inline
+
+        specs = [KernelSpec(entry.spec_source, entry.family, tuple(sorted(entry.params.items())))]
+        if self._sandbox is None or self._sandbox.worker_pid is None or inline.is_built(specs, arch):
+            return
+        outcome = self.sandbox.run("torch_sparserl.build.inline:prebuild", (specs, arch),
+                                   timeout_s=PREBUILD_TIMEOUT_S)
+        if not outcome.ok:
+            raise SpecializationError(f"{outcome.status}: {outcome.error}")
 
     def _entry(self, key: SpecializationKey, result, searched: str, what: str) -> CacheEntry:
         """The decision for ``key`` from a tuning result: install its best only when it is correct

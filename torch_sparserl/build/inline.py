@@ -105,6 +105,34 @@ def _bind(lib: ctypes.CDLL, spec: KernelSpec) -> Kernel:
                   max_threads=attrs[2], static_smem=attrs[3], keepalive=lib)
 
 
+def _current_arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _paths(specs: list[KernelSpec], arch: str, directory: Path | None) -> tuple[str, Path, Path, Path]:
+    name = module_name(specs, arch)
+    build_dir = (directory or cache_dir() / "build") / name
+    # the .ok file is written after a complete build: a half-linked .so never loads
+    return name, build_dir, build_dir / f"{name}.so", build_dir / f"{name}.ok"
+
+
+def is_built(specs: list[KernelSpec], arch: str, *, directory: Path | None = None) -> bool:
+    """Whether the library of ``specs`` for ``arch`` is on disk, complete: :func:`build` then
+    only loads it (no compiler, no import of torch's extension builder)."""
+    specs = list({s.key: s for s in specs}.values())
+    return bool(specs) and _paths(specs, arch, directory)[3].exists()
+
+
+def prebuild(specs: list[KernelSpec], arch: str) -> str:
+    """Build the library of ``specs`` (a task for the sandbox's worker, so that the process
+    that will load it never runs the builder: importing torch's extension builder and driving
+    it hold the interpreter lock for hundreds of milliseconds, which a training loop in that
+    process would feel as stalled steps). Returns the library's name."""
+    build(specs, arch)
+    return module_name(list({s.key: s for s in specs}.values()), arch)
+
+
 def build(specs: list[KernelSpec], arch: str | None = None, *, directory: Path | None = None,
           verbose: bool = False) -> dict[str, Kernel]:
     """Build (or load from disk) one library holding ``specs``; return kernels by spec key."""
@@ -112,12 +140,8 @@ def build(specs: list[KernelSpec], arch: str | None = None, *, directory: Path |
         return {}
     specs = list({s.key: s for s in specs}.values())
     if arch is None:
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm_{major}{minor}"
-    name = module_name(specs, arch)
-    build_dir = (directory or cache_dir() / "build") / name
-    library = build_dir / f"{name}.so"
-    done = build_dir / f"{name}.ok"  # written after a complete build: a half-linked .so never loads
+        arch = _current_arch()
+    name, build_dir, library, done = _paths(specs, arch, directory)
     with _exclusive(build_dir):
         if not done.exists():
             # Imported here: loading a built library must not pay for torch's builder.

@@ -1,0 +1,134 @@
+"""What stalls the first run's epochs while the kernels are decided in the background?
+
+In ``bench_cold_start.py``'s first run (fresh kernel cache, background JIT), dozens of epochs
+take 10-130 ms instead of 2-3 ms until every product is decided. This runs that first run
+in-process for a few (graph, model, hidden) rows with the runtime's steps timed as intervals
+(on whichever thread runs them): each key's decision, the fingerprint, the specializer (the
+policy's samples and their timing in the sandbox's worker), the install (build or load of the
+library, plan preparation), the in-process build, the pattern helpers' kept work, and Python's
+garbage collections. Every epoch is timed with its start; a stalled epoch (over 4x the
+median) is listed with the intervals that overlap it. Writes ``$OUT/first-run.json``.
+
+    OUT=/tmp python benchmarks/profile_first_run.py --rows fb100_Cornell5:gcn:128,uk-2007-05_100000:sage:128
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("SPARSERL_CACHE_DIR", tempfile.mkdtemp(prefix="sparserl-first-run-"))
+
+import bench_cold_start as cold  # noqa: E402
+import bench_gnn as bench  # noqa: E402
+
+INTERVALS: list[tuple[str, str, float, float]] = []
+EPOCHS: list[tuple[float, float]] = []
+
+
+def _record(name: str, fn):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            INTERVALS.append((name, threading.current_thread().name, start, time.perf_counter()))
+    return timed
+
+
+def instrument() -> None:
+    from torch_sparserl import runtime as rt
+    from torch_sparserl.build import inline
+
+    for cls, names in ((rt.Runtime, ("_decide", "_specialize", "_install")),
+                       (rt.autotune_specializer, ("__call__",)), (rt.learned_specializer, ("__call__",))):
+        for name in names:
+            setattr(cls, name, _record(f"{cls.__name__}.{name}", getattr(cls, name)))
+    rt.fingerprint = _record("fingerprint", rt.fingerprint)
+    rt.run_kept = _record("run_kept", rt.run_kept)
+    rt._bind_spec = _record("_bind_spec", rt._bind_spec)
+    inline.build = _record("inline.build", inline.build)
+    started = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[threading.get_ident()] = time.perf_counter()
+        elif threading.get_ident() in started:
+            INTERVALS.append((f"gc gen{info['generation']}", threading.current_thread().name,
+                              started.pop(threading.get_ident()), time.perf_counter()))
+    gc.callbacks.append(on_gc)
+
+    original = cold._timed
+
+    def timed(epoch, device):
+        start = time.perf_counter()
+        ms, loss = original(epoch, device)
+        EPOCHS.append((start, ms))
+        return ms, loss
+    cold._timed = timed
+
+
+def stalls(epochs: list[tuple[float, float]], intervals, factor: float = 4.0) -> dict:
+    median = statistics.median(ms for _, ms in epochs)
+    out, excess_by = [], {}
+    for index, (start, ms) in enumerate(epochs):
+        if ms <= factor * median:
+            continue
+        end = start + ms / 1e3
+        overlapping = sorted({f"{name} [{thread}]" for name, thread, a, b in intervals if a < end and b > start})
+        out.append({"epoch": index, "ms": round(ms, 2), "overlapping": overlapping})
+        for label in overlapping or ["(nothing recorded)"]:
+            excess_by[label] = excess_by.get(label, 0.0) + ms - median
+    return {"median_ms": round(median, 3), "stalled": out, "count": len(out),
+            "excess_ms_total": round(sum(s["ms"] - median for s in out), 1),
+            "excess_ms_by_overlapping_interval": {k: round(v, 1) for k, v in sorted(excess_by.items(), key=lambda kv: -kv[1])}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="fb100_Cornell5:gcn:128,uk-2007-05_100000:sage:128")
+    parser.add_argument("--after", type=int, default=40)
+    parser.add_argument("--max-s", type=float, default=40.0)
+    args = parser.parse_args(argv)
+    import torch
+
+    instrument()
+    device = torch.device("cuda")
+    result = {"rows": []}
+    for spec in args.rows.split(","):
+        name, model, hidden = spec.split(":")
+        graph = bench.prepare_graph(name, device)
+        eager = cold.run_eager(model, int(hidden), graph, device, 200)
+        EPOCHS.clear()
+        INTERVALS.clear()
+        run = cold.run_cold(model, int(hidden), graph, device, jit="background", after=args.after, max_s=args.max_s)
+        epochs = EPOCHS[1:1 + len(run["epochs_ms"])]  # the first is the compile
+        t0 = epochs[0][0]
+        row = {"row": spec, "eager_ms": eager["epoch_ms"], "decided_after_epochs": run["decided_after_epochs"],
+               "decided_after_s": run["decided_after_s"], "steady_ms": run["steady_ms"],
+               "stalls": stalls(epochs, INTERVALS),
+               "intervals": [(n, th, round((a - t0) * 1e3, 2), round((b - a) * 1e3, 2)) for n, th, a, b in INTERVALS],
+               "epochs": [(round((a - t0) * 1e3, 2), ms) for a, ms in epochs]}
+        s = row["stalls"]
+        print(f"{spec}: eager {eager['epoch_ms']:.2f} ms, median cold epoch {s['median_ms']} ms, "
+              f"{s['count']} stalled epochs, {s['excess_ms_total']} ms over the median; by overlapping interval:",
+              flush=True)
+        for label, ms in list(s["excess_ms_by_overlapping_interval"].items())[:12]:
+            print(f"    {ms:9.1f} ms  {label}", flush=True)
+        result["rows"].append(row)
+    Path(os.environ.get("OUT", "/tmp"), "first-run.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
