@@ -14,13 +14,17 @@ Adam on random features (128) and labels (16 classes, half the nodes for trainin
 
 All four start from the same parameters. The GCN adjacency is ``D^-1/2 (A + I) D^-1/2`` and
 the SAGE one ``D^-1 A``, computed once (A binary, self loops removed, row i = edges into i).
-Per way: 20 epochs whose losses are recorded (the first includes compilation and JIT), then
-``--chunks`` timed chunks of epochs; the epoch time is the median chunk's mean. JIT cost is the
-time the runtime spent specializing (policy, validation, build), summed over every key.
+Per row, each way in turn: compiled and trained 20 epochs whose losses are recorded (the first
+includes compilation and JIT). Then all the ways are timed interleaved: ``--chunks`` rounds, each
+running one chunk of epochs of every way (starting one way further on each round), so that the
+machine's drift falls on every way alike; a way's epoch time is the median chunk's mean, and the
+report gives the range of the per-round ratios. JIT cost is the time the runtime spent
+specializing (policy, validation, build), summed over every key.
 
     python benchmarks/bench_gnn.py --out benchmarks/results                       # everything
     python benchmarks/bench_gnn.py --graphs pubmed --models gcn --hidden 128 --out /tmp/g
     python benchmarks/bench_gnn.py --report benchmarks/results/gnn-h100-....json  # re-render
+    python benchmarks/bench_gnn.py --compare run1.json run2.json --out runs.md      # repeated runs
 
 Results go to ``gnn-<gpu>-<date>.json`` (``--resume`` adds to an existing file) with ``.md``
 and ``.svg`` beside it.
@@ -59,7 +63,9 @@ WAYS = ["eager", "inductor", "pyg", "sparserl"]
 # and bound_inductor, the model compiled by Inductor with the adjacency product taken out (each
 # layer aggregates nothing): what an epoch of any compiled way would cost if its sparse products
 # were free, so eager / bound_inductor bounds a compiled way's speedup (its losses differ)
-EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "bound_inductor"]
+# and sparserl_cudagraphs, the sparserl way compiled with mode="reduce-overhead" (CUDA graphs:
+# the path for small graphs, whose epochs are bound by the CPU)
+EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "bound_inductor"]
 BOUND_WAYS = ("bound_inductor",)  # not the same computation: no loss comparison
 FEATURES = 128
 CLASSES = 16
@@ -245,8 +251,9 @@ def epoch_fn(task, params=None):
     return epoch
 
 
-def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dict:
-    """20 epochs with their losses (the first timed alone: compilation, JIT), then timed chunks."""
+def start_training(task, params, device, min_chunk_s: float) -> tuple[dict, object]:
+    """20 epochs with their losses (the first timed alone: compilation, JIT), then one more
+    timed epoch to size the way's chunks. Returns the result so far and the epoch function."""
     import torch
 
     epoch = epoch_fn(task, params)
@@ -262,22 +269,44 @@ def train_and_time(task, params, device, chunks: int, min_chunk_s: float) -> dic
     epoch()
     _sync(device)
     estimate = max(time.perf_counter() - start, 1e-6)
-    per_chunk = max(3, min(200, math.ceil(min_chunk_s / estimate)))
-    chunk_ms = []
-    for _ in range(chunks):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(per_chunk):
-            epoch()
-        _sync(device)
-        chunk_ms.append((time.perf_counter() - start) * 1e3 / per_chunk)
-    return {"status": "ok", "epoch_ms": statistics.median(chunk_ms), "chunk_ms": chunk_ms,
-            "epochs_per_chunk": per_chunk, "first_epoch_s": first_s,
-            "losses": [float(v) for v in torch.stack(losses).cpu()]}
+    return ({"status": "ok", "epochs_per_chunk": max(3, min(200, math.ceil(min_chunk_s / estimate))),
+             "first_epoch_s": first_s, "losses": [float(v) for v in torch.stack(losses).cpu()]}, epoch)
 
 
-SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager")
-COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "bound_inductor")
+def time_rounds(epochs: dict, results: dict, device, rounds: int) -> None:
+    """Time the ways' chunks interleaved: each round runs one chunk of every way, each round
+    starting one way further on, so that the machine's drift over the row (clocks, other
+    tenants, background threads) falls on every way alike instead of on whichever ran last.
+    A way's epoch time is the median of its chunks' means."""
+    import torch
+    from torch_sparserl import intercept
+
+    order = list(epochs)
+    for r in range(rounds):
+        # a recompilation with the sparserl backend installs the eager interception again:
+        # the baselines' products must not pay for it
+        intercept.deactivate_backend()
+        for way in order[r % len(order):] + order[:r % len(order)]:
+            if way not in epochs:
+                continue
+            result, epoch = results[way], epochs[way]
+            try:
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(result["epochs_per_chunk"]):
+                    epoch()
+                _sync(device)
+            except torch.cuda.OutOfMemoryError as exc:
+                results[way] = {"status": "oom", "error": str(exc).splitlines()[0]}
+                del epochs[way]
+                continue
+            result.setdefault("chunk_ms", []).append((time.perf_counter() - start) * 1e3 / result["epochs_per_chunk"])
+    for way in epochs:
+        results[way]["epoch_ms"] = statistics.median(results[way]["chunk_ms"])
+
+
+SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs")
+COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "bound_inductor")
 
 
 def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
@@ -302,40 +331,81 @@ def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
         aggregate = Product(graph[f"torch_csr_{model_name}"], torch.compiler.disable(mm) if way == "inductor" else mm)
     task = Task(model, aggregate, x, y, train)
     if way in COMPILED_WAYS:
+        mode = "reduce-overhead" if way == "sparserl_cudagraphs" else None if args.mode == "default" else args.mode
         task = torch.compile(task, backend="inductor" if way in ("inductor", *BOUND_WAYS) else "sparserl",
-                             mode=None if args.mode == "default" else args.mode,
-                             options={"fuse_epilogues": True} if way == "sparserl_fused" else None)
+                             mode=mode, options={"fuse_epilogues": True} if way == "sparserl_fused" else None)
     return task
 
 
-def run_way(way, model_name, hidden, graph, device, args) -> dict:
+def _failed(exc: BaseException) -> dict:
     import torch
-    from torch_sparserl import passes
+
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return {"status": "oom", "error": str(exc).splitlines()[0]}
+    return {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+
+
+def run_row(ways: list[str], model_name, hidden, graph, device, args) -> dict:
+    """Every way of one (graph, model, hidden) row: each way compiled and trained for its
+    losses in turn (the runtime's JIT measured per way), then all of them timed interleaved
+    (:func:`time_rounds`), then the sparserl way's warm start."""
+    import torch
+    from torch_sparserl import intercept, passes
     from torch_sparserl import runtime as rt
 
+    results, epochs = {}, {}
+    compiles = torch._dynamo.utils.counters["stats"]
+    # the worker stops after 30 s without a specialization (the previous row's timing): each
+    # row's JIT is measured from the same started state, its restart reported beside it
+    prewarm_s = rt.active().prewarm(device) if set(ways) & set(SPARSERL_WAYS) and device.type == "cuda" else None
     reset_compiled()
-    if way in SPARSERL_WAYS:
-        runtime = rt.active()  # one runtime for the process (main configures and prewarms it)
-        before = dict(runtime.stats), SPECIALIZED["keys"]
-        passes.REPORTS.clear()  # what an earlier way's warm start compiled is not this way's
-    task = build_task(way, model_name, hidden, graph, device, args)
     try:
-        result = train_and_time(task, list(task.parameters()), device, args.chunks, args.min_chunk_s)
-    except torch.cuda.OutOfMemoryError as exc:
-        return {"status": "oom", "error": str(exc).splitlines()[0]}
+        for way in ways:
+            if way not in SPARSERL_WAYS:
+                intercept.deactivate_backend()  # the baselines run as in a process without sparserl
+            if way in SPARSERL_WAYS:
+                runtime = rt.active()  # one runtime for the process (main configures and prewarms it)
+                before = dict(runtime.stats), SPECIALIZED["keys"]
+                passes.REPORTS.clear()  # what an earlier way compiled is not this way's
+            try:
+                task = build_task(way, model_name, hidden, graph, device, args)
+                results[way], epochs[way] = start_training(task, list(task.parameters()), device, args.min_chunk_s)
+            except Exception as exc:  # noqa: BLE001 - recorded, the row goes on
+                results[way] = _failed(exc)
+                epochs.pop(way, None)
+            if way in SPARSERL_WAYS and results[way]["status"] == "ok":
+                result = results[way]
+                result["fused_epilogues"] = sorted({line for report in passes.REPORTS for line in report.fused})
+                passes.REPORTS.clear()
+                result["jit_s"] = runtime.stats["jit_s"] - before[0]["jit_s"]
+                result["jit_keys"] = SPECIALIZED["keys"] - before[1]
+                result["runtime_stats"] = dict(runtime.stats)
+                A = graph[f"csr_matrix_{model_name}"]
+                result["kernels"] = runtime.decisions(A.crow, A.col, A.shape[1])
+            _print_way(model_name, hidden, way, results[way])
+        unique_graphs = compiles["unique_graphs"]
+        worker_stops = rt.active().stats.get("worker_stops", 0)
+        time_rounds(epochs, results, device, args.chunks)
+        timing = {"recompiled": compiles["unique_graphs"] - unique_graphs,
+                  "worker_stops": rt.active().stats.get("worker_stops", 0) - worker_stops}
     finally:
+        epochs.clear()
         reset_compiled()
-    if way in SPARSERL_WAYS:
-        result["fused_epilogues"] = sorted({line for report in passes.REPORTS for line in report.fused})
-        passes.REPORTS.clear()
-        result["jit_s"] = runtime.stats["jit_s"] - before[0]["jit_s"]
-        result["jit_keys"] = SPECIALIZED["keys"] - before[1]
-        result["runtime_stats"] = dict(runtime.stats)
-        A = graph[f"csr_matrix_{model_name}"]
-        result["kernels"] = runtime.decisions(A.crow, A.col, A.shape[1])
-        if args.warm:
-            result["warm"] = warm_start(way, model_name, hidden, graph, device, args)
-    return result
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.warm and results.get("sparserl", {}).get("status") == "ok":
+        try:
+            results["sparserl"]["warm"] = warm_start("sparserl", model_name, hidden, graph, device, args)
+        except Exception as exc:  # noqa: BLE001
+            results["sparserl"]["warm"] = _failed(exc)
+    return {"ways": results, "timing": timing, "runtime_prewarm_s": prewarm_s}
+
+
+def _print_way(model_name, hidden, way, r) -> None:
+    print(f"  {model_name:4s} h={hidden:3d} {way:8s} "
+          + (f"first {r['first_epoch_s']:.1f} s, loss {r['losses'][-1]:.5f}"
+             + (f", JIT {r['jit_s']:.1f} s ({r['jit_keys']} keys)" if "jit_s" in r else "")
+             if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:300]}"), flush=True)
 
 
 def fresh_copy(A):
@@ -433,6 +503,14 @@ def prepare_graph(name: str, device) -> dict:
 # ------------------------------------------------------------------------ results
 
 
+def round_ratios(ways: dict, num: str, den: str) -> list[float] | None:
+    """``num``'s chunk time over ``den``'s, round by round (interleaved runs: adjacent in time)."""
+    a, b = ways.get(num, {}).get("chunk_ms"), ways.get(den, {}).get("chunk_ms")
+    if not a or not b or len(a) != len(b):
+        return None
+    return [x / y for x, y in zip(a, b)]
+
+
 def row_metrics(row: dict) -> dict:
     ways = row["ways"]
     ms = {w: ways[w]["epoch_ms"] for w in WAYS if ways.get(w, {}).get("status") == "ok"}
@@ -441,6 +519,8 @@ def row_metrics(row: dict) -> dict:
         ours = ms["sparserl"]
         if "eager" in ms:
             out["speedup_vs_eager"] = ms["eager"] / ours
+            if _bounds(ways, "eager", "sparserl"):
+                out["speedup_vs_eager_rounds"] = _bounds(ways, "eager", "sparserl")
         best = [ms[w] for w in ("inductor", "pyg") if w in ms]
         if best:
             out["speedup_vs_best_other"] = min(best) / ours
@@ -463,6 +543,12 @@ def row_metrics(row: dict) -> dict:
             out["uncompiled_vs_eager"] = ms["eager"] / uncompiled["epoch_ms"]
         if "sparserl" in ms:
             out["uncompiled_vs_compiled"] = ms["sparserl"] / uncompiled["epoch_ms"]
+    graphs = ways.get("sparserl_cudagraphs", {})
+    if graphs.get("status") == "ok" and "eager" in ms:
+        out["cudagraphs_vs_eager"] = ms["eager"] / graphs["epoch_ms"]
+        best = [ms[w] for w in ("inductor", "pyg") if w in ms]
+        if best:
+            out["cudagraphs_vs_best_other"] = min(best) / graphs["epoch_ms"]
     bound = ways.get("bound_inductor", {})
     if bound.get("status") == "ok" and "eager" in ms:
         out["bound_vs_eager"] = ms["eager"] / bound["epoch_ms"]
@@ -477,6 +563,15 @@ def row_metrics(row: dict) -> dict:
 
 def _fmt(v, spec=".2f", suffix=""):
     return "—" if v is None else f"{v:{spec}}{suffix}"
+
+
+def _bounds(ways: dict, num: str, den: str):
+    rounds = round_ratios(ways, num, den)
+    return [min(rounds), max(rounds)] if rounds else None
+
+
+def _range(bounds) -> str:
+    return "" if not bounds else f" ({bounds[0]:.2f}–{bounds[1]:.2f})"
 
 
 def _way_section(rows, way, intro, columns, align, cells, mean) -> list[str]:
@@ -500,8 +595,9 @@ def markdown(doc: dict) -> str:
         lines += [f"> **Superseded:** {doc['superseded']}", ""]
     lines += [
              f"torch {env.get('torch')}, CUDA {env.get('cuda')}; features {FEATURES}, classes {CLASSES}, "
-             f"Adam, fp32. Epoch = forward + loss + backward + step; median of timed chunks after "
-             f"{LOSS_EPOCHS} epochs. Speedups are sparserl's over the way named. JIT = the time products "
+             f"Adam, fp32. Epoch = forward + loss + backward + step; after {LOSS_EPOCHS} epochs per way, the "
+             "ways' timed chunks run interleaved, round by round, and a way's epoch is the median chunk's mean; "
+             "in parentheses, the lowest and highest ratio of one round's adjacent chunks. Speedups are sparserl's over the way named. JIT = the time products "
              "waited for the runtime's decisions (fingerprints, kernel cache, policy, validation, builds) "
              "over every key: *cold* with an empty kernel cache (the first run on a graph), *warm* in a "
              "fresh runtime on the same disk cache with a fresh copy of the adjacency (every later run); "
@@ -519,7 +615,8 @@ def markdown(doc: dict) -> str:
             cells.append(_fmt(r.get("epoch_ms"), ".2f") if r.get("status") == "ok" else r.get("status", "—"))
         lines.append(f"| {row['graph']} | {row['n']:,} | {row['nnz']:,} | {row['model']} | {row['hidden']} | "
                      + " | ".join(cells)
-                     + f" | {_fmt(m.get('speedup_vs_eager'), '.2f', '×')} | {_fmt(m.get('speedup_vs_best_other'), '.2f', '×')}"
+                     + f" | {_fmt(m.get('speedup_vs_eager'), '.2f', '×')}{_range(m.get('speedup_vs_eager_rounds'))}"
+                     f" | {_fmt(m.get('speedup_vs_best_other'), '.2f', '×')}"
                      f" | {_fmt(m.get('jit_s'), '.1f')} | {_fmt(m.get('breakeven_epochs_vs_eager'), '.0f')}"
                      f" | {_fmt(m['warm_jit_s'] * 1e3 if 'warm_jit_s' in m else None, '.1f')}"
                      + (f" ({m['warm_cache_misses']} missed)" if m.get("warm_cache_misses") else "")
@@ -572,6 +669,17 @@ def markdown(doc: dict) -> str:
         return _fmt(geomean(geomean(v) for v in per_graph.values()), ".2f", "×")
 
     lines += _way_section(
+        rows, "sparserl_cudagraphs",
+        "Under CUDA graphs: sparserl_cudagraphs (the sparserl way compiled with mode=\"reduce-overhead\"), "
+        "timed in the same rounds, against eager torch.sparse and the best of Inductor and PyG (default mode):",
+        ["sparserl_cudagraphs ms", "vs eager", "vs best other"], "---:|---:|---:",
+        lambda r, m: [_fmt(r["ways"]["sparserl_cudagraphs"].get("epoch_ms"), ".2f"),
+                      _fmt(m.get("cudagraphs_vs_eager"), ".2f", "×") + _range(_bounds(r["ways"], "eager", "sparserl_cudagraphs")),
+                      _fmt(m.get("cudagraphs_vs_best_other"), ".2f", "×")],
+        lambda sel: ["geometric mean over the graphs (each graph one mean)", "", "", "",
+                     over_graphs(sel, "cudagraphs_vs_eager"), over_graphs(sel, "cudagraphs_vs_best_other")])
+
+    lines += _way_section(
         rows, "bound_inductor",
         "The bound of a compiled way: bound_inductor is the model compiled by Inductor with the adjacency "
         "product taken out, what a compiled epoch would cost with free sparse products (Dynamo, AOTAutograd "
@@ -583,8 +691,15 @@ def markdown(doc: dict) -> str:
                       _fmt(m.get("bound_vs_eager"), ".2f", "×"), _fmt(m.get("speedup_vs_eager"), ".2f", "×")],
         lambda sel: ["geometric mean over the graphs (each graph one mean)", "", "", "", "",
                      over_graphs(sel, "bound_vs_eager"), over_graphs(sel, "speedup_vs_eager")])
+    disturbed = [f"{r['graph']} {r['model']} {r['hidden']}: {t.get('recompiled', 0)} recompilations, "
+                 f"{t.get('worker_stops', 0)} worker stops" for r in rows
+                 for t in [r.get("timing", {})] if t.get("recompiled") or t.get("worker_stops")]
+    if any("timing" in r for r in rows):
+        lines += ["", "While the rounds were timed: " + ("; ".join(disturbed) if disturbed else
+                  "no recompilation and no stop of the specializer's worker on any row") + "."]
     lines += ["", "Runs (the runtime's one-time start — sandbox worker, policy load — is done by a prewarm "
-              "before the first graph and is not in any row's JIT):", ""]
+              "before the first graph, and again before each row in case the worker stopped idle; it is not "
+              "in any row's JIT):", ""]
     lines += [f"- `{r['command']}` ({r['started']}; compile mode {r.get('compile_mode', 'default')}; prewarm "
               f"{_fmt(r.get('runtime_prewarm_s'), '.1f', ' s')})" + (f". {r['note']}" if r.get("note") else "")
               for r in doc.get("runs", [])]
@@ -638,6 +753,43 @@ def save(doc: dict, path: Path) -> None:
     write_json_md(doc, path, markdown, svg)
 
 
+COMPARED = (("speedup_vs_eager", "sparserl vs eager"), ("speedup_vs_best_other", "sparserl vs best other"),
+            ("cudagraphs_vs_eager", "sparserl_cudagraphs vs eager"))
+
+
+def compare(paths: list[Path]) -> str:
+    """How far repeated runs agree: each row's speedups in every run, the means over the graphs
+    per run, and their spread. Rows are matched by (graph, model, hidden)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    names = [Path(p).stem for p in paths]
+    keyed = [{(r["graph"], r["model"], r["hidden"]): row_metrics(r) for r in d.get("rows", [])} for d in docs]
+    keys = [k for k in dict.fromkeys(k for runs in keyed for k in runs) if all(k in runs for runs in keyed)]
+    lines = [f"# GNN epoch time: {len(docs)} runs compared", "", "Runs: " + ", ".join(f"`{n}`" for n in names) + ".",
+             f" Rows present in every run: {len(keys)}.", ""]
+    for metric, title in COMPARED:
+        if not any(runs[k].get(metric) is not None for runs in keyed for k in keys):
+            continue
+        lines += [f"## {title}", "", "| graph | model | hidden | " + " | ".join(f"run {i + 1}" for i in range(len(docs)))
+                  + " | spread (max/min) |", "|---|---|---:|" + "---:|" * (len(docs) + 1)]
+        for k in keys:
+            values = [runs[k].get(metric) for runs in keyed]
+            spread = max(values) / min(values) if None not in values else None
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(_fmt(v, ".2f", "×") for v in values)
+                         + f" | {_fmt(spread, '.2f')} |")
+        per_run = []
+        for runs in keyed:
+            graphs = {}
+            for k in keys:
+                graphs.setdefault(k[0], []).append(runs[k].get(metric))
+            per_run.append({g: geomean(v) for g, v in graphs.items()})
+        for g in per_run[0]:
+            lines.append(f"| {g} (its rows) | | | " + " | ".join(_fmt(run[g], ".2f", "×") for run in per_run) + " | |")
+        overall = [geomean(run.values()) for run in per_run]
+        lines += [f"| **over the graphs** | | | " + " | ".join(_fmt(v, ".2f", "×") for v in overall)
+                  + f" | {_fmt(max(overall) / min(overall) if None not in overall else None, '.2f')} |", ""]
+    return "\n".join(lines) + "\n"
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -651,8 +803,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results", help="folder (a dated file in it) or a .json path")
     parser.add_argument("--resume", help="add to this results file (rows already there are skipped)")
     parser.add_argument("--report", help="only re-render the .md and .svg of this results file")
-    parser.add_argument("--chunks", type=int, default=3)
-    parser.add_argument("--min-chunk-s", type=float, default=0.5)
+    parser.add_argument("--compare", nargs="+", metavar="JSON",
+                        help="only compare these results files (repeated runs): Markdown to --out (a .md path) or stdout")
+    parser.add_argument("--chunks", type=int, default=5, help="timed rounds (one chunk of every way each)")
+    parser.add_argument("--min-chunk-s", type=float, default=0.3)
     parser.add_argument("--policy", default="learned", choices=("learned", "autotune"))
     parser.add_argument("--mode", default="default", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                         help="torch.compile mode of the inductor and sparserl ways")
@@ -663,6 +817,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max-time-s", type=float, default=None, help="start no graph after this much time")
     args = parser.parse_args(argv)
 
+    if args.compare:
+        text = compare([Path(p) for p in args.compare])
+        if args.out.endswith(".md"):
+            Path(args.out).write_text(text)
+        else:
+            print(text, end="")
+        return 0
     if args.report:
         path = Path(args.report)
         save(json.loads(path.read_text()), path)
@@ -682,10 +843,11 @@ def main(argv=None) -> int:
         path = out if out.suffix == ".json" else out / f"gnn-{env['gpu_slug']}-{dt.date.today().isoformat()}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         doc = {"schema": SCHEMA, "env": env, "runs": [], "rows": []}
-    unknown = set(args.ways.split(",")) - set(WAYS + EXTRA_WAYS)
+    ways = args.ways.split(",")
+    unknown = set(ways) - set(WAYS + EXTRA_WAYS)
     if unknown:
         parser.error(f"--ways: unknown {sorted(unknown)} (expected some of {WAYS + EXTRA_WAYS})")
-    wants_runtime = set(SPARSERL_WAYS) & set(args.ways.split(","))
+    wants_runtime = set(SPARSERL_WAYS) & set(ways)
     prewarm_s = start_runtime(args.policy, device) if wants_runtime else None
     doc["runs"].append({"started": dt.datetime.now().isoformat(timespec="seconds"),
                         "command": " ".join(["python benchmarks/bench_gnn.py"] + (argv if argv is not None else sys.argv[1:])),
@@ -703,20 +865,12 @@ def main(argv=None) -> int:
         graph = prepare_graph(name, device)
         print(f"{name}: {graph['n']:,} nodes, {graph['nnz']:,} edges, prepared in {graph['load_s']:.1f} s", flush=True)
         for model_name, hidden in todo:
-            row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model_name, "hidden": hidden, "ways": {}}
-            for way in args.ways.split(","):
-                try:
-                    row["ways"][way] = run_way(way, model_name, hidden, graph, device, args)
-                except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on
-                    row["ways"][way] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000],
-                                        "traceback": traceback.format_exc()[-4000:]}
-                r = row["ways"][way]
-                print(f"  {model_name:4s} h={hidden:3d} {way:8s} "
-                      + (f"{r['epoch_ms']:8.3f} ms/epoch, first {r['first_epoch_s']:.1f} s, loss {r['losses'][-1]:.5f}"
-                         + (f", JIT {r['jit_s']:.1f} s ({r['jit_keys']} keys)" if 'jit_s' in r else "")
-                         if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:300]}"), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model_name, "hidden": hidden}
+            row.update(run_row(ways, model_name, hidden, graph, device, args))
+            for way, r in row["ways"].items():
+                if r.get("status") == "ok":
+                    print(f"  {model_name:4s} h={hidden:3d} {way:8s} {r['epoch_ms']:8.3f} ms/epoch "
+                          f"(chunks {', '.join(f'{v:.3f}' for v in r['chunk_ms'])})", flush=True)
             row.update(row_metrics(row))
             doc["rows"].append(row)
             save(doc, path)

@@ -28,13 +28,18 @@ def test_all_four_ways_train_to_the_same_losses(tmp_path, monkeypatch):
     out = tmp_path / "gnn.json"
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))  # main() sets it: restored after
     code = bench.main(["--graphs", "cora", "--models", "gcn,sage", "--hidden", "16", "--out", str(out),
-                       "--chunks", "1", "--min-chunk-s", "0.01", "--device", "cpu",
+                       "--chunks", "2", "--min-chunk-s", "0.01", "--device", "cpu",
                        "--cache-dir", str(tmp_path / "cache")])
     assert code == 0
     doc = json.loads(out.read_text())
     assert [(r["model"], r["hidden"]) for r in doc["rows"]] == [("gcn", 16), ("sage", 16)]
     for row in doc["rows"]:
         assert set(row["ways"]) == set(bench.WAYS)
+        # timed in rounds, without compiling anything again (the compiled ways' code coexists)
+        assert row["timing"] == {"recompiled": 0, "worker_stops": 0}, row["timing"]
+        assert all(len(w["chunk_ms"]) == 2 for w in row["ways"].values())
+        low, high = row["speedup_vs_eager_rounds"]
+        assert low <= high and low > 0
         assert all(w["status"] == "ok" for w in row["ways"].values()), row["ways"]
         assert all(len(w["losses"]) == bench.LOSS_EPOCHS for w in row["ways"].values())
         assert row["losses_equal"], row["loss_max_rel_diff"]
@@ -82,7 +87,7 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
 
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse
     assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
-                       "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,bound_inductor", "--chunks", "1",
+                       "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,sparserl_cudagraphs,bound_inductor", "--chunks", "1",
                        "--min-chunk-s", "0.01",
                        "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
     (row,) = json.loads(out.read_text())["rows"]
@@ -96,6 +101,8 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     assert row["bound_vs_eager"] > 0 and row["ways"]["bound_inductor"]["losses"][-1] != row["ways"]["eager"]["losses"][-1]
     md = out.with_suffix(".md").read_text()
     assert "Fused epilogues" in md and "Without torch.compile" in md and "The bound of a compiled way" in md
+    # mode="reduce-overhead" (CUDA graphs on a GPU; Inductor skips them on the CPU), same losses
+    assert row["cudagraphs_vs_eager"] > 0 and "Under CUDA graphs" in md
     with pytest.raises(SystemExit):
         bench.main(["--ways", "eager,fastest", "--out", str(tmp_path)])
 
@@ -123,3 +130,55 @@ def test_a_superseded_results_file_says_so_first():
     md = bench.markdown({"env": {"gpu": "G"}, "rows": [], "runs": [], "superseded": "its baselines were slowed"})
     assert md.splitlines()[:3] == ["# GNN epoch time — G", "", "> **Superseded:** its baselines were slowed"]
     assert "Superseded" not in bench.markdown({"env": {"gpu": "G"}, "rows": [], "runs": []})
+
+
+def test_the_ways_are_timed_round_by_round():
+    """Each round runs one chunk of every way, each round starting one way further on; a way
+    that runs out of memory in a round is reported and left out of the later ones."""
+    import torch
+
+    bench = _bench()
+    calls = []
+
+    def epoch_of(way):
+        def epoch():
+            calls.append(way)
+            if way == "c" and calls.count("c") > 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return epoch
+
+    results = {w: {"status": "ok", "epochs_per_chunk": 2} for w in "abc"}
+    epochs = {w: epoch_of(w) for w in "abc"}
+    bench.time_rounds(epochs, results, torch.device("cpu"), rounds=3)
+    assert calls == list("aabbcc") + list("bbc") + list("aa") + list("aabb")  # c fails in round 2
+    assert results["c"]["status"] == "oom" and "c" not in epochs
+    for w in "ab":
+        assert len(results[w]["chunk_ms"]) == 3
+        assert results[w]["epoch_ms"] == sorted(results[w]["chunk_ms"])[1]
+    assert bench.round_ratios({"a": results["a"], "b": results["b"]}, "a", "b") == [
+        x / y for x, y in zip(results["a"]["chunk_ms"], results["b"]["chunk_ms"])]
+
+
+def test_repeated_runs_are_compared(tmp_path):
+    bench = _bench()
+    ok = {"status": "ok", "losses": [1.0]}
+
+    def row(graph, eager, ours, graphs=None):
+        ways = {"eager": dict(ok, epoch_ms=eager), "inductor": dict(ok, epoch_ms=eager), "sparserl": dict(ok, epoch_ms=ours)}
+        if graphs is not None:
+            ways["sparserl_cudagraphs"] = dict(ok, epoch_ms=graphs)
+        return {"graph": graph, "model": "gcn", "hidden": 128, "ways": ways}
+
+    runs = []
+    for i, rows in enumerate([[row("g1", 2.0, 1.0, 0.5), row("g2", 3.0, 2.0, 1.0)],
+                              [row("g1", 2.0, 1.6, 0.5), row("g2", 3.0, 2.0, 1.0), row("g3", 1.0, 1.0)]]):
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps({"rows": rows}))
+        runs.append(path)
+    out = tmp_path / "runs.md"
+    assert bench.main(["--compare", *map(str, runs), "--out", str(out)]) == 0
+    md = out.read_text()
+    assert "Rows present in every run: 2." in md and "g3" not in md  # only rows that both runs have
+    assert "| g1 | gcn | 128 | 2.00× | 1.25× | 1.60 |" in md
+    assert "| **over the graphs** | | | 1.73× | 1.37× | 1.26 |" in md  # sqrt(2 * 1.5), sqrt(1.25 * 1.5)
+    assert "## sparserl_cudagraphs vs eager" in md and "| g2 | gcn | 128 | 3.00× | 3.00× | 1.00 |" in md
