@@ -2,11 +2,13 @@
 
 One training step of ``mean(square(product(x)))``, forward + backward, compiled with the
 sparserl backend, the product on the matrix's parts (``torch.ops.sparserl.spmm``) or on a
-CSRMatrix (``A @ x``), in four configurations: the post-grad pass's retargeting to the
-operators' implementation-only twins (``options={"direct_ops": ...}``) on or off, and the
-transposed values kept across steps (``Pattern.transposed_values``) or gathered every step.
-Every configuration runs once per round, in turn, so that the machine's drift falls on all
-alike; the median round is kept. Writes ``$OUT/compiled-ab.json``.
+CSRMatrix (``A @ x``), in these configurations: the post-grad pass's retargeting to the
+operators' implementation-only twins (``options={"direct_ops": ...}``) on or off, the
+transposed values kept across steps (``Pattern.transposed_values``) or gathered every step,
+and, for the CSRMatrix, the matrix handed to AOTAutograd as its parts or as the subclass
+(``options={"flatten_matrices": ...}``; all the other trims on). Every configuration runs
+once per round, in turn, so that the machine's drift falls on all alike; the median round is
+kept. Writes ``$OUT/compiled-ab.json``.
 
     OUT=/tmp python benchmarks/profile_compiled_ab.py
 """
@@ -50,14 +52,14 @@ def use_kept(on: bool) -> None:
 
 
 steps = {}
-for form, fn in forms.items():
-    for direct in (True, False):
-        for keep in (True, False):
-            compiled = torch.compile(fn, backend="sparserl", options={"direct_ops": direct})
-            use_kept(keep)
-            compiled(X).backward()
-            intercept.deactivate_backend()
-            steps[(form, direct, keep)] = compiled
+configs = [(form, direct, keep, True) for form in forms for direct in (True, False) for keep in (True, False)]
+configs.append(("CSRMatrix", True, True, False))
+for form, direct, keep, flatten in configs:
+    compiled = torch.compile(forms[form], backend="sparserl", options={"direct_ops": direct, "flatten_matrices": flatten})
+    use_kept(keep)
+    compiled(X).backward()
+    intercept.deactivate_backend()
+    steps[(form, direct, keep, flatten)] = compiled
 
 times = {key: [] for key in steps}
 for _ in range(ROUNDS):
@@ -74,8 +76,9 @@ for _ in range(ROUNDS):
 use_kept(True)
 result = {"rounds": ROUNDS, "steps_per_round": STEPS, "device": torch.cuda.get_device_name(),
           "torch": torch.__version__, "us_per_step": {}}
-for (form, direct, keep), values in times.items():
-    label = f"{form}, direct_ops {'on' if direct else 'off'}, values {'kept' if keep else 'gathered'}"
+for (form, direct, keep, flatten), values in times.items():
+    label = (f"{form}, direct_ops {'on' if direct else 'off'}, values {'kept' if keep else 'gathered'}"
+             + ("" if form == "parts" else f", {'flattened' if flatten else 'subclass'}"))
     result["us_per_step"][label] = round(statistics.median(values), 1)
 print(json.dumps(result, indent=1))
 Path(os.environ.get("OUT", "/tmp"), "compiled-ab.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -342,3 +342,65 @@ def test_compiled_code_cache_tells_matrices_of_other_sizes_apart(tmp_path):
     first, second = (ts.csr(torch.eye(4).to_sparse_csr()), ts.csr((torch.eye(4) + torch.eye(4).roll(1, 0)).to_sparse_csr()))
     assert first._stable_hash_for_caching() != second._stable_hash_for_caching()
     assert first._stable_hash_for_caching() == ts.csr(torch.eye(4).to_sparse_csr())._stable_hash_for_caching()
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_matrix_inputs_reach_aotautograd_as_their_parts(device, flatten, monkeypatch):
+    """With ``flatten_matrices`` (the default) Inductor is handed a CSRMatrix input as its
+    crow, col and val (no subclass for AOTAutograd to unwrap per call); each call passes the
+    parts of the matrix it was given, also a new matrix on the same code, or of another nnz."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    handed = []
+    real = compile_fx_module.compile_fx
+
+    def spy(gm, inputs, **kwargs):
+        handed.append([type(t).__name__ for t in inputs])
+        return real(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    model = GCN().double().to(device)
+    compiled = torch.compile(model, backend="sparserl", options={"flatten_matrices": flatten})
+    n = 60
+    for density, seed in ((0.1, 1), (0.1, 2), (0.25, 3)):  # the second reuses the code, the third has another nnz
+        g = torch.Generator().manual_seed(seed)
+        M = (torch.rand(n, n, generator=g) < density).double() * torch.randn(n, n, generator=g, dtype=torch.float64)
+        adj = ts.csr(M.to_sparse_csr()).to(device)
+        x = torch.randn(n, 12, generator=g, dtype=torch.float64).to(device)
+        model.zero_grad()
+        out = compiled(x, adj)
+        out.square().sum().backward()
+        got = _grads(model)
+        model.zero_grad()
+        want = _dense_gcn(model, x, M.to(device))
+        want.square().sum().backward()
+        assert_close_to_reference(out, want.detach())
+        for name, grad in _grads(model).items():
+            assert_close_to_reference(got[name], grad)
+    assert handed and all(("CSRMatrix" in types) != flatten for types in handed), handed
+
+
+def _dense_gcn(model, x, M):
+    h = torch.relu(M @ model.lin1(x))
+    return M @ model.lin2(h)
+
+
+def test_matrices_whose_values_need_a_gradient_keep_the_subclass_path():
+    from torch_sparserl.flatten import flatten_matrix_inputs
+
+    A, x = _graph_data("cpu", torch.float64)
+    adj = ts.csr(A, dtype=torch.float64)
+    weighted = adj.with_values(adj.val.clone().requires_grad_())
+    seen = {}
+
+    def backend(gm, inputs):
+        seen["plain"] = flatten_matrix_inputs(gm, inputs)
+        seen["weighted"] = flatten_matrix_inputs(gm, [weighted if t is adj else t for t in inputs])
+        return gm
+
+    torch.compile(lambda a, f: a @ f, backend=backend, fullgraph=True)(adj, x)
+    flat_gm, flat_inputs, to_flat = seen["plain"]
+    assert [type(t) for t in flat_inputs] == [torch.Tensor] * 4  # crow, col, val, x
+    assert to_flat([adj, x])[:3] == [adj.crow, adj.col, adj.val]
+    assert_close_to_reference(flat_gm(*to_flat([adj, x]))[0], torch.from_numpy(A.toarray()).double() @ x)
+    assert seen["weighted"] is None

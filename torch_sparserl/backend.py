@@ -2,7 +2,8 @@
 
 Registered through the ``torch_dynamo_backends`` entry point, so
 ``torch.compile(model, backend="sparserl")`` needs no import. Graphs go to Inductor's
-``compile_fx`` with :class:`~torch_sparserl.passes.SparseOpsPass` as the post-grad pass.
+``compile_fx`` with :class:`~torch_sparserl.passes.SparseOpsPass` as the post-grad pass, and with the
+graph's CSRMatrix inputs handed over as their parts (:mod:`~torch_sparserl.flatten`).
 Before that, the products of the graph's CSRMatrix inputs (module buffers, constants,
 arguments) are handed to the JIT runtime (:mod:`~torch_sparserl.prespecialize`), so their
 kernels are being specialized while Inductor compiles. Under CUDA graphs
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from . import cudagraphs, intercept
 from . import runtime as rt
+from .flatten import call_flattened, flatten_matrix_inputs
 from .passes import SparseOpsPass
 from .prespecialize import prespecialize_graph
 from .settings import Settings
@@ -32,15 +34,18 @@ def sparserl_backend(gm, example_inputs, *, options=None, mode=None):
     patches = dict(list_mode_options(mode)) if mode else {}
     patches["post_grad_custom_post_pass"] = SparseOpsPass(
         settings, chained=inductor_config.post_grad_custom_post_pass)
-    if not settings.prespecialize:
-        return compile_fx(gm, example_inputs, config_patches=patches)
     # CUDA graphs replay whichever kernel served each product when they were recorded: a
     # product still being decided in the background would replay cuSPARSE for good.
     captured = bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
-    started = prespecialize_graph(gm, example_inputs, wait=captured and not cudagraphs.supported())
+    started = (prespecialize_graph(gm, example_inputs, wait=captured and not cudagraphs.supported())
+               if settings.prespecialize else [])
     pending = [state.future for _, state in started if isinstance(state, rt.Pending)]
     if not (captured and pending):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        flat = None if captured or not settings.flatten_matrices else flatten_matrix_inputs(gm, example_inputs)
+        if flat is None:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        flat_gm, flat_inputs, to_flat = flat
+        return call_flattened(compile_fx(flat_gm, flat_inputs, config_patches=patches), to_flat)
     decisions = cudagraphs.Decisions(pending, what=f"a graph of {len(gm.graph.nodes)} nodes")
     with decisions.collecting():
         return compile_fx(gm, example_inputs, inner_compile=decisions.inner_compile, config_patches=patches)

@@ -237,11 +237,13 @@ _CACHE_LOCK = threading.Lock()
 _STATS = {"lookups": 0, "misses": 0, "transposes": 0, "diagonals": 0, "transposed_values": 0}
 
 
-def _forget(key: int, ref: weakref.ref) -> None:
-    # crow died; runs at garbage collection, maybe inside a lock holder's thread: no lock
-    entry = _CACHE.get(key)
+def _forget(key: int, ref: weakref.ref, cache: dict[int, Pattern] = _CACHE) -> None:
+    # crow died; runs at garbage collection, maybe inside a lock holder's thread: no lock.
+    # The cache is bound as a default: at interpreter exit the module's globals are gone
+    # before the last tensors die.
+    entry = cache.get(key)
     if entry is not None and entry._crow_ref is ref:
-        _CACHE.pop(key, None)
+        cache.pop(key, None)
 
 
 def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:

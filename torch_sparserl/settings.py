@@ -21,6 +21,7 @@ DEFAULT_PRESPECIALIZE = True
 # cannot fuse. Opt in with options={"fuse_epilogues": True}.
 DEFAULT_FUSE_EPILOGUES = False
 DEFAULT_DIRECT_OPS = True
+DEFAULT_FLATTEN_MATRICES = True
 
 logger = logging.getLogger("torch_sparserl")
 if os.environ.get("SPARSERL_LOG"):
@@ -55,6 +56,11 @@ class Settings:
     """Run the sparse products of compiled graphs as ``sparserl_direct::*``, the operators'
     implementation-only twins, instead of through custom_op's autograd layers, which an
     already differentiated graph does not need (``ops.DIRECT_OPS``). Off: for comparisons."""
+
+    flatten_matrices: bool = DEFAULT_FLATTEN_MATRICES
+    """Give AOTAutograd a graph's CSRMatrix inputs as their parts (``crow``, ``col``,
+    ``val``) instead of a tensor subclass it unwraps on every call (:mod:`torch_sparserl.flatten`;
+    matrices whose values need a gradient keep the subclass path). Off: for comparisons."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | "Settings" | None) -> "Settings":
