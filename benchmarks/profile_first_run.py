@@ -8,6 +8,8 @@ policy's samples and their timing in the sandbox's worker), the install (build o
 library, plan preparation), the in-process build, the pattern helpers' kept work, and Python's
 garbage collections. Every epoch is timed with its start; a stalled epoch (over 4x the
 median) is listed with the intervals that overlap it. Writes ``$OUT/first-run.json``.
+``SPARSERL_EVAL_BURST_REPS=0`` runs the candidates' timing loops back to back, as before the
+runtime's evaluations were timed in bursts (``autotune.RUNTIME_BURST_REPS``).
 
     OUT=/tmp python benchmarks/profile_first_run.py --rows fb100_Cornell5:gcn:128,uk-2007-05_100000:sage:128
 """
@@ -104,7 +106,9 @@ def main(argv=None) -> int:
 
     instrument()
     device = torch.device("cuda")
-    result = {"rows": []}
+    from torch_sparserl import autotune
+
+    result = {"rows": [], "eval_burst_reps": autotune.RUNTIME_BURST_REPS}
     for spec in args.rows.split(","):
         name, model, hidden = spec.split(":")
         graph = bench.prepare_graph(name, device)

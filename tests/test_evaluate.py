@@ -120,6 +120,8 @@ def test_config_checks_and_round_trip():
     assert EvalConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="EvalConfig: trials must be >= 1"):
         EvalConfig(trials=0)
+    with pytest.raises(ValueError, match="EvalConfig: burst_reps must be >= 0"):
+        EvalConfig(burst_reps=-1)
     with pytest.raises(ValueError, match="guard_bytes"):
         EvalConfig(guard_bytes=100)
     with pytest.raises(ValueError, match="unknown field"):

@@ -128,3 +128,25 @@ def test_evaluate_many_streams_records():
                                  timeout_s=TIMEOUT_S))
     assert [r.error_kind for r in records] == [None, ErrorKind.UNWRITTEN, ErrorKind.PLAN]
     assert all(r.matrix == "matrix" for r in records)
+
+
+def test_bursts_leave_the_gpu_idle_between_them_and_time_every_run():
+    """Timed in bursts (EvalConfig.burst_reps), the host waits for each burst and sleeps before
+    the next: the runs' samples are all there, and the GPU is idle in the gaps, where another
+    process's kernels run."""
+    import time
+
+    from torch_sparserl.evaluate import harness
+
+    flush = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    x = torch.randn(1 << 16, device="cuda")
+    fn = lambda: x.mul_(1.0)  # noqa: E731
+    harness._time([fn], 2, 1, flush)  # warm
+    start = time.perf_counter()
+    (at_once,) = harness._time([fn], 9, 1, flush)
+    whole = time.perf_counter() - start
+    start = time.perf_counter()
+    (bursts,) = harness._time([fn], 9, 1, flush, burst=4, gap_ms=20.0)
+    gapped = time.perf_counter() - start
+    assert len(at_once) == len(bursts) == 9 and min(bursts) > 0
+    assert gapped >= whole + 0.04  # two gaps of 20 ms: after runs 4 and 8

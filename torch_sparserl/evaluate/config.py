@@ -26,6 +26,11 @@ class EvalConfig:
     check_determinism: bool = True          # run each trial's inputs twice and compare
     suspicious_speedup: float = DEFAULT_SUSPICIOUS_SPEEDUP  # re-check speedups above this
     recheck_min_ratio: float = 0.5          # the re-timed speedup must keep this fraction
+    # Timed runs enqueued back to back before the harness waits for them and then leaves the
+    # GPU idle for burst_gap_ms; 0: all of them at once. A process training on the same GPU
+    # (the JIT's case) can run in the gaps instead of waiting behind a whole timing loop.
+    burst_reps: int = 0
+    burst_gap_ms: float = 1.0
 
     def __post_init__(self):
         def bad(name, expected):
@@ -44,6 +49,10 @@ class EvalConfig:
             bad("suspicious_speedup", "> 1")
         if not 0 < self.recheck_min_ratio <= 1:
             bad("recheck_min_ratio", "in (0, 1]")
+        if self.burst_reps < 0:
+            bad("burst_reps", ">= 0")
+        if self.burst_gap_ms < 0:
+            bad("burst_gap_ms", ">= 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -238,7 +238,8 @@ def _stats(samples: list[float]) -> dict:
 _HIDE_HOST_CYCLES = 200_000  # ~100 us of GPU clock: longer than any host-side launch path
 
 
-def _time(functions: list[Callable[[], object]], reps: int, warmup: int, flush: torch.Tensor) -> list[list[float]]:
+def _time(functions: list[Callable[[], object]], reps: int, warmup: int, flush: torch.Tensor,
+          burst: int = 0, gap_ms: float = 0.0) -> list[list[float]]:
     """Microseconds per run of each function, interleaved run by run, each run after an L2 flush.
 
     The flush (a memset far larger than L2) and then a GPU-side spin run on the stream just
@@ -246,6 +247,11 @@ def _time(functions: list[Callable[[], object]], reps: int, warmup: int, flush: 
     the launch: what is timed is the GPU's work, never the host's launch path. Without the
     spin, a 128 MB flush (~45 us) did not always cover a Python launch: ncu measured a
     dblp-2010 SpMV kernel at 22 us that these events had timed at 34 us (H100).
+
+    With ``burst``, every ``burst`` runs the host waits for the GPU and sleeps ``gap_ms``: each
+    run is timed on its own, so the gaps change no sample, and another process's kernels get
+    the GPU between bursts (the 30 runs of a final validation with its cuSPARSE baseline are
+    ~12 ms of back-to-back GPU work, which a training step on the same GPU may wait behind).
     """
     for _ in range(warmup):
         for fn in functions:
@@ -253,6 +259,9 @@ def _time(functions: list[Callable[[], object]], reps: int, warmup: int, flush: 
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                for _ in range(reps)] for _ in functions]
     for i in range(reps):
+        if burst and i and i % burst == 0:
+            torch.cuda.synchronize()
+            time.sleep(gap_ms / 1e3)
         for fn, pairs in zip(functions, events):
             flush.zero_()
             torch.cuda._sleep(_HIDE_HOST_CYCLES)
@@ -549,8 +558,9 @@ def _check_timing(record: EvalRecord, problem: _Problem, config: EvalConfig) -> 
     record.baseline = "cusparse_fp32_widened" if widened else "cusparse"
     cand_fn = lambda: problem.launch(check=False)  # noqa: E731 - operands were checked above
     problem.fill_unwritten()
-    (cand_us,) = _time([cand_fn], config.reps, config.warmup, flush)
-    (base_us,) = _time([base_fn], config.reps, config.warmup, flush) if config.baseline else ([],)
+    bursts = (config.burst_reps, config.burst_gap_ms)
+    (cand_us,) = _time([cand_fn], config.reps, config.warmup, flush, *bursts)
+    (base_us,) = _time([base_fn], config.reps, config.warmup, flush, *bursts) if config.baseline else ([],)
     problem.check_side_effects()
     ok, reason, _ = problem.judge(problem.y.clone())
     if not ok:
@@ -572,7 +582,7 @@ def _check_timing(record: EvalRecord, problem: _Problem, config: EvalConfig) -> 
     problem.new_inputs(_seed(config, config.trials + 1))
     base_fn, _, _ = _baseline(problem)
     problem.fill_unwritten()
-    cand2, base2 = _time([cand_fn, base_fn], config.reps, config.warmup, flush)
+    cand2, base2 = _time([cand_fn, base_fn], config.reps, config.warmup, flush, *bursts)
     problem.check_side_effects()
     ok, reason, _ = problem.judge(problem.y.clone())
     speedup2 = statistics.median(base2) / max(statistics.median(cand2), 1e-9)
