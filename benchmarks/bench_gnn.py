@@ -764,8 +764,9 @@ def compare(paths: list[Path]) -> str:
     names = [Path(p).stem for p in paths]
     keyed = [{(r["graph"], r["model"], r["hidden"]): row_metrics(r) for r in d.get("rows", [])} for d in docs]
     keys = [k for k in dict.fromkeys(k for runs in keyed for k in runs) if all(k in runs for runs in keyed)]
-    lines = [f"# GNN epoch time: {len(docs)} runs compared", "", "Runs: " + ", ".join(f"`{n}`" for n in names) + ".",
-             f" Rows present in every run: {len(keys)}.", ""]
+    lines = [f"# GNN epoch time: {len(docs)} runs compared", "",
+             "Runs: " + ", ".join(f"`{n}`" for n in names) + f". Rows present in every run: {len(keys)}. Each "
+             "speedup is the baseline's epoch time over the sparserl way's, both from the same run.", ""]
     for metric, title in COMPARED:
         if not any(runs[k].get(metric) is not None for runs in keyed for k in keys):
             continue
