@@ -404,3 +404,30 @@ def test_matrices_whose_values_need_a_gradient_keep_the_subclass_path():
     assert to_flat([adj, x])[:3] == [adj.crow, adj.col, adj.val]
     assert_close_to_reference(flat_gm(*to_flat([adj, x]))[0], torch.from_numpy(A.toarray()).double() @ x)
     assert seen["weighted"] is None
+
+
+_FLATTEN_CASES = {
+    "the matrix returned": lambda A, B, x: (A @ x, A),
+    "its values read": lambda A, B, x: (A @ x) * A.val.sum(),
+    "its row pointers read": lambda A, B, x: (A @ x) + (A.crow[1:] - A.crow[:-1]).unsqueeze(1).double(),
+    "densified too": lambda A, B, x: A.to_dense() @ x + A @ x,
+    "two matrices": lambda A, B, x: A @ x + B @ (A @ x),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FLATTEN_CASES))
+@pytest.mark.parametrize("same", [False, True], ids=["two", "one-twice"])
+def test_flattened_matrices_in_unusual_graphs_match_eager(case, same):
+    """Graphs that return the matrix, read its parts themselves, or take one matrix as two
+    arguments: the flattened graph agrees with eager (and the returned matrix is the input)."""
+    g = torch.Generator().manual_seed(7)
+    M = (torch.rand(30, 30, generator=g) < 0.2).double() * torch.randn(30, 30, generator=g, dtype=torch.float64)
+    A = ts.csr(M.to_sparse_csr())
+    B = A if same else ts.csr((2 * M).to_sparse_csr())
+    x = torch.randn(30, 4, generator=g, dtype=torch.float64)
+    fn = _FLATTEN_CASES[case]
+    want, got = fn(A, B, x), torch.compile(fn, backend="sparserl", options={"strict": True})(A, B, x)
+    if isinstance(want, tuple):
+        assert got[1] is A
+        want, got = want[0], got[0]
+    assert_close_to_reference(got, want)
