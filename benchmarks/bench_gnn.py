@@ -64,8 +64,11 @@ WAYS = ["eager", "inductor", "pyg", "sparserl"]
 # layer aggregates nothing): what an epoch of any compiled way would cost if its sparse products
 # were free, so eager / bound_inductor bounds a compiled way's speedup (its losses differ)
 # and sparserl_cudagraphs, the sparserl way compiled with mode="reduce-overhead" (CUDA graphs:
-# the path for small graphs, whose epochs are bound by the CPU)
-EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "bound_inductor"]
+# the path for small graphs, whose epochs are bound by the CPU); and sparserl_subclass, the
+# sparserl way with options={"flatten_matrices": False} (the CSRMatrix reaches AOTAutograd as
+# a tensor subclass), to measure what the flattening is worth per epoch
+EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass", "bound_inductor"]
+WAY_OPTIONS = {"sparserl_fused": {"fuse_epilogues": True}, "sparserl_subclass": {"flatten_matrices": False}}
 BOUND_WAYS = ("bound_inductor",)  # not the same computation: no loss comparison
 FEATURES = 128
 CLASSES = 16
@@ -305,8 +308,8 @@ def time_rounds(epochs: dict, results: dict, device, rounds: int) -> None:
         results[way]["epoch_ms"] = statistics.median(results[way]["chunk_ms"])
 
 
-SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs")
-COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "bound_inductor")
+SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass")
+COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "sparserl_subclass", "bound_inductor")
 
 
 def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
@@ -333,7 +336,7 @@ def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
     if way in COMPILED_WAYS:
         mode = "reduce-overhead" if way == "sparserl_cudagraphs" else None if args.mode == "default" else args.mode
         task = torch.compile(task, backend="inductor" if way in ("inductor", *BOUND_WAYS) else "sparserl",
-                             mode=mode, options={"fuse_epilogues": True} if way == "sparserl_fused" else None)
+                             mode=mode, options=WAY_OPTIONS.get(way))
     return task
 
 
@@ -543,6 +546,9 @@ def row_metrics(row: dict) -> dict:
             out["uncompiled_vs_eager"] = ms["eager"] / uncompiled["epoch_ms"]
         if "sparserl" in ms:
             out["uncompiled_vs_compiled"] = ms["sparserl"] / uncompiled["epoch_ms"]
+    subclass = ways.get("sparserl_subclass", {})
+    if "sparserl" in ms and subclass.get("status") == "ok":
+        out["flatten_speedup"] = subclass["epoch_ms"] / ms["sparserl"]
     graphs = ways.get("sparserl_cudagraphs", {})
     if graphs.get("status") == "ok" and "eager" in ms:
         out["cudagraphs_vs_eager"] = ms["eager"] / graphs["epoch_ms"]
@@ -661,6 +667,16 @@ def markdown(doc: dict) -> str:
                       _fmt(m.get("uncompiled_vs_eager"), ".2f", "×"), _fmt(m.get("uncompiled_vs_compiled"), ".2f", "×")],
         lambda sel: ["geometric mean", "", "", "", _fmt(geomean(m.get("uncompiled_vs_eager") for _, m in sel), ".2f", "×"),
                      _fmt(geomean(m.get("uncompiled_vs_compiled") for _, m in sel), ".2f", "×")])
+
+    lines += _way_section(
+        rows, "sparserl_subclass",
+        "Flattened CSRMatrix inputs: sparserl (the backend hands the matrix to AOTAutograd as its parts, the "
+        "default) against sparserl_subclass (options={\"flatten_matrices\": False}), same kernels, same rounds:",
+        ["subclass ms", "flattened ms", "flattening speedup"], "---:|---:|---:",
+        lambda r, m: [_fmt(r["ways"]["sparserl_subclass"].get("epoch_ms"), ".3f"),
+                      _fmt(r["ways"].get("sparserl", {}).get("epoch_ms"), ".3f"),
+                      _fmt(m.get("flatten_speedup"), ".3f", "×") + _range(_bounds(r["ways"], "sparserl_subclass", "sparserl"))],
+        lambda sel: ["geometric mean", "", "", "", "", _fmt(geomean(m.get("flatten_speedup") for _, m in sel), ".3f", "×")])
 
     def over_graphs(sel, key):
         per_graph = {}

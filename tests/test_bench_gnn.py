@@ -87,7 +87,8 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
 
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse
     assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
-                       "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,sparserl_cudagraphs,bound_inductor", "--chunks", "1",
+                       "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,sparserl_cudagraphs,sparserl_subclass,bound_inductor",
+                       "--chunks", "1",
                        "--min-chunk-s", "0.01",
                        "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
     (row,) = json.loads(out.read_text())["rows"]
@@ -103,6 +104,8 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     assert "Fused epilogues" in md and "Without torch.compile" in md and "The bound of a compiled way" in md
     # mode="reduce-overhead" (CUDA graphs on a GPU; Inductor skips them on the CPU), same losses
     assert row["cudagraphs_vs_eager"] > 0 and "Under CUDA graphs" in md
+    # the CSRMatrix as a subclass at AOTAutograd's boundary, against the flattened default
+    assert row["flatten_speedup"] > 0 and "Flattened CSRMatrix inputs" in md
     with pytest.raises(SystemExit):
         bench.main(["--ways", "eager,fastest", "--out", str(tmp_path)])
 
