@@ -544,3 +544,14 @@ def test_sandbox_worker_follows_the_parents_gpu(monkeypatch):
     assert sandbox_module._parent_cuda_device() is None  # an index the parent cannot see: leave it
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert sandbox_module._parent_cuda_device() is None
+
+
+def test_a_bad_burst_setting_in_the_environment_is_named():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SPARSERL_EVAL_BURST_REPS="four")
+    result = subprocess.run([sys.executable, "-c", "import torch_sparserl.autotune"], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode != 0
+    assert "SPARSERL_EVAL_BURST_REPS: expected a whole number of timed runs >= 0 (got 'four')" in result.stderr
