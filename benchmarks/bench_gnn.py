@@ -366,7 +366,7 @@ def run_row(ways: list[str], model_name, hidden, graph, device, args) -> dict:
         for way in ways:
             if way not in SPARSERL_WAYS:
                 intercept.deactivate_backend()  # the baselines run as in a process without sparserl
-            if way in SPARSERL_WAYS:
+            else:
                 runtime = rt.active()  # one runtime for the process (main configures and prewarms it)
                 before = dict(runtime.stats), SPECIALIZED["keys"]
                 passes.REPORTS.clear()  # what an earlier way compiled is not this way's
@@ -522,8 +522,8 @@ def row_metrics(row: dict) -> dict:
         ours = ms["sparserl"]
         if "eager" in ms:
             out["speedup_vs_eager"] = ms["eager"] / ours
-            if _bounds(ways, "eager", "sparserl"):
-                out["speedup_vs_eager_rounds"] = _bounds(ways, "eager", "sparserl")
+            if bounds := _bounds(ways, "eager", "sparserl"):
+                out["speedup_vs_eager_rounds"] = bounds
         best = [ms[w] for w in ("inductor", "pyg") if w in ms]
         if best:
             out["speedup_vs_best_other"] = min(best) / ours

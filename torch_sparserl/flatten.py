@@ -105,23 +105,9 @@ def flatten_matrix_inputs(gm: torch.fx.GraphModule, example_inputs: list):
 
 
 def _flattener(added: list[tuple[str, ...] | None]) -> Callable[[Sequence], list]:
-    """The argument mapping of :func:`flatten_matrix_inputs`, as lean as a call can be: one
-    list built per call, the matrices' parts spliced in at their positions."""
-    if all(names is None or names == PARTS for names in added):
-        marks = [names is not None for names in added]
-
-        def to_flat(args: Sequence) -> list:
-            flat = []
-            for arg, is_matrix in zip(args, marks):
-                if is_matrix:
-                    flat += (arg.crow, arg.col, arg.val)
-                else:
-                    flat.append(arg)
-            return flat
-
-        return to_flat
-
-    def to_flat_some(args: Sequence) -> list:
+    """The argument mapping of :func:`flatten_matrix_inputs`: one list built per call, each
+    matrix's added parts spliced in at its position."""
+    def to_flat(args: Sequence) -> list:
         flat = []
         for arg, names in zip(args, added):
             if names is None:
@@ -130,7 +116,7 @@ def _flattener(added: list[tuple[str, ...] | None]) -> Callable[[Sequence], list
                 flat += [getattr(arg, name) for name in names]
         return flat
 
-    return to_flat_some
+    return to_flat
 
 
 def call_flattened(compiled, to_flat: Callable[[Sequence], list]):

@@ -105,6 +105,11 @@ def _bind(lib: ctypes.CDLL, spec: KernelSpec) -> Kernel:
                   max_threads=attrs[2], static_smem=attrs[3], keepalive=lib)
 
 
+def _distinct(specs: list[KernelSpec]) -> list[KernelSpec]:
+    """One spec per key, in first-seen order: a library holds each kernel once."""
+    return list({s.key: s for s in specs}.values())
+
+
 def _current_arch() -> str:
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
@@ -120,7 +125,7 @@ def _paths(specs: list[KernelSpec], arch: str, directory: Path | None) -> tuple[
 def is_built(specs: list[KernelSpec], arch: str, *, directory: Path | None = None) -> bool:
     """Whether the library of ``specs`` for ``arch`` is on disk, complete: :func:`build` then
     only loads it (no compiler, no import of torch's extension builder)."""
-    specs = list({s.key: s for s in specs}.values())
+    specs = _distinct(specs)
     return bool(specs) and _paths(specs, arch, directory)[3].exists()
 
 
@@ -130,7 +135,7 @@ def prebuild(specs: list[KernelSpec], arch: str) -> str:
     it hold the interpreter lock for hundreds of milliseconds, which a training loop in that
     process would feel as stalled steps). Returns the library's name."""
     build(specs, arch)
-    return module_name(list({s.key: s for s in specs}.values()), arch)
+    return module_name(_distinct(specs), arch)
 
 
 def build(specs: list[KernelSpec], arch: str | None = None, *, directory: Path | None = None,
@@ -138,7 +143,7 @@ def build(specs: list[KernelSpec], arch: str | None = None, *, directory: Path |
     """Build (or load from disk) one library holding ``specs``; return kernels by spec key."""
     if not specs:
         return {}
-    specs = list({s.key: s for s in specs}.values())
+    specs = _distinct(specs)
     if arch is None:
         arch = _current_arch()
     name, build_dir, library, done = _paths(specs, arch, directory)
