@@ -59,7 +59,7 @@ def full_record(**changes) -> EvalRecord:
 def test_error_kinds_are_the_closed_set():
     assert {k.value for k in ErrorKind} == {
         "plan", "compile", "resources", "launch", "crash", "timeout", "wrong", "unwritten", "out_of_bounds",
-        "input_modified", "nondeterministic", "stale", "suspicious"}
+        "input_modified", "nondeterministic", "stale", "suspicious", "device_memory"}
     assert ErrorKind("stale") is ErrorKind.STALE and ErrorKind.STALE == "stale"
 
 
@@ -485,6 +485,19 @@ def test_cuda_errors_are_classified():
     assert classify(LaunchError("failed with CUDA_ERROR_INVALID_VALUE (1)")) is ErrorKind.LAUNCH
     assert classify(RuntimeError("CUDA error: invalid configuration argument")) is ErrorKind.LAUNCH
     assert classify(ValueError("a bug in the harness")) is None
+
+
+def test_out_of_memory_is_the_devices_state_unless_the_request_exceeds_the_device():
+    classify = harness.classify_cuda_error
+    busy = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of "
+                                  "79.19 GiB of which 1.25 GiB is free. Process 7 has 77.9 GiB memory in use.")
+    assert classify(busy) is ErrorKind.DEVICE_MEMORY
+    never = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 120.50 GiB. GPU 0 has a total capacity of "
+                                   "79.19 GiB of which 78.00 GiB is free.")
+    assert classify(never) is ErrorKind.RESOURCES
+    assert classify(torch.OutOfMemoryError("CUDA out of memory.")) is ErrorKind.DEVICE_MEMORY
+    record = EvalRecord(key="k", compiled=True).fail(ErrorKind.DEVICE_MEMORY, str(busy))
+    assert reward(record) == 0.0  # compiled, not judged: no resource penalty for the device's state
 
 
 # =========================================================================== compile tier

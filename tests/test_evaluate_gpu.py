@@ -121,6 +121,34 @@ def test_in_process_evaluation_and_recheck_of_high_speedups():
         assert record.timing["recheck"]["output_ok"]
 
 
+def _fill_device(down_to_bytes: int) -> list:
+    """Allocations holding the device's memory until less than ``down_to_bytes`` can be had."""
+    held, size = [], 1 << 30
+    while size >= down_to_bytes:
+        try:
+            held.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            size //= 2
+    return held
+
+
+def test_an_evaluation_on_a_full_device_fails_for_the_devices_state_not_the_candidate():
+    from torch_sparserl.evaluate.harness import Matrix, evaluate_candidate
+    from torch_sparserl.evaluate.record import TRANSIENT_KINDS
+    rowptr, col, shape = random_pattern(rows=65536, cols=65536, per_row=8, seed=3)
+    matrix = Matrix.from_numpy(rowptr, col, shape)
+    good = evaluate_candidate(spec("good_spmm_f32.cu"), matrix, 32, torch.float32, CONFIG)
+    assert good.error_kind is None, good.log
+    held = _fill_device(down_to_bytes=1 << 20)  # X alone is 8 MiB
+    try:
+        record = evaluate_candidate(spec("good_spmm_f32.cu"), matrix, 32, torch.float32, CONFIG)
+    finally:
+        del held
+        torch.cuda.empty_cache()
+    assert record.error_kind is ErrorKind.DEVICE_MEMORY and record.error_kind in TRANSIENT_KINDS, record.log
+    assert "out of memory" in record.log and reward(record) == 0.0
+
+
 def test_evaluate_many_streams_records():
     rowptr, col, shape = random_pattern(rows=512, cols=512, per_row=8, seed=2)
     names = ["good_spmm_f32.cu", "partial.cu", "bad_plan.cu"]

@@ -255,6 +255,20 @@ def test_a_sandboxed_policy_that_cannot_load_says_why(tmp_path):
             SandboxedPolicy(box, tmp_path).load()
 
 
+def test_a_sandboxed_policy_without_device_memory_is_a_transient_failure():
+    from torch_sparserl.evaluate.record import TransientFailure
+    from torch_sparserl.evaluate.sandbox import TaskOutcome
+    from torch_sparserl.policy import CHECKPOINT_DIR
+    from torch_sparserl.policy.propose import SandboxedPolicy
+
+    class Busy:  # a worker whose device another process fills
+        def run(self, task, args, timeout_s=None):
+            return TaskOutcome(status="error", error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(TransientFailure, match=r"policy: load_task .* failed \(error\): OutOfMemoryError"):
+        SandboxedPolicy(Busy(), CHECKPOINT_DIR).load()
+
+
 @pytest.mark.parametrize("name,op,n", [("cora", "spmm", 32), ("rajat01", "spmv", 1)])
 def test_speculative_greedy_decoding_equals_plain_greedy_decoding(shipped, name, op, n):
     from torch_sparserl.datasets import load_matrix

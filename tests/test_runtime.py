@@ -11,7 +11,7 @@ import torch
 
 from torch_sparserl import pattern as patterns
 from torch_sparserl.cache import CacheEntry, KernelCache
-from torch_sparserl.runtime import Runtime, RuntimeSettings, SpecializationError
+from torch_sparserl.runtime import Runtime, RuntimeSettings, SpecializationError, TransientFailure
 
 from helpers import make_pattern, to_parts
 
@@ -19,10 +19,11 @@ SOURCE = "// sparserl: op=spmm dtype=f32 block=32 grid=1\n"
 
 
 class Fakes:
-    def __init__(self, entry_source=SOURCE, fail_specialize=False, fail_install=False, gate=None):
+    def __init__(self, entry_source=SOURCE, fail_specialize=False, fail_install=False, gate=None, transient=0):
         self.specialized, self.installed, self.launched = [], [], []
         self.entry_source, self.fail_specialize, self.fail_install, self.gate = (
             entry_source, fail_specialize, fail_install, gate)
+        self.transient = transient  # searches that fail for the device's state before one decides
 
     def specializer(self, key, crow, col, ncols):
         if self.gate is not None:
@@ -30,6 +31,8 @@ class Fakes:
         self.specialized.append(key)
         if self.fail_specialize:
             raise RuntimeError("every candidate crashed")
+        if len(self.specialized) <= self.transient:
+            raise TransientFailure("no candidate decided: 2 of 2 evaluations failed for the device's state")
         return CacheEntry(key, self.entry_source, family="fake", params={"p": 1},
                           reason="2.0x cuSPARSE" if self.entry_source else "none beat cuSPARSE")
 
@@ -152,6 +155,30 @@ def test_failed_specialization_falls_back_loudly(tmp_path, caplog):
         assert call(runtime, A, crow, col, val, X) is None
     assert "spmm n=8 f32 falls back to cuSPARSE: specialization failed: RuntimeError: every candidate crashed" in caplog.text
     assert caplog.text.count("falls back") == 1 and len(fakes.specialized) == 1  # decided once
+
+
+def test_a_search_undecided_for_the_devices_state_runs_again_and_then_decides(tmp_path, caplog):
+    runtime, fakes, A, crow, col, val, X = setup(tmp_path, transient=1)
+    with caplog.at_level(logging.WARNING, logger="torch_sparserl.runtime"):
+        torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+    assert len(fakes.specialized) == 2 and runtime.stats["transient_retries"] == 1
+    assert "failed for the device's state; this process's cached GPU memory is released" in caplog.text
+    assert len(runtime.cache.entries()) == 1  # the decision, once reached
+
+
+def test_a_search_undecided_twice_falls_back_and_caches_nothing(tmp_path):
+    runtime, fakes, A, crow, col, val, X = setup(tmp_path, transient=5)
+    assert call(runtime, A, crow, col, val, X) is None and call(runtime, A, crow, col, val, X) is None
+    assert len(fakes.specialized) == 2 and runtime.cache.entries() == []
+    entry = patterns.lookup(crow, col, A.shape[1])
+    assert runtime.explain("spmm", entry, 8, torch.float32) == (
+        "cuSPARSE: no candidate decided: 2 of 2 evaluations failed for the device's state (tried 2 times; "
+        "nothing cached: a later process decides again)")
+    later = Fakes()  # another process, the device free again: it searches and decides
+    second = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=later.specializer,
+                     installer=later.installer, devices=("cpu",))
+    torch.testing.assert_close(call(second, A, crow, col, val, X), expected(A, crow, col, val, X))
+    assert len(later.specialized) == 1
 
 
 def test_failed_install_falls_back(tmp_path, caplog):
@@ -502,3 +529,45 @@ def test_the_specializers_prebuild_runs_before_the_install_and_may_fail(tmp_path
         torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
     assert order == [("prebuild", "fake", "cpu"), ("install", "fake")]
     assert runtime.stats["installs"] == 1 and runtime.stats["installed_calls"] == 2
+
+
+def _tuned(*records):
+    from torch_sparserl.autotune import TuneResult
+
+    correct = [r for r in records if r.correct]
+    best = max(correct, key=lambda r: r.speedup) if correct else None
+    return TuneResult(op="spmm", n=8, dtype="f32", features={}, best=best, best_spec=SimpleSpec() if best else None,
+                      table=list(records))
+
+
+class SimpleSpec:
+    source = SOURCE
+
+
+def _record(family, *, speedup=None, kind=None, log=""):
+    from torch_sparserl.evaluate import EvalRecord
+
+    record = EvalRecord(key=family, family=family, compiled=True)
+    if kind is not None:
+        return record.fail(kind, log)
+    record.correct, record.runtime_us, record.cusparse_us = True, 10.0, 10.0 * speedup
+    return record
+
+
+def test_a_negative_answer_reached_while_the_device_had_no_memory_is_no_decision():
+    from torch_sparserl.evaluate import ErrorKind
+    from torch_sparserl.fingerprint import SpecializationKey
+    from torch_sparserl.runtime import autotune_specializer
+
+    key = SpecializationKey(pattern="abc", op="spmm", n=8, dtype="f32", arch="sm_90", policy="autotune")
+    decide = autotune_specializer(RuntimeSettings())._entry
+    oom = _record("b", kind=ErrorKind.DEVICE_MEMORY, log="OutOfMemoryError: CUDA out of memory. Tried to allocate 4 GiB")
+    with pytest.raises(TransientFailure, match=r"no candidate decided: 1 of 1 evaluations failed for the device's state "
+                                               r"at the time \(device_memory: OutOfMemoryError: CUDA out of memory"):
+        decide(key, _tuned(oom), "1 searched", "candidate")
+    with pytest.raises(TransientFailure, match="1 of 2 evaluations"):  # the one measured is under the margin
+        decide(key, _tuned(_record("a", speedup=0.9), oom), "2 searched", "candidate")
+    entry = decide(key, _tuned(_record("a", speedup=1.5), oom), "2 searched", "candidate")
+    assert entry.spec_source == SOURCE and entry.family == "a"  # a kernel that beats cuSPARSE is a decision
+    wrong = _record("c", kind=ErrorKind.WRONG, log="trial 0: max error 1.0")
+    assert decide(key, _tuned(wrong), "1 searched", "candidate").spec_source is None  # a verdict: cached

@@ -47,6 +47,7 @@ import torch
 
 from .abi import DTYPES
 from .cache import CacheEntry, KernelCache
+from .evaluate.record import TRANSIENT_KINDS, TransientFailure
 from .fingerprint import SpecializationKey, fingerprint
 from .pattern import Pattern, run_kept
 
@@ -57,6 +58,7 @@ MODES = ("background", "sync", "off")
 OPS = ("spmm", "spmv", "sddmm")  # kernel ops; the transposed operators use these on the transposed pattern
 POLICY_OPS = ("spmm", "spmv")  # what the learned policy was trained on; the autotuner specializes the rest
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
+TRANSIENT_RETRIES = 1  # searches again after a TransientFailure, this process's cached memory released
 PREBUILD_TIMEOUT_S = 300.0  # building one installed kernel's library in the sandbox's worker
 _INT32_LIMIT = 2**31 - 1
 
@@ -209,9 +211,10 @@ class Runtime:
         # specialized: the cache's own stats count the builds); fallback decisions taken;
         # seconds products waited for decisions (fingerprint, cache, and in sync mode the
         # specialization and build: the JIT cost a training loop sees) and seconds the
-        # background thread spent deciding
+        # background thread spent deciding; the idle worker's stops; searches run again after
+        # a TransientFailure
         self.stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
-                      "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0}
+                      "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0}
 
     @property
     def cache(self) -> KernelCache:
@@ -404,10 +407,25 @@ class Runtime:
 
     def _specialize(self, pattern, slot, key, crow, col):
         try:
-            # The pattern's GPU is this thread's current device while specializing, so the
-            # sandbox's worker starts on it (a background thread would otherwise say cuda:0).
-            with self._specialize_lock, _on_device(col):
-                entry = self.cache.get_or_create(key, lambda k: self.specializer(k, crow, col, pattern.ncols))
+            for attempt in range(TRANSIENT_RETRIES + 1):
+                try:
+                    # The pattern's GPU is this thread's current device while specializing, so the
+                    # sandbox's worker starts on it (a background thread would otherwise say cuda:0).
+                    with self._specialize_lock, _on_device(col):
+                        entry = self.cache.get_or_create(key, lambda k: self.specializer(k, crow, col, pattern.ncols))
+                    break
+                except TransientFailure as exc:
+                    if attempt == TRANSIENT_RETRIES:
+                        return self._fallback(pattern, slot, key, f"{exc} (tried {attempt + 1} times; nothing cached: "
+                                              "a later process decides again)", None)
+                    # What this process's allocator caches but does not use is the memory most
+                    # likely missing (a model trained before this one, in a benchmark).
+                    self.stats["transient_retries"] += 1
+                    log.warning("sparserl: %s n=%d: %s; this process's cached GPU memory is released and the "
+                                "search runs again", key.op, key.n, exc)
+                    if col.is_cuda:
+                        with _on_device(col):
+                            torch.cuda.empty_cache()
         except Exception as exc:  # noqa: BLE001 - any failure falls back, loudly
             return self._fallback(pattern, slot, key, f"specialization failed: {type(exc).__name__}: {exc}", exc)
         finally:
@@ -699,8 +717,15 @@ class autotune_specializer:  # noqa: N801 - used like a function
 
     def _entry(self, key: SpecializationKey, result, searched: str, what: str) -> CacheEntry:
         """The decision for ``key`` from a tuning result: install its best only when it is correct
-        and beats cuSPARSE by the margin."""
+        and beats cuSPARSE by the margin. A negative answer reached while candidates failed for
+        the device's state (:data:`~torch_sparserl.evaluate.record.TRANSIENT_KINDS`) is no
+        decision: :class:`TransientFailure`, nothing cached."""
         best, margin = result.best, self.settings.margin
+        transient = [r for r in result.table if r.error_kind in TRANSIENT_KINDS]
+        if transient and (best is None or (best.speedup or 0) < margin):
+            first = transient[0].log.splitlines()[0][:300] if transient[0].log else str(transient[0].error_kind)
+            raise TransientFailure(f"no {what} decided: {len(transient)} of {len(result.table)} evaluations failed "
+                                   f"for the device's state at the time ({first}; {searched})")
         if best is None:
             return CacheEntry(key, None, reason=f"no correct {what} ({searched})")
         if (best.speedup or 0) < margin:

@@ -171,11 +171,26 @@ def classify_cuda_error(exc: BaseException) -> ErrorKind | None:
     if isinstance(exc, LaunchError):
         return ErrorKind.RESOURCES if any(s in text for s in _RESOURCE) else ErrorKind.LAUNCH
     if isinstance(exc, torch.OutOfMemoryError):
-        return ErrorKind.RESOURCES
+        return ErrorKind.RESOURCES if _beyond_capacity(text) else ErrorKind.DEVICE_MEMORY
     if isinstance(exc, RuntimeError) and ("CUDA" in text or "cuda" in text):
         # e.g. "invalid configuration argument", reported at the next sync
         return ErrorKind.LAUNCH if "invalid" in text else ErrorKind.CRASH
     return None
+
+
+_SIZE = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _beyond_capacity(text: str) -> bool:
+    """Whether torch's out-of-memory message asks for more than the device has in all: the
+    candidate's plan can never fit (resources). Otherwise other allocations held the memory
+    at the time (device memory, transient); also when the message does not say."""
+    wanted = re.search(r"Tried to allocate " + _SIZE, text)
+    total = re.search(r"total capacity of " + _SIZE, text)
+    if wanted is None or total is None:
+        return False
+    return float(wanted[1]) * _UNITS[wanted[2]] > float(total[1]) * _UNITS[total[2]]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

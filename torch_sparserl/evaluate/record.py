@@ -29,6 +29,7 @@ class ErrorKind(str, Enum):
     NONDETERMINISTIC = "nondeterministic"  # two runs on the same inputs differ beyond tolerance
     STALE = "stale"                      # a later call returned an earlier result or skipped work
     SUSPICIOUS = "suspicious"            # a very large speedup that did not survive re-checking
+    DEVICE_MEMORY = "device_memory"      # the device had no memory free for the evaluation's buffers
 
     def __str__(self) -> str:
         return self.value
@@ -36,6 +37,16 @@ class ErrorKind(str, Enum):
 
 # Compile-tier failures: the candidate never became a runnable kernel.
 NOT_COMPILED_KINDS = frozenset({ErrorKind.PLAN, ErrorKind.COMPILE})
+
+# Conditions of the device at the time, not verdicts on the candidate: the same candidate may
+# pass on the same device later (another process held the memory). A decision reached with
+# such failures is not worth keeping (the runtime does not cache it).
+TRANSIENT_KINDS = frozenset({ErrorKind.DEVICE_MEMORY})
+
+
+class TransientFailure(RuntimeError):
+    """A specialization left undecided by a condition of the device at the time (no memory free
+    for the policy or the evaluations): nothing to cache, since the same search may succeed later."""
 
 # Logs can be megabytes (a kernel that prints, a compiler flood); records stay small.
 MAX_LOG_CHARS = 16_000

@@ -23,7 +23,7 @@ import torch
 from ..abi import KernelSpec, PlanError
 from ..autotune import FINAL_CONFIG, SCREEN_CONFIG, TuneResult, _problem
 from ..evaluate.config import EvalConfig
-from ..evaluate.record import ErrorKind, EvalRecord, dtype_name
+from ..evaluate.record import ErrorKind, EvalRecord, TransientFailure, dtype_name
 from .corpus import request
 from .encoder import PatternInput
 from .model import KernelPolicy, Sample
@@ -104,8 +104,9 @@ class SandboxedPolicy:
     def _run(self, task: str, *args):
         outcome = self.sandbox.run(f"{__name__}:{task}", (self.checkpoint, *args), timeout_s=self.timeout_s)
         if not outcome.ok:
-            raise RuntimeError(f"policy: {task} in the sandbox's worker failed ({outcome.status}): {outcome.error}\n"
-                               f"{outcome.traceback or outcome.output_tail}")
+            failure = TransientFailure if outcome.error.startswith("OutOfMemoryError") else RuntimeError
+            raise failure(f"policy: {task} in the sandbox's worker failed ({outcome.status}): {outcome.error}\n"
+                          f"{outcome.traceback or outcome.output_tail}")
         return outcome.value
 
     def load(self) -> dict:
