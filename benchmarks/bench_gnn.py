@@ -364,6 +364,10 @@ def run_row(ways: list[str], model_name, hidden, graph, device, args) -> dict:
     reset_compiled()
     try:
         for way in ways:
+            if device.type == "cuda":
+                # what the ways before cached and no longer use (PyG's gathers on R-MAT: tens of
+                # GB) would leave the runtime's worker, another process, no memory to evaluate in
+                torch.cuda.empty_cache()
             if way not in SPARSERL_WAYS:
                 intercept.deactivate_backend()  # the baselines run as in a process without sparserl
             else:
