@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import scipy.sparse as sp
 import pytest
 import torch
 
@@ -86,6 +87,13 @@ def test_inline_module_names_hash_sources_and_toolchain():
     assert inline.module_name([a], "sm_90") != inline.module_name([a], "sm_80")
 
 
+def test_inline_module_names_change_with_the_launcher(monkeypatch):
+    """A library built with another launcher (another C signature) is never loaded."""
+    before = inline.module_name([spec(1)], "sm_90")
+    monkeypatch.setattr(inline, "_LAUNCHER", inline._LAUNCHER.replace("cudaLaunchKernel(", "cudaLaunchKernel ("))
+    assert inline.module_name([spec(1)], "sm_90") != before
+
+
 def test_inline_lock_clears_the_file_a_killed_build_leaves(tmp_path):
     (tmp_path / "lock").write_text("")  # what torch's FileBaton leaves when its builder is killed
     with inline._exclusive(tmp_path):
@@ -143,6 +151,43 @@ def test_builders_launch_a_correct_kernel(backend, tmp_path, monkeypatch):
     kernel(rowptr, col, val, x, y, prep)
     ok, why = close_to_reference(y, _reference(rowptr, col, val, x, A.shape), torch.float32)
     assert ok, why
+
+
+# Each row's sum is atomically added: y must be zero before the kernel (init=zero), and a matrix
+# without nonzeros launches no block at all (grid=ceil(nnz/128) = 0), yet y is still zeroed.
+ATOMIC_ROWS = """// sparserl: op=spmv dtype=f32 rows=natural split=none block=128 grid=ceil(nnz/128) init=zero
+#define SR_TAG {tag}
+extern "C" __global__ void sparserl_kernel(const int* __restrict__ rowptr, const int* __restrict__ col,
+    const float* __restrict__ val, const float* __restrict__ x, float* __restrict__ y,
+    const int* __restrict__ aux, float* __restrict__ work, int rows, int cols, int n, int nnz, int parts) {{
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += gridDim.x * blockDim.x) {{
+    float s = 0.f;
+    for (int k = rowptr[r]; k < rowptr[r + 1]; ++k) s += val[k] * x[col[k]];
+    atomicAdd(&y[r], s);
+  }}
+}}
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nvrtc", "inline"])
+@pytest.mark.parametrize("case", ["random", "no nonzeros"])
+def test_the_launch_zeroes_the_output_of_init_zero_plans(backend, case, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path))
+    A = make_pattern("random") if case == "random" else sp.csr_matrix((300, 200), dtype=np.float32)
+    rowptr, col, val, x = _operands(A)
+    kernel = load_kernel(KernelSpec(ATOMIC_ROWS.format(tag=40 + len(backend)), family="test"), backend=backend)
+    prep = prepare(kernel.plan, rowptr, col, A.shape, n=1)
+    assert prep.init_zero and (prep.grid == 0) == (case == "no nonzeros")
+    want = _reference(rowptr, col, val, x, A.shape)
+    for _ in range(2):  # the second call adds onto the first's output unless it is zeroed again
+        y = torch.full((A.shape[0],), float("nan"), device="cuda")
+        kernel(rowptr, col, val, x, y, prep)
+        ok, why = close_to_reference(y, want, torch.float32)
+        assert ok, why
+    y = torch.full((A.shape[0],), 7.0, device="cuda")
+    kernel.bind(prep)(rowptr, col, val, x, y, torch.cuda.current_stream().cuda_stream, zeroed=True)
+    assert close_to_reference(y - 7.0, want, torch.float32)[0]  # zeroed=True: the caller's y, not zeroed
 
 
 @pytest.mark.gpu

@@ -67,7 +67,8 @@ def _arch_flags(arch: str) -> list[str]:
 
 def module_name(specs: list[KernelSpec], arch: str) -> str:
     h = hashlib.sha256()
-    for part in (arch, torch.__version__, str(torch.version.cuda), *sorted(s.key for s in specs)):
+    # the launcher is part of the library: a changed one (its C signature) must never load an old build
+    for part in (arch, torch.__version__, str(torch.version.cuda), _LAUNCHER, *sorted(s.key for s in specs)):
         h.update(part.encode() + b"\0")
     return f"sparserl_{h.hexdigest()[:16]}"
 
