@@ -2,7 +2,9 @@
 
 An entry says what was decided for one key: the kernel (its ABI source, family, parameters
 and evaluation record) or that none beat cuSPARSE (``spec_source`` is None, with the reason)
-— a negative answer is worth caching too, or every process would tune again.
+— a negative answer is worth caching too, or every process would tune again (not one reached
+while the device had no memory free for the search: the runtime caches nothing then,
+:class:`~torch_sparserl.evaluate.record.TransientFailure`).
 
 On disk (``<cache_dir>/kernels/<digest>.json``):
 
