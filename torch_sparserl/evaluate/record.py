@@ -48,6 +48,7 @@ class TransientFailure(RuntimeError):
     """A specialization left undecided by a condition of the device at the time (no memory free
     for the policy or the evaluations): nothing to cache, since the same search may succeed later."""
 
+
 # Logs can be megabytes (a kernel that prints, a compiler flood); records stay small.
 MAX_LOG_CHARS = 16_000
 
