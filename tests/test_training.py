@@ -92,6 +92,50 @@ def test_rl_smoke_at_the_compile_tier(runs):
     assert row["rl/reward_mean"] >= -0.5 and 0 <= row["rl/compile_rate"] <= 1
 
 
+def test_rl_advantages_leave_out_samples_the_device_could_not_evaluate():
+    import numpy as np
+    from training.rl import group_advantages
+
+    rewards = np.array([1.0, 0.0, 2.0, 0.0, 3.0, 3.0, 3.0, 3.0, 1.0, 0.0, 0.0, 0.0])
+    valid = np.array([1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0], dtype=bool)
+    adv = group_advantages(rewards, valid, 4)
+    z = 1 / np.std([1.0, 0.0, 2.0])
+    np.testing.assert_allclose(adv[:4], [0.0, -z, z, 0.0], rtol=1e-5)  # the fourth: no reward, no advantage
+    assert not adv[4:].any()  # equal rewards, and a single valid sample: no signal
+
+
+def test_rl_rewarder_evaluates_again_what_failed_for_the_devices_state():
+    from types import SimpleNamespace
+
+    import numpy as np
+    from torch_sparserl.evaluate.record import ErrorKind, EvalRecord
+    from training.rl import Rewarder
+
+    class Box:  # the first evaluation finds the device full, the second runs
+        def __init__(self):
+            self.calls = 0
+
+        def set_matrix(self, *args):
+            pass
+
+        def evaluate(self, spec, matrix, n, dtype, config):
+            self.calls += 1
+            record = EvalRecord(key=spec.key, compiled=True)
+            if self.calls == 1:
+                return record.fail(ErrorKind.DEVICE_MEMORY, "OutOfMemoryError: CUDA out of memory")
+            record.correct, record.runtime_us, record.cusparse_us = True, 1.0, 2.0
+            return record
+
+    patterns = SimpleNamespace(get=lambda m: (np.array([0, 1]), np.array([0]), (1, 1), None))
+    rewarder = Rewarder(patterns, compile_only=False)
+    rewarder.box = Box()
+    cell = SimpleNamespace(cell="c", matrix="m", n=8, dtype="f32")
+    proposal = SimpleNamespace(spec=SimpleNamespace(key="k"), error=None, family="f")
+    assert rewarder.record(cell, proposal).error_kind is ErrorKind.DEVICE_MEMORY
+    assert rewarder.record(cell, proposal).correct and rewarder.box.calls == 2
+    assert rewarder.record(cell, proposal).correct and rewarder.box.calls == 2  # a verdict: kept
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_eval_smoke_at_the_compile_tier(runs):
     from training import eval as evaluate

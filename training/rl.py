@@ -8,7 +8,10 @@ not compile, 0 if it compiles but is wrong, 1 + (t_cuSPARSE / t_kernel - 1) if c
 0.3 for resource overuse. cuSPARSE is timed once per cell per run, in the same process.
 Advantages are the rewards normalised within each group (GRPO: no value network); the
 update is PPO's clipped ratio plus a KL penalty to the SFT policy (k3 estimator).
-Rewards of kernels already evaluated on the same cell are reused within a run. After SFT the
+Rewards of kernels already evaluated on the same cell are reused within a run. A sample whose
+evaluation failed for the GPU's state at the time (no memory free: ``TRANSIENT_KINDS``) has no
+reward: it is left out of its group's normalisation, gets no advantage, and is evaluated again
+when sampled again. After SFT the
 policy is nearly deterministic on its training cells (a group of 8 samples is often one
 kernel: zero variance, no signal); ``--temperature`` > 1 defines the policy being optimised
 as softmax(logits / T), for sampling, ratios and KL alike, so that groups differ.
@@ -98,12 +101,33 @@ class Rewarder:
             elif cell.cell in self.cusparse:
                 rec.cusparse_us = self.cusparse[cell.cell]
             self.evaluations += 1
-        self.memo[key] = rec
+        if not is_transient(rec):  # the device's state, not a verdict: evaluated again next time
+            self.memo[key] = rec
         return rec
 
     def close(self):
         if self.box is not None:
             self.box.close()
+
+
+def is_transient(record) -> bool:
+    from torch_sparserl.evaluate.record import TRANSIENT_KINDS
+
+    return record.error_kind in TRANSIENT_KINDS
+
+
+def group_advantages(rewards: np.ndarray, valid: np.ndarray, group: int) -> np.ndarray:
+    """GRPO's advantages: each group's rewards normalised by the group's mean and spread, over
+    its ``valid`` samples only (the others, evaluations that failed for the device's state,
+    get 0); a group whose valid rewards do not differ gives no signal (0)."""
+    adv = np.zeros_like(rewards)
+    for start in range(0, len(rewards), group):
+        sl = slice(start, start + group)
+        ok = valid[sl]
+        r = rewards[sl][ok]
+        if r.size > 1 and r.std() > 1e-6:
+            adv[sl][ok] = (r - r.mean()) / (r.std() + 1e-6)
+    return adv
 
 
 def grpo_loss(policy, reference, inputs, requests, completions, old_lp, advantages, clip, kl_coef,
@@ -167,12 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             t_gen = time.monotonic() - t0
             records = [rewarder.record(cell, prop) for cell, *_, prop in batch]
             rewards = np.array([reward(r) for r in records], dtype=np.float64)
+            valid = np.array([not is_transient(r) for r in records])
             t_eval = time.monotonic() - t0 - t_gen
-            adv = np.zeros_like(rewards)
-            for g in range(len(chosen)):
-                sl = slice(g * args.group, (g + 1) * args.group)
-                r = rewards[sl]
-                adv[sl] = (r - r.mean()) / (r.std() + 1e-6) if r.std() > 1e-6 else 0.0
+            adv = group_advantages(rewards, valid, args.group)
             ins = [b[1] for b in batch]
             reqs = [b[2] for b in batch]
             comps = [b[3] for b in batch]
@@ -189,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 opt.step()
             step += 1
             correct = [r for r in records if r.correct]
-            metrics.log(step, reward_mean=float(rewards.mean()), reward_max=float(rewards.max()),
+            scored = rewards[valid] if valid.any() else np.zeros(1)
+            metrics.log(step, reward_mean=float(scored.mean()), reward_max=float(scored.max()),
+                        transient=int((~valid).sum()),
                         compile_rate=float(np.mean([bool(r.compiled) for r in records])),
                         correct_rate=float(np.mean([bool(r.correct) for r in records])),
                         speedup_mean=float(np.mean([r.speedup for r in correct if r.speedup])) if correct else 0.0,
