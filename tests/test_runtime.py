@@ -570,4 +570,7 @@ def test_a_negative_answer_reached_while_the_device_had_no_memory_is_no_decision
     entry = decide(key, _tuned(_record("a", speedup=1.5), oom), "2 searched", "candidate")
     assert entry.spec_source == SOURCE and entry.family == "a"  # a kernel that beats cuSPARSE is a decision
     wrong = _record("c", kind=ErrorKind.WRONG, log="trial 0: max error 1.0")
-    assert decide(key, _tuned(wrong), "1 searched", "candidate").spec_source is None  # a verdict: cached
+    hang = _record("d", kind=ErrorKind.TIMEOUT, log="no answer in 60 s")
+    entry = decide(key, _tuned(wrong, hang, wrong), "3 searched", "candidate")
+    assert entry.spec_source is None  # a verdict: cached, and it says what the candidates did
+    assert entry.reason == "no correct candidate (3 searched; failed: timeout 1, wrong 2)"

@@ -727,7 +727,7 @@ class autotune_specializer:  # noqa: N801 - used like a function
             raise TransientFailure(f"no {what} decided: {len(transient)} of {len(result.table)} evaluations failed "
                                    f"for the device's state at the time ({first}; {searched})")
         if best is None:
-            return CacheEntry(key, None, reason=f"no correct {what} ({searched})")
+            return CacheEntry(key, None, reason=f"no correct {what} ({searched}; {_failures(result.table)})")
         if (best.speedup or 0) < margin:
             return CacheEntry(key, None, family=best.family, params=best.params, record=best.to_dict(),
                               reason=f"the best {what}, {best.family}, is {best.speedup or 0:.2f}x cuSPARSE, "
@@ -796,6 +796,15 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
     def close(self) -> None:
         super().close()
         self._policy = None  # it lived in the closed sandbox's worker
+
+
+def _failures(records) -> str:
+    """What became of a search's evaluations, by kind: ``failed: wrong 2, timeout 1``."""
+    kinds: dict[str, int] = {}
+    for record in records:
+        name = str(record.error_kind) if record.error_kind is not None else "not judged"
+        kinds[name] = kinds.get(name, 0) + 1
+    return "failed: " + ", ".join(f"{name} {count}" for name, count in sorted(kinds.items())) if kinds else "none evaluated"
 
 
 def settings_policy_id(settings: RuntimeSettings) -> str:
