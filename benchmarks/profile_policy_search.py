@@ -3,7 +3,8 @@
 For ``A`` (GCN-normalized, as ``bench_gnn`` builds it) at N=128 and 256 and for ``Aᵀ`` at
 N=128: the policy's 4 samples, then each evaluation's stage, family, parameters, verdict,
 error kind, time against cuSPARSE and log. Written to see why a search inside a training run
-ended without a kernel (the run's decision string says only "no correct policy sample").
+ended without a kernel (its decision then said only "no correct policy sample"; it now names
+the kinds of its failures).
 
     OUT=/tmp python benchmarks/profile_policy_search.py rmat:scale=22,edge_factor=16
 
