@@ -11,7 +11,8 @@ import torch
 
 from torch_sparserl import pattern as patterns
 from torch_sparserl.cache import CacheEntry, KernelCache
-from torch_sparserl.runtime import Runtime, RuntimeSettings, SpecializationError, TransientFailure
+from torch_sparserl.evaluate.record import TransientFailure
+from torch_sparserl.runtime import Runtime, RuntimeSettings, SpecializationError
 
 from helpers import make_pattern, to_parts
 

@@ -32,6 +32,7 @@ Settings come from :func:`configure` or the environment: ``SPARSERL_JIT`` (``bac
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -47,7 +48,6 @@ import torch
 
 from .abi import DTYPES
 from .cache import CacheEntry, KernelCache
-from .evaluate.record import TRANSIENT_KINDS, TransientFailure
 from .fingerprint import SpecializationKey, fingerprint
 from .pattern import Pattern, run_kept
 
@@ -406,6 +406,9 @@ class Runtime:
             return self._specialize(pattern, slot, key, crow, col)
 
     def _specialize(self, pattern, slot, key, crow, col):
+        # imported here: the evaluator's package loads with the first decision, not with torch_sparserl
+        from .evaluate.record import TransientFailure
+
         try:
             for attempt in range(TRANSIENT_RETRIES + 1):
                 try:
@@ -720,6 +723,8 @@ class autotune_specializer:  # noqa: N801 - used like a function
         and beats cuSPARSE by the margin. A negative answer reached while candidates failed for
         the device's state (:data:`~torch_sparserl.evaluate.record.TRANSIENT_KINDS`) is no
         decision: :class:`TransientFailure`, nothing cached."""
+        from .evaluate.record import TRANSIENT_KINDS, TransientFailure
+
         best, margin = result.best, self.settings.margin
         transient = [r for r in result.table if r.error_kind in TRANSIENT_KINDS]
         if transient and (best is None or (best.speedup or 0) < margin):
@@ -800,10 +805,7 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
 
 def _failures(records) -> str:
     """What became of a search's evaluations, by kind: ``failed: wrong 2, timeout 1``."""
-    kinds: dict[str, int] = {}
-    for record in records:
-        name = str(record.error_kind) if record.error_kind is not None else "not judged"
-        kinds[name] = kinds.get(name, 0) + 1
+    kinds = collections.Counter(str(r.error_kind) if r.error_kind is not None else "not judged" for r in records)
     return "failed: " + ", ".join(f"{name} {count}" for name, count in sorted(kinds.items())) if kinds else "none evaluated"
 
 
