@@ -300,7 +300,7 @@ def time_rounds(epochs: dict, results: dict, device, rounds: int) -> None:
                     epoch()
                 _sync(device)
             except torch.cuda.OutOfMemoryError as exc:
-                results[way] = {"status": "oom", "error": str(exc).splitlines()[0]}
+                results[way] = _failed(exc)
                 del epochs[way]
                 continue
             result.setdefault("chunk_ms", []).append((time.perf_counter() - start) * 1e3 / result["epochs_per_chunk"])
