@@ -5,7 +5,8 @@ For each (graph, model, way) at hidden 128: the CPU microseconds of each phase o
 over pipelined epochs (no synchronization inside the loop: on these small graphs the CPU is
 the bound, so a phase's CPU time is its cost). ``bound_inductor`` is the model compiled with
 the product taken out; ``sparserl_off`` the sparserl model with the runtime off (cuSPARSE in
-the compiled graph). Then, on pubmed with its kernel installed, the CPU microseconds of one
+the compiled graph). Beside each, the GPU's busy time per epoch (``gpu``: is the epoch waiting
+on the CPU or on the GPU?). Then, on pubmed with its kernel installed, the CPU microseconds of one
 ``A @ X`` (N=128) at each layer of the call: the direct operator, its implementation, the
 runtime's call, the installed launch, the bound kernel alone; and beside them an allocation
 with and without its zero-fill, cuSPARSE and a dense ``X @ W``. Last, ``--profile`` writes
@@ -72,7 +73,32 @@ def phases(task, k=200, reps=5) -> dict:
         total.append((time.perf_counter() - s0) / k * 1e6)
         for p in PHASES:
             per[p].append(acc[p] / k * 1e6)
-    return {"epoch_us": round(statistics.median(total), 1), **{p: round(statistics.median(v), 1) for p, v in per.items()}}
+    return {"epoch_us": round(statistics.median(total), 1), **{p: round(statistics.median(v), 1) for p, v in per.items()},
+            "gpu": gpu_time(task, opt)}
+
+
+def gpu_time(task, opt, k=50) -> dict:
+    """The GPU's busy time per epoch (its kernels' durations summed, from torch.profiler), the
+    kernels launched per epoch, and the five costliest: an epoch whose ``epoch_us`` is near
+    ``busy_us`` waits on the GPU, one far above it on the CPU."""
+    import torch
+    from torch.autograd import DeviceType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(k):
+            opt.zero_grad(set_to_none=True)
+            task().backward()
+            opt.step()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
+            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    busy = sum(sum(v) for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:5]
+    return {"busy_us": round(busy / k, 1), "kernels": round(sum(len(v) for v in kernels.values()) / k, 1),
+            "top_us": {name[:80]: round(sum(v) / k, 1) for name, v in top}}
 
 
 def build(way: str, model: str, graph, dev):

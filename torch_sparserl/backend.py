@@ -1,5 +1,8 @@
 """The ``sparserl`` torch.compile backend: parse the options, hand off to Inductor.
 
+Options that are not the backend's own are Inductor's config patches, as with
+``backend="inductor"`` (``options={"cpp_wrapper": True}``).
+
 Registered through the ``torch_dynamo_backends`` entry point, so
 ``torch.compile(model, backend="sparserl")`` needs no import. Graphs go to Inductor's
 ``compile_fx`` with :class:`~torch_sparserl.passes.SparseOpsPass` as the post-grad pass, and with the
@@ -31,9 +34,9 @@ def sparserl_backend(gm, example_inputs, *, options=None, mode=None):
     settings = Settings.from_options(options)
     if settings.intercept_sparse:
         intercept.activate_for_backend()
-    patches = dict(list_mode_options(mode)) if mode else {}
+    patches = {**(list_mode_options(mode) if mode else {}), **dict(settings.inductor)}
     patches["post_grad_custom_post_pass"] = SparseOpsPass(
-        settings, chained=inductor_config.post_grad_custom_post_pass)
+        settings, chained=patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass))
     # CUDA graphs replay whichever kernel served each product when they were recorded: a
     # product still being decided in the background would replay cuSPARSE for good.
     captured = bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))

@@ -81,7 +81,7 @@ def flatten_matrix_inputs(gm: torch.fx.GraphModule, example_inputs: list):
                 parts.append(twin)  # mapped through env once every placeholder is copied
                 continue
             part = graph.placeholder(f"{node.name}_{name}", type_expr=torch.Tensor)
-            part.meta["val"] = part.meta["example_value"] = tensor
+            part.meta["example_value"] = tensor
             if source is not None:  # AOTAutograd matches Dynamo's inputs to their sources
                 part._dynamo_source = AttrSource(source, name)
             parts.append(part)

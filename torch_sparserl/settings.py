@@ -1,6 +1,8 @@
 """Settings of the ``sparserl`` backend: one dataclass, passed as ``torch.compile(options=...)``.
 
-``torch.compile(model, backend="sparserl", options={"strict": True})``. Environment
+``torch.compile(model, backend="sparserl", options={"strict": True})``. Options that are not
+the backend's own but name an Inductor config entry go to Inductor (``{"cpp_wrapper": True}``).
+Environment
 variables are for debugging only: ``SPARSERL_LOG=debug`` turns on verbose logs.
 """
 
@@ -62,6 +64,11 @@ class Settings:
     ``val``) instead of a tensor subclass it unwraps on every call (:mod:`torch_sparserl.flatten`;
     matrices whose values need a gradient keep the subclass path). Off: for comparisons."""
 
+    inductor: tuple[tuple[str, Any], ...] = ()
+    """Inductor's own options, passed on as its config patches: any option that is not one of
+    the above and names an entry of ``torch._inductor.config`` (``"cpp_wrapper"``,
+    ``"max_autotune"``, ``"triton.cudagraphs"``), as the ``inductor`` backend takes them."""
+
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | "Settings" | None) -> "Settings":
         if options is None:
@@ -70,14 +77,37 @@ class Settings:
             return options
         if not isinstance(options, Mapping):
             raise TypeError(f"sparserl backend: options must be a dict (got {type(options).__name__})")
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ValueError(f"sparserl backend: unknown option(s) {unknown}; expected some of {sorted(known)}")
-        for name, value in options.items():
+        known = {f.name for f in fields(cls)} - {"inductor"}
+        ours = {name: value for name, value in options.items() if name in known}
+        for name, value in ours.items():
             if not isinstance(value, bool):
                 raise TypeError(f"sparserl backend: option {name!r} must be a bool (got {value!r})")
-        return cls(**options)
+        inductor = _inductor_options({name: value for name, value in options.items() if name not in known},
+                                     sorted(known))
+        return cls(**ours, inductor=inductor)
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)
+
+
+def _inductor_options(options: Mapping[str, Any], ours: list[str]) -> tuple[tuple[str, Any], ...]:
+    """The options that name Inductor config entries, checked as ``torch.compile`` checks the
+    ``inductor`` backend's: the name must exist and the value have its type."""
+    if not options:
+        return ()
+    from torch._inductor import config
+
+    current = config.get_config_copy()
+    unknown = sorted(name for name in options if name.replace("-", "_") not in current)
+    if unknown:
+        raise ValueError(f"sparserl backend: unknown option(s) {unknown}; expected some of {ours} "
+                         "or an entry of torch._inductor.config")
+    patches = []
+    for name, value in options.items():
+        key = name.replace("-", "_")
+        expected = config.get_type(key) if hasattr(config, "get_type") else None
+        if isinstance(expected, type) and not isinstance(value, expected):
+            raise TypeError(f"sparserl backend: Inductor option {name!r} must be a {expected.__name__} "
+                            f"(got {value!r})")
+        patches.append((key, value))
+    return tuple(sorted(patches))
