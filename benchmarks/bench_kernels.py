@@ -321,9 +321,24 @@ def matrix_meta(entry: MatrixEntry, matrix, load_s: float) -> dict:
             "pattern_sha1": digest.hexdigest(), "load_s": round(load_s, 3)}
 
 
+# What an evaluation may fail with for want of the device (another process held its memory),
+# not for the candidate: torch_sparserl.evaluate.record.TRANSIENT_KINDS, by value (this file
+# imports no torch_sparserl module at load time).
+TRANSIENT_KINDS = ("device_memory",)
+
+
+def transient_failures(table) -> int:
+    """How many of a cell's evaluations failed for want of the device. Such a cell's oracle may
+    have missed its best candidate, so it is no label: it is recorded ``transient`` and run
+    again on ``--resume``, and its rows stay out of the tables."""
+    return sum(1 for r in table if str(getattr(getattr(r, "error_kind", None), "value", getattr(r, "error_kind", None)))
+               in TRANSIENT_KINDS)
+
+
 def cell_record(cell: Cell, meta: dict, result, copy_bw: float | None, budget_s: float, wall_s: float,
                 run_index: int, cell_id: str) -> dict:
     table = list(getattr(result, "table", None) or [])
+    transient = transient_failures(table)
     best = getattr(result, "best", None)
     cusparse_us = getattr(result, "cusparse_us", None)
     if cusparse_us is None and best is not None:
@@ -333,7 +348,7 @@ def cell_record(cell: Cell, meta: dict, result, copy_bw: float | None, budget_s:
                                 report.VALUE_BYTES[cell.dtype])
     floor_time = report.floor_us(nbytes, copy_bw)
     record = {"key": cell.key, "matrix": cell.matrix, "group": meta["group"], "op": cell.op, "n": cell.n,
-              "dtype": cell.dtype, "status": "ok" if oracle_us else "no_kernel",
+              "dtype": cell.dtype, "status": "transient" if transient else "ok" if oracle_us else "no_kernel",
               "cusparse_us": cusparse_us, "oracle_us": oracle_us,
               "best_family": getattr(best, "family", None) if oracle_us else None}
     record.update(report.cell_metrics(cusparse_us, oracle_us, floor_time))
@@ -344,6 +359,7 @@ def cell_record(cell: Cell, meta: dict, result, copy_bw: float | None, budget_s:
                    "budget_exhausted": getattr(result, "budget_exhausted", None),
                    "compiled": sum(1 for r in table if getattr(r, "compiled", False)),
                    "correct": sum(1 for r in table if getattr(r, "correct", False)),
+                   "transient_failures": transient,
                    "best": record_to_dict(best), "error": None, "run": run_index, "cell_id": cell_id,
                    "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
     return record
@@ -406,6 +422,9 @@ def results_path_for(out_dir: Path, env: dict, date: dt.date | None = None) -> P
 def _line(record: dict) -> str:
     if record["status"] == "error":
         return f"{record['key']}: error: {str(record['error']).splitlines()[-1][:160]}"
+    if record["status"] == "transient":
+        return (f"{record['key']}: {record['transient_failures']} evaluation(s) found no free device memory: "
+                "no label, run again with --resume")
     frac = record.get("oracle_floor_frac")
     return (f"{record['key']}: speedup {report._fmt_x(record['speedup'])} "
             f"(oracle {record['oracle_us'] or float('nan'):.1f} us, cuSPARSE {record['cusparse_us'] or float('nan'):.1f} us"
@@ -424,7 +443,7 @@ def run_grid(matrices: list[MatrixEntry], cells: list[Cell], tune_fn: Callable, 
     ``torch_sparserl.evaluate.sandbox.Sandbox``, or None: tune starts its own per call);
     ``dtype_arg`` maps "f32"/"f16"/"bf16" to what it takes (the names themselves by default). The results file, and its ``.md``, ``.svg`` and ``-tables.jsonl``, are
     rewritten after every cell; with ``resume``, cells already "ok" or "no_kernel" in it are
-    skipped and "error" cells run again.
+    skipped and "error" and "transient" cells (:func:`transient_failures`) run again.
     """
     started = time.monotonic()
     results_path = Path(results_path)
@@ -498,7 +517,7 @@ def run_grid(matrices: list[MatrixEntry], cells: list[Cell], tune_fn: Callable, 
             else:
                 wall = time.monotonic() - cell_started
                 record = cell_record(cell, meta, result, copy_bandwidth_GBps, budget_s, wall, run_index, cell_id)
-                if tables:
+                if tables and record["status"] != "transient":
                     with open(tables_path, "a", encoding="utf-8") as f:
                         for rec in getattr(result, "table", None) or []:
                             f.write(report.dumps({"cell": cell.key, "cell_id": cell_id, **(record_to_dict(rec) or {})})

@@ -37,7 +37,7 @@ SCHEMA = "torch_sparserl.bench_kernels/1"
 VALUE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 INDEX_BYTES = 4  # the kernel ABI takes int32 rowptr and col
 GROUPS = ("real", "synthetic")
-DONE_STATUSES = ("ok", "no_kernel")  # an "error" cell is run again on --resume
+DONE_STATUSES = ("ok", "no_kernel")  # an "error" or "transient" cell is run again on --resume
 
 
 # ----------------------------------------------------------------------------------- metrics
@@ -230,6 +230,8 @@ def _cell_text(cell: dict | None) -> str:
     status = cell.get("status")
     if status == "error":
         return "error"
+    if status == "transient":
+        return "rerun: device memory"
     cus = _fmt_pct(cell.get("cusparse_floor_frac"))
     if status == "no_kernel" or cell.get("speedup") is None:
         return f"no kernel · cuS {cus}"

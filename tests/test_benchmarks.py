@@ -44,9 +44,10 @@ class FakeTune:
     """Deterministic: cuSPARSE takes nnz/1000 + n µs; the best kernel is 2× faster on spmv,
     0.5× (slower) on spmm for matrices with a row over 1000 long, and absent for n=64."""
 
-    def __init__(self, fail_on: set[str] | None = None):
+    def __init__(self, fail_on: set[str] | None = None, out_of_memory: set[str] | None = None):
         self.calls: list[tuple] = []
         self.fail_on = fail_on or set()
+        self.out_of_memory = out_of_memory or set()  # ops whose first candidate found no device memory
 
     def __call__(self, matrix, *, op, n, dtype, budget_s, sandbox):
         assert dtype in ("f32", "f16", "bf16") and sandbox is None
@@ -60,6 +61,8 @@ class FakeTune:
         table = [FakeRecord("vector_csr", {"lanes": 4}, True, True, cusparse / factor, cusparse),
                  FakeRecord("warp_row", {"vec": 4}, True, False, cusparse / 9, cusparse, "wrong"),
                  FakeRecord("broken", {}, False, False, None, None, "compile")]
+        if op in self.out_of_memory:
+            table.append(FakeRecord("lost", {}, True, False, None, None, "device_memory"))
         best = None if n == 64 else table[0]
         if n == 64:
             table = table[1:]
@@ -207,6 +210,28 @@ def test_resume_skips_done_cells_and_reruns_errors(tmp_path, two_matrices):
 
     third = FakeTune()
     assert _run(two_matrices, third, path, cells=cells, resume=True).ran == 0 and not third.calls
+
+
+def test_a_cell_whose_evaluation_found_no_device_memory_is_no_label_and_runs_again(tmp_path, two_matrices):
+    """Another process holding the GPU's memory is no verdict on a candidate: the cell's best
+    may be missing, so the cell is recorded transient, leaves no rows in the tables (the labels'
+    source) and runs again on --resume."""
+    path = tmp_path / "kernels-fake-gpu-2026-01-01.json"
+    first = _run(two_matrices, FakeTune(out_of_memory={"spmm"}), path)
+    assert (first.ran, first.errors, first.remaining, first.exit_code) == (4, 0, 2, 3)
+    cells = {c["key"]: c for c in json.loads(path.read_text())["cells"]}
+    assert cells["cora|spmm|n=32|f32"]["status"] == "transient"
+    assert cells["cora|spmm|n=32|f32"]["transient_failures"] == 1 and cells["cora|spmv|n=1|f32"]["status"] == "ok"
+    tables = [json.loads(line) for line in report.companion(path, "-tables.jsonl").read_text().splitlines()]
+    assert {t["cell"] for t in tables} == {"cora|spmv|n=1|f32", "rajat01|spmv|n=1|f32"}
+    assert "rerun: device memory" in report.companion(path, ".md").read_text()
+
+    tune = FakeTune()
+    second = _run(two_matrices, tune, path, resume=True)
+    assert sorted(call[1] for call in tune.calls) == ["spmm", "spmm"]
+    assert (second.ran, second.skipped, second.remaining, second.exit_code) == (2, 2, 0, 0)
+    statuses = {c["key"]: c["status"] for c in json.loads(path.read_text())["cells"]}
+    assert set(statuses.values()) == {"ok"}
 
 
 def test_max_time_stops_before_a_cell_that_would_not_fit(tmp_path, two_matrices):

@@ -8,7 +8,9 @@ benchmark (``benchmarks/results/kernels-*-tables.jsonl``). Resumable in chunks::
     python training/label.py --out /tmp/labels --max-time-s 540     # again to resume
     cp /tmp/labels/*-tables.jsonl training/labels/
 
-Exit status as bench_kernels: 0 done, 3 cells remain, 4 CUDA context broke (run again).
+Exit status as bench_kernels: 0 done, 3 cells remain, 4 CUDA context broke (run again). A cell
+any of whose evaluations found no free device memory (another process held it) is no label: it
+is recorded ``transient``, leaves no rows in the tables, and runs again on the next call.
 """
 
 from __future__ import annotations
