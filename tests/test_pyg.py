@@ -16,7 +16,7 @@ pytest.importorskip("torch_geometric")
 import torch_sparserl as ts  # noqa: E402
 import torch_sparserl.pyg as tpyg  # noqa: E402
 from torch_sparserl import passes  # noqa: E402
-from torch_geometric.nn import GCNConv, GINConv, GraphConv, SAGEConv  # noqa: E402
+from torch_geometric.nn import GATConv, GATv2Conv, GCNConv, GINConv, GraphConv, SAGEConv, TransformerConv  # noqa: E402
 from torch_geometric.utils import coalesce, remove_self_loops, softmax  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -28,6 +28,10 @@ LAYERS = {
     "sage": lambda i, o: SAGEConv(i, o),
     "gin": lambda i, o: GINConv(torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.ReLU(), torch.nn.Linear(o, o))),
     "graphconv": lambda i, o: GraphConv(i, o),
+    # attention that changes every step: one product per head with the head's attention as values
+    "gat": lambda i, o: GATConv(i, o, heads=2),
+    "gat_mean_no_loops": lambda i, o: GATConv(i, o, heads=3, concat=False, add_self_loops=False,
+                                              fill_value="mean"),
 }
 
 
@@ -112,6 +116,72 @@ def test_gcn_norm_keeps_a_csr_matrix_and_caches_the_looped_pattern():
     torch.testing.assert_close(normed.to_dense(), d[:, None] * want * d[None, :], rtol=1e-12, atol=1e-12)
 
 
+def _dense(A, values=None):
+    """A CSRMatrix (or its pattern with other per-entry ``values``, any trailing shape) as dense."""
+    values = A.val if values is None else values
+    rows = torch.repeat_interleave(torch.arange(A.shape[0]), (A.crow[1:] - A.crow[:-1]).long())
+    out = torch.zeros(*A.shape, *values.shape[1:], dtype=values.dtype)
+    out.index_put_((rows, A.col.long()), values.detach(), accumulate=True)
+    return out
+
+
+def test_self_loops_on_a_csr_matrix_as_pyg_adds_them():
+    edge_index, x = _graph("cpu", self_loops=True)
+    n = x.shape[0]
+    weights = torch.rand(edge_index.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    A = tpyg.adjacency(edge_index, n, weights, dtype=torch.float64)
+    attr = torch.randn(A.nnz, 3, dtype=torch.float64)
+    bare, bare_attr = tpyg.remove_self_loops(A, attr)
+    dense = _dense(A)
+    off = ~torch.eye(n, dtype=torch.bool)
+    torch.testing.assert_close(_dense(bare), dense * off)
+    torch.testing.assert_close(_dense(bare, bare_attr), _dense(A, attr) * off[:, :, None])
+    again, _ = tpyg.remove_self_loops(A)
+    assert again.crow is bare.crow and again.col is bare.col  # computed once per pattern
+
+    for fill, diagonal in ((None, torch.ones(n)), (2.5, torch.full((n,), 2.5)),
+                           ("mean", (dense * off).sum(1) / (off & (dense != 0)).sum(1).clamp(min=1)),
+                           ("add", (dense * off).sum(1))):
+        looped, none = tpyg.add_self_loops(bare, fill_value=fill, num_nodes=n)
+        assert none is None
+        torch.testing.assert_close(_dense(looped), dense * off + torch.diag(diagonal.double()))
+
+    with pytest.raises(NotImplementedError, match=r"add_self_loops: the CSRMatrix has diagonal entries"):
+        tpyg.add_self_loops(A)
+    with pytest.raises(NotImplementedError, match=r"add_self_loops: edge_attr with self loops is not supported"):
+        tpyg.add_self_loops(bare, bare_attr)
+    with pytest.raises(NotImplementedError, match=r"num_nodes must be min\(rows, cols\) = 40 for a CSRMatrix \(got 7\)"):
+        tpyg.add_self_loops(bare, num_nodes=7)
+    with pytest.raises(NotImplementedError, match=r"fill_value must be None, a number or one of"):
+        tpyg.add_self_loops(bare, fill_value="median")
+    # anything else reaches PyG's own
+    assert tpyg.add_self_loops(edge_index, num_nodes=n)[0].shape[1] == edge_index.shape[1] + n
+
+
+def test_gat_attention_weights_match_the_edge_index_path():
+    edge_index, x = _graph("cpu")
+    A = tpyg.adjacency(edge_index, x.shape[0], dtype=torch.float64)
+    torch.manual_seed(5)
+    layer = GATConv(6, 5, heads=3).double()
+    out, (adj, alpha) = layer(x, A, return_attention_weights=True)
+    ref, (looped_index, ref_alpha) = layer(x, edge_index, return_attention_weights=True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert isinstance(adj, ts.CSRMatrix) and alpha.shape == (adj.nnz, 3)  # in the matrix's order
+    theirs = torch.zeros(*adj.shape, 3, dtype=torch.float64)
+    theirs[looped_index[1], looped_index[0]] = ref_alpha.detach()
+    torch.testing.assert_close(_dense(adj, alpha), theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("make", [lambda: GATv2Conv(6, 5, heads=2), lambda: TransformerConv(6, 5, heads=2)],
+                         ids=["gatv2", "transformer"])
+def test_attention_layers_without_a_fused_product_run_pyg_s_path_on_the_matrix(make):
+    edge_index, x = _graph("cpu")
+    A = tpyg.adjacency(edge_index, x.shape[0], dtype=torch.float64)
+    torch.manual_seed(6)
+    layer = make().double()
+    torch.testing.assert_close(layer(x, A), layer(x, edge_index), rtol=1e-12, atol=1e-12)
+
+
 class AttentionConv(torch.nn.Module):
     """A GAT-style layer: scores q_i·k_j at the edges (SDDMM), a softmax over each row,
     then PyG's GraphConv-free weighted sum through GCNConv(normalize=False) on those values."""
@@ -171,6 +241,8 @@ COMPILED = {
     "gcn_no_loops": (lambda i, o: GCNConv(i, o, add_self_loops=False), True),
     "sage": (SAGEConv, True),
     "gin": (lambda i, o: GINConv(torch.nn.Linear(i, o)), True),
+    "gat": (lambda i, o: GATConv(i, o, heads=2, concat=False), False),  # the loops' pattern is computed outside the graph
+    "gat_no_loops": (lambda i, o: GATConv(i, o, heads=2, concat=False, add_self_loops=False), True),
 }
 
 
@@ -207,6 +279,8 @@ def test_compiled_layers_match_eager(name, device):
 def test_errors_are_named():
     edge_index, x = _graph("cpu")
     A = tpyg.adjacency(edge_index, x.shape[0], dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match=r"add_self_loops: edge_attr with self loops is not supported"):
+        GATConv(6, 5, edge_dim=2).double()(x, A, edge_attr=torch.randn(A.nnz, 2, dtype=torch.float64))
     with pytest.raises(NotImplementedError, match=r"torch_sparserl.pyg.spmm: reduce='max'"):
         SAGEConv(6, 5, aggr="max").double()(x, A)
     with pytest.raises(ValueError, match=r"GraphConv.propagate: flow='target_to_source'"):

@@ -99,7 +99,7 @@ class Pattern:
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
-                 "_values_t", "_lock", "__weakref__")
+                 "_no_diagonal", "_values_t", "_lock", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -117,6 +117,7 @@ class Pattern:
         self._row_indices: torch.Tensor | None = None
         self._transpose: tuple[Pattern, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._diagonal: tuple | None = None
+        self._no_diagonal: tuple | None = None
         self._values_t: tuple | None = None  # (weakref to val, its version, val[perm] or None)
         self._lock = threading.Lock()
 
@@ -199,6 +200,28 @@ class Pattern:
                 self._diagonal = run_kept(col.device, _with_diagonal, self, crow, col)
                 _STATS["diagonals"] += 1
             return self._diagonal
+
+    def without_diagonal(self, crow: torch.Tensor, col: torch.Tensor):
+        """``(crow_n, col_n, keep)``: the pattern with its diagonal entries ``(i, i)`` removed
+        (PyG's ``remove_self_loops``); ``keep`` holds the positions of the entries kept, in
+        their order. Computed once per pattern and registered, validated, like the others."""
+        with self._lock:
+            if self._no_diagonal is None:
+                self._no_diagonal = run_kept(col.device, _without_diagonal, self, crow, col)
+                _STATS["diagonals"] += 1
+            return self._no_diagonal
+
+
+def _without_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
+    rows = pattern.row_indices(crow)
+    keep = (rows != col.to(torch.int64)).nonzero().squeeze(1)
+    counts = torch.bincount(rows.index_select(0, keep), minlength=pattern.nrows)
+    crow_n = torch.zeros(pattern.nrows + 1, dtype=pattern.index_dtype, device=col.device)
+    crow_n[1:] = counts.cumsum(0)
+    col_n = col.index_select(0, keep)
+    entry = lookup(crow_n, col_n, pattern.ncols)
+    entry.validated = pattern.validated
+    return crow_n, col_n, keep
 
 
 def _with_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):

@@ -11,23 +11,30 @@
 PyG's sparse path (a layer's ``message_and_aggregate``, reached from ``propagate`` when the
 adjacency is sparse) is where the products are: ``spmm(adj_t, x, reduce)``. A
 :class:`~torch_sparserl.CSRMatrix` is a strided wrapper tensor to PyG, which would take it for
-an ``edge_index``; the adapter teaches PyG three things, by replacing functions in PyG's own
+an ``edge_index``; the adapter teaches PyG these things, by replacing functions in PyG's own
 modules (nothing in a model changes):
 
 * ``MessagePassing.propagate`` of every layer class, given a ``CSRMatrix``, runs the layer's
-  fused ``message_and_aggregate`` on it (the layers without one run PyG's own gather/scatter
-  path on the same matrix converted to a torch sparse tensor; eager only);
+  fused ``message_and_aggregate`` on it. ``GATConv``'s message and sum become one product per
+  head, the head's attention as the matrix's values (their gradient through SDDMM). The other
+  layers without a fused product (GATv2Conv, TransformerConv, ...) run PyG's own
+  gather/scatter path on the same matrix converted to a torch sparse tensor; eager only;
+* ``MessagePassing.edge_updater`` (GATConv's attention) computes its per-edge inputs on the
+  matrix's entries, in their order, as PyG does for a sparse adjacency;
 * ``torch_geometric.utils.spmm`` computes ``A @ X`` on the sparserl operators — ``sum`` and
   ``mean`` (the row sums divided by the row lengths, as PyG does); ``min``/``max`` raise;
 * ``gcn_norm`` (GCNConv and the layers that import it) keeps the matrix a ``CSRMatrix``: the
   self loops join the pattern once per pattern (cached like the transpose), and the values
-  become ``D^-1/2 (A + fill·I) D^-1/2`` each call, differentiable.
+  become ``D^-1/2 (A + fill·I) D^-1/2`` each call, differentiable;
+* ``remove_self_loops`` and ``add_self_loops`` (the attention layers' loops) return a
+  ``CSRMatrix`` whose pattern is computed once per pattern, likewise.
 
 Gradients reach the features through ``Aᵀ @ dY`` on the transposed pattern and the values
 (edge weights, attention) through SDDMM, eagerly and under
-``torch.compile(backend="sparserl")``. One graph break remains: ``gcn_norm`` with self loops
-computes the looped pattern outside the graph; ``GCNConv(cached=True)`` (a fixed graph) or
-``add_self_loops=False`` keeps the model one graph from its second call on.
+``torch.compile(backend="sparserl")``. One graph break remains: the self-loop patterns
+(``gcn_norm``, the attention layers' loops) are computed outside the graph;
+``GCNConv(cached=True)`` (a fixed graph) or ``add_self_loops=False`` keeps the model one graph
+from its second call on.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from torch import Tensor
 from . import pattern as patterns
 from .csr_matrix import CSRMatrix, csr, values_of
 
-__all__ = ["install", "installed", "adjacency", "gcn_norm", "spmm"]
+__all__ = ["install", "installed", "adjacency", "gcn_norm", "spmm", "remove_self_loops", "add_self_loops"]
 
 _ORIGINAL: dict[str, object] = {}
 _WRAPPED_FLAG = "_sparserl_wrapped"
@@ -92,6 +99,61 @@ def _add_self_loops(A: CSRMatrix, fill: float, dtype) -> CSRMatrix:
     return CSRMatrix(crow_d, col_d, looped, A.shape)
 
 
+@torch._dynamo.disable
+def _unlooped_pattern(A: CSRMatrix):
+    return patterns.lookup(A.crow, A.col, A.shape[1]).without_diagonal(A.crow, A.col)
+
+
+def remove_self_loops(edge_index, edge_attr=None):
+    """``torch_geometric.utils.remove_self_loops`` for a ``CSRMatrix``: the matrix without its
+    diagonal entries and ``edge_attr`` without their rows (anything else goes to PyG's own)."""
+    if not isinstance(edge_index, CSRMatrix):
+        return _ORIGINAL["remove_self_loops"](edge_index, edge_attr)
+    A = edge_index
+    crow_n, col_n, keep = _unlooped_pattern(A)
+    out = CSRMatrix(crow_n, col_n, values_of(A).index_select(0, keep), A.shape)
+    return out, (None if edge_attr is None else edge_attr.index_select(0, keep))
+
+
+_FILL_REDUCTIONS = {"add": "sum", "sum": "sum", "mean": "mean", "max": "amax", "min": "amin", "mul": "prod"}
+
+
+def add_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):
+    """``torch_geometric.utils.add_self_loops`` for a ``CSRMatrix`` without diagonal entries
+    (as PyG's layers call it, after ``remove_self_loops``): one entry ``(i, i)`` per node
+    ``i < min(rows, cols)``, valued ``fill_value`` (1 by default; ``"mean"``, ``"add"``, ...
+    reduce the row's values, as PyG reduces a sparse matrix's values over each node's incoming
+    edges). Anything else goes to PyG's own."""
+    if not isinstance(edge_index, CSRMatrix):
+        return _ORIGINAL["add_self_loops"](edge_index, edge_attr, fill_value, num_nodes)
+    op = "torch_sparserl.pyg.add_self_loops"
+    A = edge_index
+    loops = min(A.shape)
+    if num_nodes is not None and not (isinstance(num_nodes, int) and num_nodes == loops):
+        raise NotImplementedError(f"{op}: num_nodes must be min(rows, cols) = {loops} for a CSRMatrix "
+                                  f"(got {num_nodes!r})")
+    if edge_attr is not None:
+        raise NotImplementedError(f"{op}: edge_attr with self loops is not supported on a CSRMatrix (as PyG for "
+                                  "SparseTensor); add the loops to the matrix and the attributes yourself and "
+                                  "set add_self_loops=False")
+    crow_d, col_d, src_pos, diag_pos = _looped_pattern(A)
+    if col_d.shape[0] - A.nnz != loops:
+        raise NotImplementedError(f"{op}: the CSRMatrix has diagonal entries; PyG would add a second loop at "
+                                  "each, which a CSRMatrix does not hold: call remove_self_loops first")
+    val = values_of(A)
+    if fill_value is None or isinstance(fill_value, (int, float)):
+        fill = val.new_full((loops,), 1.0 if fill_value is None else float(fill_value))
+    elif isinstance(fill_value, str) and fill_value in _FILL_REDUCTIONS:
+        rows = patterns.row_indices(A.crow, A.nnz)
+        fill = val.new_zeros(A.shape[0]).scatter_reduce(0, rows, val, _FILL_REDUCTIONS[fill_value],
+                                                         include_self=False)[:loops]
+    else:
+        raise NotImplementedError(f"{op}: fill_value must be None, a number or one of "
+                                  f"{sorted(_FILL_REDUCTIONS)} for a CSRMatrix (got {fill_value!r})")
+    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val).index_copy(0, diag_pos, fill)
+    return CSRMatrix(crow_d, col_d, looped, A.shape), None
+
+
 def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_self_loops=True,
              flow="source_to_target", dtype=None):
     """PyG's ``gcn_norm`` for a ``CSRMatrix`` (anything else goes to PyG's own).
@@ -120,45 +182,116 @@ def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_s
 # --------------------------------------------------------------------- propagate
 
 
-def _propagate_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
-    if module.flow != "source_to_target":
-        raise ValueError(f"{type(module).__name__}.propagate: flow={module.flow!r} is invalid for a sparse "
-                         "adjacency (as in PyG); pass the transposed matrix, adj_t.t(), instead")
-    if size is not None and (size[0] not in (None, A.shape[1]) or size[1] not in (None, A.shape[0])):
-        raise ValueError(f"{type(module).__name__}.propagate: size {tuple(size)} does not match the adjacency "
-                         f"(expected [{A.shape[1]}, {A.shape[0]}] for adj_t of shape {tuple(A.shape)})")
-    hooks = any(getattr(module, name, None) for name in (
-        "_propagate_forward_pre_hooks", "_propagate_forward_hooks", "_message_and_aggregate_forward_pre_hooks",
-        "_message_and_aggregate_forward_hooks"))
-    if not module.fuse or getattr(module, "_explain", None) or hooks or getattr(module, "decomposed_layers", 1) > 1:
-        # No fused product for this layer (or PyG machinery that needs its own path): PyG's
-        # gather/scatter on a torch sparse CSR tensor with the same pattern and values.
-        sparse = torch.sparse_csr_tensor(A.crow, A.col, values_of(A), tuple(A.shape))
-        return type(module)._sparserl_original_propagate(module, sparse, size=size, **kwargs)
+def _adj_data(A: CSRMatrix, kwargs: dict) -> dict:
+    """The user's arguments with what PyG's ``_collect`` adds for a sparse adjacency: the
+    matrix, the sizes, the row pointers, the values as ``edge_weight``."""
     data = dict(kwargs)
     data.update(adj_t=A, edge_index=None, size=[A.shape[1], A.shape[0]], size_i=A.shape[0], size_j=A.shape[1],
                 dim_size=A.shape[0], ptr=A.crow)
     if data.get("edge_weight") is None:
         data["edge_weight"] = values_of(A)
+    return data
+
+
+def _edge_data(A: CSRMatrix, kwargs: dict, names) -> dict:
+    """:func:`_adj_data` and the per-edge arguments, for a ``CSRMatrix`` (traceable: no torch
+    sparse tensor): ``index`` (the row, the target node) and every ``<arg>_j`` / ``<arg>_i`` of
+    ``names`` lifted to the edges (the source row ``col`` / the target row), in the matrix's
+    order; ``ptr`` is None, as PyG gives it for a torch sparse adjacency (scatter softmax)."""
+    rows = patterns.row_indices(A.crow, A.nnz)
+    cols = A.col.to(torch.int64)
+    data = _adj_data(A, kwargs)
+    data.update(edge_index_i=rows, edge_index_j=cols, index=rows, ptr=None)
+    for name in names:
+        if name[-2:] not in ("_i", "_j") or name in kwargs:
+            continue
+        value = kwargs.get(name[:-2])
+        if isinstance(value, (tuple, list)):
+            value = value[0 if name.endswith("_j") else 1]
+        if isinstance(value, Tensor):
+            value = value.index_select(0, cols if name.endswith("_j") else rows)
+        data[name] = value
+    return data
+
+
+def _check_flow(module, A: CSRMatrix, size, what: str) -> None:
+    if module.flow != "source_to_target":
+        raise ValueError(f"{type(module).__name__}.{what}: flow={module.flow!r} is invalid for a sparse "
+                         "adjacency (as in PyG); pass the transposed matrix, adj_t.t(), instead")
+    if size is not None and (size[0] not in (None, A.shape[1]) or size[1] not in (None, A.shape[0])):
+        raise ValueError(f"{type(module).__name__}.{what}: size {tuple(size)} does not match the adjacency "
+                         f"(expected [{A.shape[1]}, {A.shape[0]}] for adj_t of shape {tuple(A.shape)})")
+
+
+def _plain(module, kind: str) -> bool:
+    """No PyG machinery that needs its own path: explain mode, hooks of ``kind``, decomposed layers."""
+    hooks = any(getattr(module, f"_{kind}_{when}", None) for when in ("forward_pre_hooks", "forward_hooks"))
+    return not (getattr(module, "_explain", None) or hooks or getattr(module, "decomposed_layers", 1) > 1)
+
+
+def _edge_updater_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
+    _check_flow(module, A, size, "edge_updater")
+    if not _plain(module, "edge_update"):
+        sparse = torch.sparse_csr_tensor(A.crow, A.col, values_of(A), tuple(A.shape))
+        return type(module)._sparserl_original_edge_updater(module, sparse, size=size, **kwargs)
+    data = _edge_data(A, kwargs, module._edge_user_args)
+    return module.edge_update(**module.inspector.collect_param_data("edge_update", data))
+
+
+def _attention_product(module, A: CSRMatrix, kwargs: dict) -> Tensor | None:
+    """GATConv's message and sum, ``alpha.unsqueeze(-1) * x_j`` summed into each target, as one
+    sparse product per head: the matrix's pattern with that head's attention as its values,
+    times the head's source features. None for any other layer."""
+    from torch_geometric.nn.conv.gat_conv import GATConv
+
+    if type(module).message is not GATConv.message or module.aggr != "add":
+        return None
+    x, alpha = kwargs.get("x"), kwargs.get("alpha")
+    x_src = x[0] if isinstance(x, (tuple, list)) else x
+    if not (isinstance(x_src, Tensor) and x_src.dim() == 3 and isinstance(alpha, Tensor)
+            and alpha.shape == (A.nnz, x_src.shape[1])):
+        return None
+    return torch.stack([A.with_values(alpha[:, h].contiguous()) @ x_src[:, h] for h in range(x_src.shape[1])], dim=1)
+
+
+def _propagate_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
+    _check_flow(module, A, size, "propagate")
+    plain = _plain(module, "propagate") and _plain(module, "message_and_aggregate")
+    out = _attention_product(module, A, kwargs) if plain else None
+    if out is not None:
+        return module.update(out, **module.inspector.collect_param_data("update", _adj_data(A, kwargs)))
+    if not module.fuse or not plain:
+        # No fused product for this layer (or PyG machinery that needs its own path): PyG's
+        # gather/scatter on a torch sparse CSR tensor with the same pattern and values.
+        sparse = torch.sparse_csr_tensor(A.crow, A.col, values_of(A), tuple(A.shape))
+        return type(module)._sparserl_original_propagate(module, sparse, size=size, **kwargs)
+    data = _adj_data(A, kwargs)
     inputs = module.inspector.collect_param_data("message_and_aggregate", data)
     out = module.message_and_aggregate(A, **inputs)
     return module.update(out, **module.inspector.collect_param_data("update", data))
 
 
-def _wrap_propagate(cls) -> None:
-    propagate = cls.__dict__.get("propagate")
-    if propagate is None or getattr(propagate, _WRAPPED_FLAG, False):
+def _wrap(cls, name: str, on_csr) -> None:
+    """``cls.<name>`` (``propagate`` or ``edge_updater``) routing a ``CSRMatrix`` adjacency to
+    ``on_csr``; the original stays as ``cls._sparserl_original_<name>``."""
+    method = cls.__dict__.get(name)
+    if method is None or getattr(method, _WRAPPED_FLAG, False):
         return
 
-    @functools.wraps(propagate)
+    @functools.wraps(method)
     def wrapped(self, edge_index, size=None, **kwargs):
         if isinstance(edge_index, CSRMatrix):
-            return _propagate_csr(self, edge_index, size, kwargs)
-        return propagate(self, edge_index, size=size, **kwargs)
+            return on_csr(self, edge_index, size, kwargs)
+        return method(self, edge_index, size=size, **kwargs)
 
     setattr(wrapped, _WRAPPED_FLAG, True)
-    cls._sparserl_original_propagate = propagate
-    cls.propagate = wrapped
+    setattr(cls, f"_sparserl_original_{name}", method)
+    setattr(cls, name, wrapped)
+
+
+def _wrap_propagate(cls) -> None:
+    _wrap(cls, "propagate", _propagate_csr)
+    _wrap(cls, "edge_updater", _edge_updater_csr)
 
 
 def _all_subclasses(cls):
@@ -177,8 +310,9 @@ def installed() -> bool:
 def install() -> None:
     """Route PyG's sparse path to sparserl for ``CSRMatrix`` adjacencies (idempotent).
 
-    Replaces ``spmm``, ``gcn_norm`` and ``MessagePassing.propagate`` where PyG's modules
-    refer to them; other inputs reach PyG's original functions unchanged.
+    Replaces ``spmm``, ``gcn_norm``, ``remove_self_loops``, ``add_self_loops`` and
+    ``MessagePassing.propagate`` / ``edge_updater`` where PyG's modules refer to them; other
+    inputs reach PyG's original functions unchanged.
     """
     if _ORIGINAL:
         return
@@ -187,9 +321,11 @@ def install() -> None:
     from torch_geometric.nn import MessagePassing
     from torch_geometric.nn.conv import gcn_conv
 
-    _ORIGINAL["spmm"] = pyg_utils.spmm
-    _ORIGINAL["gcn_norm"] = gcn_conv.gcn_norm
-    replacements = {id(_ORIGINAL["spmm"]): spmm, id(_ORIGINAL["gcn_norm"]): gcn_norm}
+    ours = {"spmm": spmm, "gcn_norm": gcn_norm, "remove_self_loops": remove_self_loops,
+            "add_self_loops": add_self_loops}
+    for name in ours:
+        _ORIGINAL[name] = getattr(gcn_conv if name == "gcn_norm" else pyg_utils, name)
+    replacements = {id(_ORIGINAL[name]): new for name, new in ours.items()}
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch_geometric") or module is None:
             continue
