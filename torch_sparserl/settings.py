@@ -2,8 +2,7 @@
 
 ``torch.compile(model, backend="sparserl", options={"strict": True})``. Options that are not
 the backend's own but name an Inductor config entry go to Inductor (``{"cpp_wrapper": True}``).
-Environment
-variables are for debugging only: ``SPARSERL_LOG=debug`` turns on verbose logs.
+Environment variables are for debugging only: ``SPARSERL_LOG=debug`` turns on verbose logs.
 """
 
 from __future__ import annotations
