@@ -14,6 +14,12 @@ Adam on random features (128) and labels (16 classes, half the nodes for trainin
 
 All four start from the same parameters. The GCN adjacency is ``D^-1/2 (A + I) D^-1/2`` and
 the SAGE one ``D^-1 A``, computed once (A binary, self loops removed, row i = edges into i).
+
+``--models gat`` (not in the default set) times PyG's own ``GATConv`` (layer 1: 4 heads of
+hidden/4, concatenated; layer 2: one head) in every way, on ``A + I`` with the layers'
+``add_self_loops=False``: ``eager`` gives it a torch sparse ``adj_t`` (PyG's sparse path),
+``pyg`` and ``inductor`` the ``edge_index`` (Inductor compiles PyG's gather/scatter), and
+``sparserl`` the ``CSRMatrix`` (one product per head, the head's attention as values).
 Per row, each way in turn: compiled and trained 20 epochs whose losses are recorded (the first
 includes compilation and JIT). Then all the ways are timed interleaved: ``--chunks`` rounds, each
 running one chunk of epochs of every way (starting one way further on each round), so that the
@@ -55,6 +61,8 @@ from report import geomean, write_json_md  # noqa: E402
 SCHEMA = "torch_sparserl.bench_gnn/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000", "rmat:scale=22,edge_factor=16"]
 MODELS = ["gcn", "sage"]
+ALL_MODELS = [*MODELS, "gat"]  # gat on request (--models): PyG's GATConv in every way
+GAT_HEADS = 4
 HIDDEN = [128, 256]
 WAYS = ["eager", "inductor", "pyg", "sparserl"]
 # also available: sparserl with the fused epilogues (off by default), to measure what the
@@ -109,6 +117,10 @@ def load_graph(name: str) -> sp.csr_matrix:
 
 
 def normalized(A: sp.csr_matrix, model: str) -> sp.csr_matrix:
+    if model == "gat":  # A + I, binary: the attention is the values
+        out = (A + sp.identity(A.shape[0], dtype=np.float32, format="csr")).tocsr().astype(np.float32)
+        out.sort_indices()
+        return out
     if model == "gcn":
         looped = (A + sp.identity(A.shape[0], dtype=np.float32, format="csr")).tocsr()
         inv_sqrt = 1.0 / np.sqrt(np.asarray(looped.sum(axis=1)).ravel())
@@ -182,6 +194,35 @@ class Product:
 
     def __call__(self, h):
         return self.mm(self.A, h)
+
+
+def gat_task(way: str, hidden: int, graph, device, adjacency=None):
+    """The ``gat`` model's task: PyG's GATConv in every way, the way deciding the adjacency."""
+    import torch
+    from torch_geometric.nn import GATConv
+
+    if way in BOUND_WAYS:
+        raise ValueError(f"bench_gnn: way {way} is not defined for the gat model")
+    if way in SPARSERL_WAYS:
+        import torch_sparserl.pyg  # noqa: F401 - the adapter: GATConv on a CSRMatrix
+        adj = adjacency if adjacency is not None else graph["csr_matrix_gat"]
+    else:
+        adj = graph["torch_csr_gat"] if way == "eager" else graph["edge_index_gat"]
+    x, y, train = graph["x"], graph["y"], graph["train"]
+
+    class GATTask(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)  # the same parameters in every way
+            self.c1 = GATConv(FEATURES, hidden // GAT_HEADS, heads=GAT_HEADS, add_self_loops=False)
+            self.c2 = GATConv(hidden, CLASSES, heads=1, add_self_loops=False)
+            self.adj = adj
+
+        def forward(self):
+            out = self.c2(torch.relu(self.c1(x, self.adj)), self.adj)
+            return torch.nn.functional.cross_entropy(out.index_select(0, train), y.index_select(0, train))
+
+    return GATTask().to(device)
 
 
 def pyg_task(model_name: str, params: dict, features, hidden, classes, edge_index, x, y, train):
@@ -317,6 +358,9 @@ def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
     ``adjacency`` replaces the graph's CSRMatrix (the warm start's fresh copy)."""
     import torch
 
+    if model_name == "gat":
+        task = gat_task(way, hidden, graph, device, adjacency)
+        return _compiled(way, task, args) if way in COMPILED_WAYS else task
     GCN, SAGE, Task = _models()
     torch.manual_seed(0)
     model = (GCN if model_name == "gcn" else SAGE)(FEATURES, hidden, CLASSES)
@@ -333,11 +377,15 @@ def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
         mm = torch.sparse.mm
         aggregate = Product(graph[f"torch_csr_{model_name}"], torch.compiler.disable(mm) if way == "inductor" else mm)
     task = Task(model, aggregate, x, y, train)
-    if way in COMPILED_WAYS:
-        mode = "reduce-overhead" if way == "sparserl_cudagraphs" else None if args.mode == "default" else args.mode
-        task = torch.compile(task, backend="inductor" if way in ("inductor", *BOUND_WAYS) else "sparserl",
-                             mode=mode, options=WAY_OPTIONS.get(way))
-    return task
+    return _compiled(way, task, args) if way in COMPILED_WAYS else task
+
+
+def _compiled(way, task, args):
+    import torch
+
+    mode = "reduce-overhead" if way == "sparserl_cudagraphs" else None if args.mode == "default" else args.mode
+    return torch.compile(task, backend="inductor" if way in ("inductor", *BOUND_WAYS) else "sparserl",
+                         mode=mode, options=WAY_OPTIONS.get(way))
 
 
 def _failed(exc: BaseException) -> dict:
@@ -482,7 +530,7 @@ def start_runtime(policy: str, device) -> float | None:
     return runtime.prewarm(device) if device.type == "cuda" else None
 
 
-def prepare_graph(name: str, device) -> dict:
+def prepare_graph(name: str, device, models=MODELS) -> dict:
     import torch
     import torch_sparserl as ts
 
@@ -496,13 +544,16 @@ def prepare_graph(name: str, device) -> dict:
              "train": torch.arange(0, n, 2, device=device)}
     coo = A.tocoo()
     graph["edge_index"] = torch.from_numpy(np.stack([coo.col, coo.row]).astype(np.int64)).to(device)
-    for model in MODELS:
+    for model in models:
         M = normalized(A, model)
         crow = torch.from_numpy(M.indptr.astype(np.int64)).to(device)
         col = torch.from_numpy(M.indices.astype(np.int64)).to(device)
         val = torch.from_numpy(M.data).to(device)
         graph[f"torch_csr_{model}"] = torch.sparse_csr_tensor(crow, col, val, M.shape)
         graph[f"csr_matrix_{model}"] = ts.csr((crow.int(), col.int(), val), shape=M.shape)
+        if model == "gat":  # PyG's edge_index of A + I: row 0 the sources, row 1 the targets
+            coo_gat = M.tocoo()
+            graph["edge_index_gat"] = torch.from_numpy(np.stack([coo_gat.col, coo_gat.row]).astype(np.int64)).to(device)
     graph["load_s"] = time.perf_counter() - t0
     return graph
 
@@ -634,8 +685,8 @@ def markdown(doc: dict) -> str:
                      f" | {'yes' if m.get('losses_equal') else 'no'} ({_fmt(m.get('loss_max_rel_diff'), '.1e')}) |")
     lines += ["", "Geometric means over the graphs:", "",
               "| model | hidden | vs eager | vs best of inductor, pyg |", "|---|---:|---:|---:|"]
-    for model in MODELS:
-        for hidden in HIDDEN:
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for hidden in sorted({r["hidden"] for r in rows if r["model"] == model}):
             ms = [row_metrics(r) for r in rows if r["model"] == model and r["hidden"] == hidden]
             if ms:
                 lines.append(f"| {model} | {hidden} | {_fmt(geomean(m.get('speedup_vs_eager') for m in ms), '.2f', '×')} | "
@@ -818,7 +869,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--graphs", default=",".join(GRAPHS))
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS), help=f"some of {ALL_MODELS} (gat: PyG's GATConv)")
     parser.add_argument("--hidden", default=",".join(map(str, HIDDEN)))
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--out", default="benchmarks/results", help="folder (a dated file in it) or a .json path")
@@ -864,6 +915,9 @@ def main(argv=None) -> int:
         path = out if out.suffix == ".json" else out / f"gnn-{env['gpu_slug']}-{dt.date.today().isoformat()}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         doc = {"schema": SCHEMA, "env": env, "runs": [], "rows": []}
+    unknown_models = set(args.models.split(",")) - set(ALL_MODELS)
+    if unknown_models:
+        parser.error(f"--models: unknown {sorted(unknown_models)} (expected some of {ALL_MODELS})")
     ways = args.ways.split(",")
     unknown = set(ways) - set(WAYS + EXTRA_WAYS)
     if unknown:
@@ -883,7 +937,7 @@ def main(argv=None) -> int:
             print(f"bench_gnn: time limit reached before {name}", flush=True)
             save(doc, path)
             return 3
-        graph = prepare_graph(name, device)
+        graph = prepare_graph(name, device, models=list(dict.fromkeys(m for m, _ in todo)))
         print(f"{name}: {graph['n']:,} nodes, {graph['nnz']:,} edges, prepared in {graph['load_s']:.1f} s", flush=True)
         for model_name, hidden in todo:
             row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model_name, "hidden": hidden}

@@ -57,6 +57,29 @@ def test_all_four_ways_train_to_the_same_losses(tmp_path, monkeypatch):
     assert bench.main(["--report", str(out)]) == 0 and out.with_suffix(".md").exists()
 
 
+@pytest.mark.slow
+def test_gat_model_trains_to_the_same_losses_in_every_way(tmp_path, monkeypatch):
+    """--models gat: PyG's GATConv on a torch sparse adj_t, on edge_index (eager and under
+    Inductor) and on the CSRMatrix under the sparserl backend, whole (no graph break)."""
+    import torch
+
+    bench = _bench()
+    out = tmp_path / "gnn.json"
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    before = sum(breaks.values())
+    assert bench.main(["--graphs", "cora", "--models", "gat", "--hidden", "16", "--out", str(out), "--no-warm",
+                       "--ways", "eager,inductor,pyg,sparserl,bound_inductor", "--chunks", "1",
+                       "--min-chunk-s", "0.01", "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model"] == "gat" and row["losses_equal"], row.get("loss_max_rel_diff")
+    assert all(row["ways"][w]["status"] == "ok" for w in ("eager", "inductor", "pyg", "sparserl")), row["ways"]
+    assert "not defined for the gat model" in row["ways"]["bound_inductor"]["error"]
+    assert sum(breaks.values()) == before, dict(breaks)
+    with pytest.raises(SystemExit):
+        bench.main(["--graphs", "cora", "--models", "gin", "--device", "cpu", "--out", str(tmp_path / "x.json")])
+
+
 def test_graph_lists_keep_generator_specs_whole():
     assert _bench().split_graphs("pubmed, rmat:scale=22,edge_factor=16,dblp-2010,rmat:scale=12") == [
         "pubmed", "rmat:scale=22,edge_factor=16", "dblp-2010", "rmat:scale=12"]
