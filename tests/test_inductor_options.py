@@ -52,9 +52,10 @@ def test_inductor_options_reach_inductor():
     A = ts.csr(M, dtype=torch.float32)
     x = torch.randn(M.shape[1], 4)
     torch._dynamo.reset()
-    try:
-        out = torch.compile(lambda x: A @ x, backend="sparserl",
-                            options={"post_grad_custom_post_pass": Recorder()})(x)
+    try:  # no cached graph: the passes run on fresh compiles only
+        with torch._inductor.config.patch(force_disable_caches=True):
+            out = torch.compile(lambda x: A @ x, backend="sparserl",
+                                options={"post_grad_custom_post_pass": Recorder()})(x)
     finally:
         torch._dynamo.reset()
     dense = torch.from_numpy(M.astype(np.float64).toarray())
@@ -68,7 +69,7 @@ def _rowchunks(key, crow, col, ncols):
 
 
 def _reference(M, lin, x):
-    """The loss and the weight's gradient of :func:`_loss` in float64."""
+    """``(A @ lin(x)).relu().square().sum()`` and its gradient for ``lin.weight``, in float64."""
     dense = torch.from_numpy(M.astype(np.float64).toarray())
     w = lin.weight.detach().double().cpu().requires_grad_()
     loss = (dense @ (x.double().cpu() @ w.t() + lin.bias.detach().double().cpu())).relu().square().sum()
