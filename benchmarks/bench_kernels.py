@@ -331,8 +331,11 @@ def transient_failures(table) -> int:
     """How many of a cell's evaluations failed for want of the device. Such a cell's oracle may
     have missed its best candidate, so it is no label: it is recorded ``transient`` and run
     again on ``--resume``, and its rows stay out of the tables."""
-    return sum(1 for r in table if str(getattr(getattr(r, "error_kind", None), "value", getattr(r, "error_kind", None)))
-               in TRANSIENT_KINDS)
+    def kind(record) -> str | None:
+        value = getattr(record, "error_kind", None)
+        return getattr(value, "value", value)  # an ErrorKind, or its value as a string
+
+    return sum(1 for r in table if kind(r) in TRANSIENT_KINDS)
 
 
 def cell_record(cell: Cell, meta: dict, result, copy_bw: float | None, budget_s: float, wall_s: float,
