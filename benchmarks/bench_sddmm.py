@@ -46,7 +46,7 @@ def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
     from torch_sparserl import measure, ops
     from torch_sparserl import pattern as patterns
     from torch_sparserl.dtypes import close_to_reference
-    from torch_sparserl.kernels import cusparse, reference
+    from torch_sparserl.kernels import reference, vendor
 
     A = ts.csr(M, dtype=dtype, index_dtype=torch.int32, device="cuda")
     crow, col, ncols = A.crow, A.col, M.shape[1]
@@ -63,7 +63,7 @@ def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
     ways = {
         "sparserl": lambda: torch.ops.sparserl.sddmm(crow, col, D, X),
         "backward": lambda: ops._sddmm(crow, col, D, X),
-        "cusparse": lambda: cusparse.sddmm(entry, crow, col, D, X),
+        "cusparse": lambda: vendor.sddmm(entry, crow, col, D, X),
         "gather": lambda: reference.sddmm(entry, crow, col, D, X),
     }
     checks = {way: close_to_reference(fn() if way != "sparserl" else out, ref, dtype) for way, fn in ways.items()}

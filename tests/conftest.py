@@ -1,6 +1,6 @@
 import os
 
-# The operator tests exercise cuSPARSE and the reference path on many random patterns; the
+# The operator tests exercise torch's sparse kernels (cuSPARSE, MKL) on many random patterns; the
 # JIT runtime is tested on its own (test_runtime*.py), which configures it explicitly.
 os.environ.setdefault("SPARSERL_JIT", "off")
 

@@ -348,3 +348,17 @@ def test_bench_intercept_times_every_state_and_leaves_nothing_installed(tmp_path
     assert all(r["us_per_call"] > 0 for r in doc["rows"])
     assert "| cpu | torch.mv(A, x) |" in out.with_suffix(".md").read_text()
     assert not intercept.installed() and intercept._delegate is not bench_intercept._old_delegate
+
+
+def test_bench_cpu_times_the_operator_torch_and_the_reference(tmp_path):
+    bench_cpu = load_benchmark("bench_cpu")
+    out = tmp_path / "cpu.json"
+    assert bench_cpu.main(["--matrices", "cora", "--dtypes", "float32,bfloat16", "--n", "1,8", "--repeats", "2",
+                           "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["dtype"], r["op"], r["n"]) for r in doc["rows"]] == [
+        ("float32", "spmm", 1), ("float32", "spmm", 8), ("float32", "sddmm", 64), ("bfloat16", "spmm", 1),
+        ("bfloat16", "spmm", 8)]
+    assert all(r["operator_ms"] > 0 and r["reference_ms"] > 0 for r in doc["rows"])
+    assert doc["rows"][0]["torch_ms"] > 0 and doc["rows"][3]["torch_ms"] is None  # torch has no bf16 CSR kernel
+    assert "| cora | 10,556 | float32 | spmm | 8 |" in out.with_suffix(".md").read_text()

@@ -62,7 +62,7 @@ def compare_us(contenders: dict, *, rounds: int = ROUNDS, target_ms: float = 20.
 
 def torch_csr(A) -> torch.Tensor:
     """The same matrix as a ``torch.sparse_csr`` tensor sharing A's parts."""
-    from .kernels.cusparse import _as_torch_csr
+    from .kernels.vendor import _as_torch_csr
 
     return _as_torch_csr(patterns.lookup(A.crow, A.col, A.shape[1]), A.crow, A.col, A.val)
 

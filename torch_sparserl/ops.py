@@ -30,7 +30,7 @@ from torch import Tensor
 from . import pattern as patterns
 from . import runtime
 from .abi import EPILOGUE_STEPS
-from .kernels import cusparse, reference
+from .kernels import vendor
 from .dtypes import VALUE_DTYPES
 from .validation import check_csr_meta, check_dense, check_tensor, require
 
@@ -43,12 +43,12 @@ def _product(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: T
     """``A @ X`` (``op="spmm"``) or ``A @ x`` (``"spmv"``) on validated operands.
 
     The runtime's specialized kernel for this pattern when one is installed (it serves CUDA
-    devices); otherwise cuSPARSE on CUDA and the reference implementation elsewhere.
+    devices); otherwise torch's own sparse kernels: cuSPARSE on CUDA, MKL's or torch's on the CPU.
     """
     out = runtime.active().call(op, entry, crow, col, val, X)
     if out is not None:
         return out
-    return getattr(cusparse if X.device.type == "cuda" else reference, op)(entry, crow, col, val, X)
+    return getattr(vendor, op)(entry, crow, col, val, X)
 
 
 def _pattern(op: str, crow: Tensor, col: Tensor, val: Tensor | None, ncols: int) -> patterns.Pattern:
@@ -251,7 +251,7 @@ def _sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
     out = runtime.active().call("sddmm", entry, crow, col, Y, X)  # Y rides in the kernels' val slot
     if out is not None:
         return out
-    return (cusparse if Y.device.type == "cuda" else reference).sddmm(entry, crow, col, Y, X)
+    return vendor.sddmm(entry, crow, col, Y, X)
 
 
 @torch.library.custom_op("sparserl::sddmm", mutates_args=())

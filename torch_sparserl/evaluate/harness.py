@@ -41,7 +41,7 @@ import torch
 from ..abi import MAX_SMEM_BYTES, KernelSpec, PlanError, operand_shapes
 from ..build import CompileError, LaunchError, load_kernel
 from ..dtypes import close_to_reference, max_abs_difference
-from ..kernels import cusparse, reference
+from ..kernels import reference, vendor
 from ..pattern import Pattern
 from ..prepare import Prepared, prepare
 from .config import EvalConfig
@@ -559,8 +559,8 @@ def _baseline(problem: _Problem):
     if problem.op == "sddmm":  # val holds D: cuSPARSE's SDDMM through torch.sparse.sampled_addmm
         m = problem.matrix
         out.zero_()
-        return (lambda: cusparse.sddmm_out(problem.pattern, m.rowptr, m.col, val, x, out)), widened, out
-    a = cusparse._as_torch_csr(problem.pattern, problem.matrix.rowptr, problem.matrix.col, val)
+        return (lambda: vendor.sddmm_out(problem.pattern, m.rowptr, m.col, val, x, out)), widened, out
+    a = vendor._as_torch_csr(problem.pattern, problem.matrix.rowptr, problem.matrix.col, val)
     if problem.op == "spmm":
         return (lambda: torch.addmm(out, a, x, beta=0, alpha=1, out=out)), widened, out
     return (lambda: torch.addmv(out, a, x, beta=0, alpha=1, out=out)), widened, out

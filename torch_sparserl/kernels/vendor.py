@@ -1,6 +1,11 @@
-"""cuSPARSE through ``torch.sparse``: the CUDA baseline and the fallback.
+"""torch's own sparse kernels through ``torch.sparse``: the baseline and the fallback.
 
-SDDMM goes through ``torch.sparse.sampled_addmm``, which calls ``cusparseSDDMM`` on CUDA.
+On CUDA they are NVIDIA's cuSPARSE: the baseline every specialized kernel is timed against,
+and what serves a product until one is installed. On the CPU they are MKL's or torch's native
+CSR kernels, which serve every CPU product: 1.15–19× faster than the gather and ``index_add_``
+of :mod:`~torch_sparserl.kernels.reference` on our CI's 2 cores (``benchmarks/bench_cpu.py``,
+``benchmarks/results/cpu-products-2026-11-23.md``). SDDMM goes through
+``torch.sparse.sampled_addmm`` (``cusparseSDDMM`` on CUDA).
 
 Products go through the functional ``torch.sparse.mm`` / ``torch.mv``, as a user's would.
 While :mod:`torch_sparserl.intercept` overrides those for CSR tensors, calls go through the
@@ -14,6 +19,7 @@ once per process that CSR support is in beta; the first construction silences th
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -24,6 +30,21 @@ from ..pattern import Pattern
 
 
 _BETA_WARNING_SEEN = False
+
+
+def _outside_cpu_autocast(fn):
+    """``fn`` with the CPU's autocast off while it runs on CPU tensors: autocast would cast
+    its float32 operands (half types are widened to float32 here) back to bfloat16, which
+    torch's CPU sparse kernels lack ("addmm_out_sparse_csr_impl_mkl" not implemented for
+    'BFloat16'). The caller casts the result to the product's dtype."""
+    @functools.wraps(fn)
+    def run(pattern, crow, col, a, b, *rest):
+        if a.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return fn(pattern, crow, col, a, b, *rest)
+        return fn(pattern, crow, col, a, b, *rest)
+
+    return run
 
 
 def _as_torch_csr(pattern: Pattern, crow, col, val) -> torch.Tensor:
@@ -39,6 +60,7 @@ def _as_torch_csr(pattern: Pattern, crow, col, val) -> torch.Tensor:
     return torch.sparse_csr_tensor(crow, col, val, (pattern.nrows, pattern.ncols), check_invariants=False)
 
 
+@_outside_cpu_autocast
 def spmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
          X: torch.Tensor) -> torch.Tensor:
     if val.dtype in HALF_DTYPES:
@@ -57,6 +79,7 @@ def spmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Ten
     return out
 
 
+@_outside_cpu_autocast
 def spmv(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
          x: torch.Tensor) -> torch.Tensor:
     if val.dtype in HALF_DTYPES:  # summed in float32, as in spmm
@@ -71,6 +94,7 @@ def spmv(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Ten
     return out
 
 
+@_outside_cpu_autocast
 def sddmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tensor,
           X: torch.Tensor) -> torch.Tensor:
     """out[k] = dot(Y[row(k)], X[col(k)]); Y is (nrows, N), X (ncols, N)."""
@@ -82,6 +106,7 @@ def sddmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tens
     return sddmm_out(pattern, crow, col, Y, X, out)
 
 
+@_outside_cpu_autocast
 def sddmm_out(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tensor, X: torch.Tensor,
               out: torch.Tensor) -> torch.Tensor:
     """:func:`sddmm` into ``out`` (nnz values of Y's dtype holding finite numbers: cuSPARSE
