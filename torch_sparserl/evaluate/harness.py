@@ -548,14 +548,14 @@ def _seed(config: EvalConfig, trial: int) -> int:
 
 
 def _baseline(problem: _Problem):
-    """cuSPARSE on the same data (as kernels/cusparse.py calls it): half types widened to fp32."""
+    """cuSPARSE on the same data (as kernels/vendor.py calls it): half types widened to fp32."""
     rows, cols = problem.matrix.shape
     widened = problem.dtype != torch.float32
     val = problem.val.float() if widened else problem.val
     x = problem.x.float() if widened else problem.x
     out = torch.empty(problem.y_shape, dtype=torch.float32, device=problem.device)
     if problem.matrix.nnz == 0 or rows == 0 or cols == 0:
-        return out.zero_, widened, out  # cusparse.py returns zeros without calling cuSPARSE
+        return out.zero_, widened, out  # vendor.py returns zeros without calling cuSPARSE
     if problem.op == "sddmm":  # val holds D: cuSPARSE's SDDMM through torch.sparse.sampled_addmm
         m = problem.matrix
         out.zero_()
