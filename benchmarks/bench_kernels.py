@@ -321,21 +321,20 @@ def matrix_meta(entry: MatrixEntry, matrix, load_s: float) -> dict:
             "pattern_sha1": digest.hexdigest(), "load_s": round(load_s, 3)}
 
 
-# What an evaluation may fail with for want of the device (another process held its memory),
-# not for the candidate: torch_sparserl.evaluate.record.TRANSIENT_KINDS, by value (this file
-# imports no torch_sparserl module at load time).
-TRANSIENT_KINDS = ("device_memory",)
-
-
 def transient_failures(table) -> int:
-    """How many of a cell's evaluations failed for want of the device. Such a cell's oracle may
-    have missed its best candidate, so it is no label: it is recorded ``transient`` and run
-    again on ``--resume``, and its rows stay out of the tables."""
+    """How many of a cell's evaluations failed for want of the device (``TRANSIENT_KINDS``:
+    another process held its memory), not for the candidate. Such a cell's oracle may have
+    missed its best candidate, so it is no label: it is recorded ``transient`` and run again on
+    ``--resume``, and its rows stay out of the tables."""
+    from torch_sparserl.evaluate.record import TRANSIENT_KINDS
+
+    names = {kind.value for kind in TRANSIENT_KINDS}
+
     def kind(record) -> str | None:
         value = getattr(record, "error_kind", None)
         return getattr(value, "value", value)  # an ErrorKind, or its value as a string
 
-    return sum(1 for r in table if kind(r) in TRANSIENT_KINDS)
+    return sum(1 for r in table if kind(r) in names)
 
 
 def cell_record(cell: Cell, meta: dict, result, copy_bw: float | None, budget_s: float, wall_s: float,

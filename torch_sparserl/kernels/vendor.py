@@ -94,7 +94,6 @@ def spmv(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Ten
     return out
 
 
-@_outside_cpu_autocast
 def sddmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tensor,
           X: torch.Tensor) -> torch.Tensor:
     """out[k] = dot(Y[row(k)], X[col(k)]); Y is (nrows, N), X (ncols, N)."""
