@@ -74,9 +74,13 @@ WAYS = ["eager", "inductor", "pyg", "sparserl"]
 # and sparserl_cudagraphs, the sparserl way compiled with mode="reduce-overhead" (CUDA graphs:
 # the path for small graphs, whose epochs are bound by the CPU); and sparserl_subclass, the
 # sparserl way with options={"flatten_matrices": False} (the CSRMatrix reaches AOTAutograd as
-# a tensor subclass), to measure what the flattening is worth per epoch
-EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass", "bound_inductor"]
-WAY_OPTIONS = {"sparserl_fused": {"fuse_epilogues": True}, "sparserl_subclass": {"flatten_matrices": False}}
+# a tensor subclass), to measure what the flattening is worth per epoch; and sparserl_python, the
+# sparserl way with options={"fast_path": False} (every product through its Python
+# implementation: sparserl_direct), to measure what the C++ fast path is worth per epoch
+EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass", "sparserl_python",
+              "bound_inductor"]
+WAY_OPTIONS = {"sparserl_fused": {"fuse_epilogues": True}, "sparserl_subclass": {"flatten_matrices": False},
+               "sparserl_python": {"fast_path": False}}
 BOUND_WAYS = ("bound_inductor",)  # not the same computation: no loss comparison
 FEATURES = 128
 CLASSES = 16
@@ -349,8 +353,10 @@ def time_rounds(epochs: dict, results: dict, device, rounds: int) -> None:
         results[way]["epoch_ms"] = statistics.median(results[way]["chunk_ms"])
 
 
-SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass")
-COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "sparserl_subclass", "bound_inductor")
+SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass",
+                 "sparserl_python")
+COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "sparserl_subclass",
+                 "sparserl_python", "bound_inductor")
 
 
 def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
@@ -604,6 +610,9 @@ def row_metrics(row: dict) -> dict:
     subclass = ways.get("sparserl_subclass", {})
     if "sparserl" in ms and subclass.get("status") == "ok":
         out["flatten_speedup"] = subclass["epoch_ms"] / ms["sparserl"]
+    python = ways.get("sparserl_python", {})
+    if "sparserl" in ms and python.get("status") == "ok":
+        out["fast_path_speedup"] = python["epoch_ms"] / ms["sparserl"]
     graphs = ways.get("sparserl_cudagraphs", {})
     if graphs.get("status") == "ok" and "eager" in ms:
         out["cudagraphs_vs_eager"] = ms["eager"] / graphs["epoch_ms"]
@@ -723,15 +732,26 @@ def markdown(doc: dict) -> str:
         lambda sel: ["geometric mean", "", "", "", _fmt(geomean(m.get("uncompiled_vs_eager") for _, m in sel), ".2f", "×"),
                      _fmt(geomean(m.get("uncompiled_vs_compiled") for _, m in sel), ".2f", "×")])
 
-    lines += _way_section(
-        rows, "sparserl_subclass",
+    def against_sparserl(way: str, text: str, names: list[str], metric: str) -> list[str]:
+        """A section of one variant of the sparserl way timed in the same rounds: its epoch,
+        sparserl's, and sparserl's speedup over it (with the rounds' range)."""
+        return _way_section(
+            rows, way, text, names, "---:|---:|---:",
+            lambda r, m: [_fmt(r["ways"][way].get("epoch_ms"), ".3f"), _fmt(r["ways"].get("sparserl", {}).get("epoch_ms"), ".3f"),
+                          _fmt(m.get(metric), ".3f", "×") + _range(_bounds(r["ways"], way, "sparserl"))],
+            lambda sel: ["geometric mean", "", "", "", "", _fmt(geomean(m.get(metric) for _, m in sel), ".3f", "×")])
+
+    lines += against_sparserl(
+        "sparserl_subclass",
         "Flattened CSRMatrix inputs: sparserl (the backend hands the matrix to AOTAutograd as its parts, the "
         "default) against sparserl_subclass (options={\"flatten_matrices\": False}), same kernels, same rounds:",
-        ["subclass ms", "flattened ms", "flattening speedup"], "---:|---:|---:",
-        lambda r, m: [_fmt(r["ways"]["sparserl_subclass"].get("epoch_ms"), ".3f"),
-                      _fmt(r["ways"].get("sparserl", {}).get("epoch_ms"), ".3f"),
-                      _fmt(m.get("flatten_speedup"), ".3f", "×") + _range(_bounds(r["ways"], "sparserl_subclass", "sparserl"))],
-        lambda sel: ["geometric mean", "", "", "", "", _fmt(geomean(m.get("flatten_speedup") for _, m in sel), ".3f", "×")])
+        ["subclass ms", "flattened ms", "flattening speedup"], "flatten_speedup")
+    lines += against_sparserl(
+        "sparserl_python",
+        "C++ fast path: sparserl (compiled products served in C++ once Python has served the same call, the "
+        "default) against sparserl_python (options={\"fast_path\": False}: every product through its Python "
+        "implementation), same kernels, same rounds:",
+        ["python ms", "fast path ms", "fast path speedup"], "fast_path_speedup")
 
     def over_graphs(sel, key):
         per_graph = {}

@@ -110,7 +110,8 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
 
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse
     assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
-                       "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,sparserl_cudagraphs,sparserl_subclass,bound_inductor",
+                       "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,sparserl_cudagraphs,sparserl_subclass,sparserl_python,"
+                       "bound_inductor",
                        "--chunks", "1",
                        "--min-chunk-s", "0.01",
                        "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
@@ -129,6 +130,8 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     assert row["cudagraphs_vs_eager"] > 0 and "Under CUDA graphs" in md
     # the CSRMatrix as a subclass at AOTAutograd's boundary, against the flattened default
     assert row["flatten_speedup"] > 0 and "Flattened CSRMatrix inputs" in md
+    # every product through Python (fast_path off), against the default
+    assert row["fast_path_speedup"] > 0 and "C++ fast path" in md and row["losses_equal"]
     with pytest.raises(SystemExit):
         bench.main(["--ways", "eager,fastest", "--out", str(tmp_path)])
 

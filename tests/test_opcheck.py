@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_sparserl.dtypes import assert_close_to_reference
-from torch_sparserl.ops import DIRECT_OPS, registered_ops
+from torch_sparserl.ops import DIRECT_OPS, FAST_OPS, registered_ops
 
 from helpers import make_pattern, to_parts
 
@@ -60,12 +60,17 @@ def test_opcheck(op, device):
         torch.library.opcheck(getattr(torch.ops.sparserl, op).default, args)
 
 
+@pytest.mark.parametrize("twins", [DIRECT_OPS, FAST_OPS], ids=["direct", "fast"])
 @pytest.mark.parametrize("op", registered_ops())
-def test_direct_twin_opcheck(op, device):
-    """Each operator's implementation-only twin (what compiled graphs call, ops.DIRECT_OPS):
-    same schema, a fake that agrees with the kernel, and no autograd kernel to check."""
+def test_implementation_twin_opcheck(op, device, twins):
+    """Each operator's implementation-only twins (what compiled graphs call: ops.DIRECT_OPS, and
+    ops.FAST_OPS for the products): same schema, a fake that agrees with the kernel, and no
+    autograd kernel to check."""
     public = getattr(torch.ops.sparserl, op).default
-    twin = DIRECT_OPS[public]
+    if public not in twins:
+        assert twins is FAST_OPS and op in ("sddmm", "spmm_epilogue")
+        return
+    twin = twins[public]
     assert str(twin._schema).split("::", 1)[1] == str(public._schema).split("::", 1)[1]
     for args in _samples(op, device):
         args = _without_grad(args)

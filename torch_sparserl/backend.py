@@ -18,7 +18,9 @@ for the decisions.
 
 from __future__ import annotations
 
-from . import cudagraphs, intercept
+import torch
+
+from . import cudagraphs, fastpath, intercept
 from . import runtime as rt
 from .flatten import call_flattened, flatten_matrix_inputs
 from .passes import SparseOpsPass
@@ -32,6 +34,8 @@ def sparserl_backend(gm, example_inputs, *, options=None, mode=None):
     from torch._inductor.compile_fx import compile_fx
 
     settings = Settings.from_options(options)
+    if settings.fast_path and settings.direct_ops and torch.cuda.is_available():
+        fastpath.ensure()  # loads it, or builds it in the background (graphs compiled meanwhile switch when it loads)
     if settings.intercept_sparse:
         intercept.activate_for_backend()
     patches = {**(list_mode_options(mode) if mode else {}), **dict(settings.inductor)}

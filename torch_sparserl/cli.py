@@ -188,7 +188,18 @@ def info(args) -> int:
           f"CUDA {'available: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}")
     print("operators: " + ", ".join(f"sparserl::{op}" for op in ts.ops.registered_ops()))
     print("shipped matrices: " + ", ".join(list_matrices()))
+    print(f"C++ fast path: {ts.fastpath.status()}")
     return 0
+
+
+def fastpath_command(args) -> int:
+    """Build (once per machine and torch version) and load the C++ fast path of compiled products."""
+    from . import fastpath
+
+    started = time.perf_counter()
+    ok = fastpath.ensure(wait=True)
+    print(f"C++ fast path: {fastpath.status()} ({time.perf_counter() - started:.1f} s)")
+    return 0 if ok else 1
 
 
 def _progress(what: str):
@@ -381,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transposed", action="store_true", help="the transposed pattern (what the backward uses)")
     p.add_argument("--dir", help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
     p.set_defaults(run=explain_command)
+    p = commands.add_parser("fastpath", help="build and load the C++ fast path of compiled products now (CUDA torch)")
+    p.set_defaults(run=fastpath_command)
     p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear")
     p.add_argument("action", choices=["list", "info", "clear"])
     p.add_argument("key", nargs="?", help="entry digest (or its prefix) for info")

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import pattern as patterns
-from . import runtime
+from . import fastpath, runtime
 from .abi import EPILOGUE_STEPS
 from .kernels import vendor
 from .dtypes import VALUE_DTYPES
@@ -442,7 +442,23 @@ def _define_direct(name: str, impl) -> tuple:
     return public, getattr(torch.ops.sparserl_direct, name).default
 
 
-DIRECT_OPS: dict = dict(_define_direct(name, impl) for name, impl in {**_IMPLS, "spmm_epilogue": _spmm_epilogue}.items())
+def _recording(op: str, impl):
+    """``impl``, after which what served a CUDA call is recorded for the C++ fast path
+    (:func:`torch_sparserl.fastpath.record`), once its library is loaded."""
+    def run(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+        out = impl(crow, col, val, ncols, X)
+        if fastpath.loaded and X.is_cuda:
+            fastpath.record(op, crow, col, val, ncols, X)
+        return out
+
+    run.__name__ = impl.__name__
+    return run
+
+
+_DISPATCHED = {**{op: _recording(op, impl) for op, impl in _DIRECT.items()}, "sddmm": _sddmm,
+               "spmm_epilogue": _spmm_epilogue}
+
+DIRECT_OPS: dict = dict(_define_direct(name, impl) for name, impl in _DISPATCHED.items())
 """``torch.ops.sparserl.<op>.default`` -> ``torch.ops.sparserl_direct.<op>.default``.
 
 A graph Inductor compiles has been differentiated by AOTAutograd already: its products need
@@ -450,6 +466,28 @@ no autograd, yet custom_op's layers around each call (the autograd wrapper, the 
 the aliasing check) cost several times the dispatcher's own work. The backend's post-grad
 pass (:func:`torch_sparserl.passes.to_direct_ops`) retargets the graph's calls to these
 implementation-only twins: same schema, same checks, errors and kernels, same fake."""
+
+FAST_NAMESPACE = "sparserl_fast"
+_fast_library = torch.library.Library(FAST_NAMESPACE, "DEF")
+
+
+def _define_fast(name: str) -> tuple:
+    """``sparserl_fast::<name>``: ``sparserl_direct::<name>`` again, with autograd passed
+    through; the C++ fast path registers its CUDA kernel once loaded."""
+    public = getattr(torch.ops.sparserl, name).default
+    _fast_library.define(str(public._schema).split("::", 1)[1])
+    _fast_library.impl(name, _DISPATCHED[name], "CompositeExplicitAutograd")
+    _fast_library.impl(name, torch.library.fallthrough_kernel, "Autograd")
+    torch.library.register_fake(f"{FAST_NAMESPACE}::{name}", _FAKES[name], lib=_fast_library)
+    return public, getattr(torch.ops.sparserl_fast, name).default
+
+
+FAST_OPS: dict = dict(_define_fast(name) for name in fastpath.OPS)
+"""``torch.ops.sparserl.<op>.default`` -> ``torch.ops.sparserl_fast.<op>.default`` for the four
+products: what compiled graphs call when the backend's ``fast_path`` is on. Their CUDA calls
+are served in C++ (:mod:`torch_sparserl.fastpath`) once its library is loaded and the Python
+implementation has served the same call; until then, and on other devices, they are the
+``sparserl_direct`` twins."""
 
 
 def registered_ops() -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .ops import DIRECT_OPS, NAMESPACE
+from .ops import DIRECT_OPS, FAST_OPS, NAMESPACE
 from .settings import Settings, logger
 
 
@@ -161,14 +161,16 @@ def fuse_epilogues(graph: torch.fx.Graph, can_fuse=served_fused) -> list[str]:
     return done_lines
 
 
-def to_direct_ops(graph: torch.fx.Graph) -> int:
+def to_direct_ops(graph: torch.fx.Graph, fast: bool = False) -> int:
     """Point every ``sparserl::<op>`` call of a differentiated graph at ``sparserl_direct::<op>``
     (:data:`~torch_sparserl.ops.DIRECT_OPS`: same schema, checks and kernels, no autograd
-    layers); returns how many calls were retargeted."""
+    layers), and with ``fast`` the products at ``sparserl_fast::<op>``
+    (:data:`~torch_sparserl.ops.FAST_OPS`, served in C++ where :mod:`torch_sparserl.fastpath`
+    is loaded); returns how many calls were retargeted."""
     count = 0
     for node in graph.nodes:
         if node.op == "call_function" and node.target in DIRECT_OPS:
-            node.target = DIRECT_OPS[node.target]
+            node.target = (fast and FAST_OPS.get(node.target)) or DIRECT_OPS[node.target]
             count += 1
     return count
 
@@ -193,7 +195,7 @@ class SparseOpsPass(CustomGraphPass):
         for line in report.fused:
             logger.debug("sparserl fused: %s", line)
         if self.settings.direct_ops:
-            to_direct_ops(graph)
+            to_direct_ops(graph, fast=self.settings.fast_path)
 
     def uuid(self):
         chained = self.chained.uuid() if self.chained is not None else None

@@ -99,7 +99,7 @@ class Pattern:
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
-                 "_no_diagonal", "_values_t", "_lock", "__weakref__")
+                 "_no_diagonal", "_values_t", "_lock", "fast_recorded", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -120,6 +120,7 @@ class Pattern:
         self._no_diagonal: tuple | None = None
         self._values_t: tuple | None = None  # (weakref to val, its version, val[perm] or None)
         self._lock = threading.Lock()
+        self.fast_recorded: set = set()  # what fastpath.record gave the C++ registry
 
     def matches(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> bool:
         return (self._crow_ref() is crow and self._col_ref() is col and self.ncols == ncols

@@ -43,9 +43,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
+from . import fastpath
 from .abi import DTYPES
 from .cache import CacheEntry, KernelCache
 from .fingerprint import SpecializationKey, fingerprint
@@ -213,8 +215,20 @@ class Runtime:
         # specialization and build: the JIT cost a training loop sees) and seconds the
         # background thread spent deciding; the idle worker's stops; searches run again after
         # a TransientFailure
-        self.stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
+        self._stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
                       "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0}
+
+    @property
+    def stats(self) -> dict:
+        """The counters above; the calls the C++ fast path served for this runtime are folded
+        into ``installed_calls`` and ``fallback_calls`` when they are read."""
+        fastpath.fold(self)
+        return self._stats
+
+    @property
+    def generation(self) -> int:
+        """Tells this runtime's states on a Pattern from another runtime's."""
+        return self._generation
 
     @property
     def cache(self) -> KernelCache:
@@ -243,7 +257,7 @@ class Runtime:
             return self.launch(state.launch, crow, col, val, X)
         if state.__class__ is Fallback and self.settings.strict and not state.decided:
             raise SpecializationError(f"sparserl runtime: {op} n={n} {DTYPE_NAMES[val.dtype]}: {state.reason}")
-        self.stats["fallback_calls"] += 1
+        self._stats["fallback_calls"] += 1
         return None
 
     def launch(self, launch: Callable, crow, col, val: torch.Tensor, X: torch.Tensor, *epilogue) -> torch.Tensor:
@@ -254,7 +268,7 @@ class Runtime:
             X = X.clone(memory_format=torch.contiguous_format)
         if not val.is_contiguous() or val.data_ptr() % 16:
             val = val.clone(memory_format=torch.contiguous_format)
-        self.stats["installed_calls"] += 1
+        self._stats["installed_calls"] += 1
         return launch(crow, col, val, X, *epilogue)
 
     # ------------------------------------------------------------------ fused epilogues
@@ -423,7 +437,7 @@ class Runtime:
                                               "a later process decides again)", None)
                     # What this process's allocator caches but does not use is the memory most
                     # likely missing (a model trained before this one, in a benchmark).
-                    self.stats["transient_retries"] += 1
+                    self._stats["transient_retries"] += 1
                     log.warning("sparserl: %s n=%d: %s; this process's cached GPU memory is released and the "
                                 "search runs again", key.op, key.n, exc)
                     if col.is_cuda:
@@ -456,7 +470,7 @@ class Runtime:
             return self._fallback(pattern, slot, key, f"installing {entry.family} failed: {exc}", exc)
         state = Installed(key, launch, f"{entry.family}{entry.params}", entry.reason, entry)
         self._set(pattern, slot, state)
-        self.stats["installs"] += 1
+        self._stats["installs"] += 1
         log.info("sparserl: %s n=%d %s -> %s (%s)", key.op, key.n, key.dtype, state.description, entry.reason)
         return state
 
@@ -467,7 +481,7 @@ class Runtime:
     def _fallback(self, pattern, slot, key, reason: str, exc: BaseException | None, quiet: bool = False):
         state = Fallback(key, reason, decided=quiet)
         self._set(pattern, slot, state)
-        self.stats["fallbacks"] += 1
+        self._stats["fallbacks"] += 1
         what = f"{slot[1]} n={slot[2]} {DTYPE_NAMES.get(slot[3], slot[3])}"
         (log.info if quiet else log.warning)("sparserl: %s falls back to cuSPARSE: %s", what, reason,
                                              exc_info=exc if exc is not None and not quiet else None)
@@ -484,7 +498,7 @@ class Runtime:
         try:
             yield
         finally:
-            self.stats[stat] += time.perf_counter() - started
+            self._stats[stat] += time.perf_counter() - started
 
     def _in_background(self, fn: Callable, *args) -> Future:
         def timed():
@@ -513,7 +527,7 @@ class Runtime:
             if time.monotonic() - self._last_specialized < self.settings.idle_s:
                 return  # another one ended since: its own timer decides
             self.specializer.close()
-            self.stats["worker_stops"] += 1
+            self._stats["worker_stops"] += 1
             log.info("sparserl: no specialization for %.0f s: the specializer's worker is stopped (it starts "
                      "again with the next one)", self.settings.idle_s)
         except Exception as exc:  # noqa: BLE001 - a worker that will not stop is closed with the runtime
@@ -538,6 +552,8 @@ class Runtime:
         def work() -> float | None:
             started = time.perf_counter()
             try:
+                if device.type == "cuda":
+                    fastpath.ensure(wait=True)  # built once per machine (about a minute), then loaded
                 with self._specialize_lock, on_device:
                     prewarm(device)
             except Exception as exc:  # noqa: BLE001 - the first key will try again
@@ -590,6 +606,7 @@ class Runtime:
 
     def close(self) -> None:
         """Stop the background thread and the specializer's worker process."""
+        fastpath.forget(self)
         with self._lock:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
@@ -629,6 +646,8 @@ def set_active(runtime: Runtime | None) -> Runtime | None:
         raise TypeError(f"set_active: expected a Runtime or None (got {type(runtime).__name__})")
     with _ACTIVE_LOCK:
         previous, _ACTIVE = active_or_none(), runtime
+    if previous is not runtime:
+        fastpath.forget(previous)  # the C++ registry repeats the decisions of the active runtime only
     return previous
 
 
@@ -648,6 +667,7 @@ def configure(settings: RuntimeSettings | None = None, **changes) -> Runtime:
         base = settings or (previous.settings if previous is not None else RuntimeSettings.from_env())
         new_settings = dataclasses.replace(base, **changes)
         _ACTIVE = Runtime(new_settings, cache=previous._cache if previous is not None else None)
+    fastpath.forget(previous)
     if previous is not None:
         previous.close()
     return _ACTIVE
@@ -914,4 +934,10 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) 
         return bound(crow, col, val, X, y, current_stream(), zeroed=init_zero, bias=bias, scale=scale)
 
     launch.kernel = bound  # for explain and the benchmarks
+    if bound.kernel.launcher is not None and spec.plan.epilogue == "none":
+        # what the C++ fast path needs to launch it without Python (fastpath.record)
+        launch.fast = SimpleNamespace(
+            launcher=bound.kernel.launcher, grid=prepared.grid, block=prepared.block, smem=prepared.smem,
+            aux=prepared.aux, ints=(prepared.rows, prepared.cols, prepared.n, prepared.nnz, prepared.parts),
+            init_zero=init_zero, work_numel=prepared.work_numel, copies=copies)
     return launch

@@ -22,6 +22,7 @@ DEFAULT_PRESPECIALIZE = True
 # cannot fuse. Opt in with options={"fuse_epilogues": True}.
 DEFAULT_FUSE_EPILOGUES = False
 DEFAULT_DIRECT_OPS = True
+DEFAULT_FAST_PATH = True
 DEFAULT_FLATTEN_MATRICES = True
 
 logger = logging.getLogger("torch_sparserl")
@@ -57,6 +58,12 @@ class Settings:
     """Run the sparse products of compiled graphs as ``sparserl_direct::*``, the operators'
     implementation-only twins, instead of through custom_op's autograd layers, which an
     already differentiated graph does not need (``ops.DIRECT_OPS``). Off: for comparisons."""
+
+    fast_path: bool = DEFAULT_FAST_PATH
+    """With ``direct_ops``, run the products as ``sparserl_fast::*``, which C++ serves once
+    :mod:`torch_sparserl.fastpath` is built and loaded (the backend starts that: a subprocess
+    builds it once per machine, in the background) and the Python implementation has served
+    the same call. Off: for comparisons."""
 
     flatten_matrices: bool = DEFAULT_FLATTEN_MATRICES
     """Give AOTAutograd a graph's CSRMatrix inputs as their parts (``crow``, ``col``,

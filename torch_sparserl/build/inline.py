@@ -103,7 +103,8 @@ def _bind(lib: ctypes.CDLL, spec: KernelSpec) -> Kernel:
                               f"(grid={grid}, block={block}, smem={smem})")
 
     return Kernel(spec, launch, backend="inline", registers=attrs[0], local_bytes=attrs[1],
-                  max_threads=attrs[2], static_smem=attrs[3], keepalive=lib)
+                  max_threads=attrs[2], static_smem=attrs[3], keepalive=lib,
+                  launcher=ctypes.cast(launch_fn, ctypes.c_void_p).value)
 
 
 def _distinct(specs: list[KernelSpec]) -> list[KernelSpec]:

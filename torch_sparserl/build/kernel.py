@@ -31,7 +31,7 @@ def _expect(cond: bool, what: str) -> None:
 class Kernel:
     def __init__(self, spec: KernelSpec, launch: LaunchFn, backend: str,
                  registers: int | None = None, local_bytes: int = 0, max_threads: int = 1024,
-                 static_smem: int = 0, keepalive=None):
+                 static_smem: int = 0, keepalive=None, launcher: int | None = None):
         self.spec = spec
         self.plan = spec.plan
         self.backend = backend
@@ -41,6 +41,9 @@ class Kernel:
         self.static_smem = static_smem
         self._launch = launch
         self._keepalive = keepalive  # module or shared library the launch function lives in
+        # address of the C launcher `int(grid, block, smem, stream, params)` (inline builds; the
+        # C++ fast path calls it), None where launches go through Python (the driver backend)
+        self.launcher = launcher
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.describe()}, key={self.spec.key}, backend={self.backend})"

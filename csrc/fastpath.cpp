@@ -1,0 +1,290 @@
+// The C++ fast path of the sparse products in compiled graphs (torch_sparserl/fastpath.py).
+//
+// A compiled GNN epoch on a small graph is bound by the CPU, and a product's Python
+// implementation (argument checks, pattern lookup, the runtime's decision, the launch through
+// ctypes) costs tens to hundreds of microseconds there. This library registers C++ kernels for
+// the CUDA key of `sparserl_fast::{spmm,spmv,spmm_transposed,spmv_transposed}`, operators the
+// Python package defines (same schemas as `sparserl_direct::*`). A call looks its operands up in
+// a registry that the Python implementation fills after it has served the same call itself:
+//
+//   hit   the same crow and col tensors (identity, alive, unmodified: version counters), the
+//         same op, ncols, N and dtype, operands of the recorded sizes  -> the installed kernel is
+//         launched from here (or cuSPARSE, where the runtime decided no kernel beats it);
+//   miss  anything else  -> `sparserl_direct::<op>`, the Python implementation, which checks,
+//         raises the operators' errors, decides, and records what served the call.
+//
+// Nothing here decides or validates a pattern: an entry only repeats what the Python path did
+// for the same operands. The registry is emptied whenever the runtime changes.
+//
+// Built by torch.utils.cpp_extension (C++ only: kernels are launched through the C launchers
+// of the libraries torch_sparserl.build.inline builds; no CUDA code is compiled here).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_sparse_csr_tensor_unsafe.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/addmv.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using LaunchFn = int (*)(unsigned grid, unsigned block, unsigned smem, void* stream, void** params);
+using ImplPtr = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+enum Op : int64_t { SPMM = 0, SPMV = 1, SPMM_T = 2, SPMV_T = 3 };
+constexpr const char* kOpNames[] = {"spmm", "spmv", "spmm_transposed", "spmv_transposed"};
+
+struct Entry {
+  // what the call must look like
+  std::optional<ImplPtr> crow, col;  // weak: an entry never keeps the user's adjacency alive
+  c10::TensorImpl* crow_raw = nullptr;
+  c10::TensorImpl* col_raw = nullptr;
+  int64_t crow_version = 0, col_version = 0;
+  int64_t op = SPMM, ncols = 0, n = 0, nnz = 0, in_rows = 0, out_rows = 0;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  // what serves it
+  at::Tensor rowptr, colidx;  // the indices to read when not the call's own (int32 copies, the transpose)
+  at::Tensor perm;            // transposed ops: val_t = val[perm]
+  bool vendor = false;        // cuSPARSE through at::addmm / at::addmv
+  int64_t vendor_cols = 0;    // columns of the matrix cuSPARSE multiplies
+  LaunchFn launch = nullptr;
+  unsigned grid = 0, block = 0, smem = 0;
+  at::Tensor aux;
+  int ints[5] = {0, 0, 0, 0, 0};  // rows cols n nnz parts, as the kernel ABI passes them
+  bool init_zero = false;
+  int64_t work_numel = 0;
+  // transposed values kept while the same values come back unmodified (Pattern.transposed_values)
+  std::optional<ImplPtr> seen_val;
+  c10::TensorImpl* seen_val_raw = nullptr;
+  int64_t seen_version = -1;
+  at::Tensor kept;
+};
+
+std::mutex registry_lock;
+std::vector<std::shared_ptr<Entry>> registry;
+at::Tensor counters;  // int64 (2,), CPU: calls served by a kernel, by cuSPARSE (read by Python)
+
+ImplPtr weak_of(const at::Tensor& t) { return ImplPtr(t.getIntrusivePtr()); }
+
+bool is_alive(const std::optional<ImplPtr>& p) { return p.has_value() && !p->expired(); }
+
+void count(int which) {
+  if (counters.defined()) __atomic_fetch_add(counters.data_ptr<int64_t>() + which, 1, __ATOMIC_RELAXED);
+}
+
+// The entry serving this call, or null. Caller holds registry_lock.
+std::shared_ptr<Entry> find(int64_t op, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
+                            int64_t ncols, const at::Tensor& X) {
+  if (!X.is_cuda() || crow.is_inference() || col.is_inference()) return nullptr;
+  const bool matrix = (op == SPMM || op == SPMM_T);
+  if (X.dim() != (matrix ? 2 : 1) || val.dim() != 1 || X.layout() != c10::kStrided || val.layout() != c10::kStrided)
+    return nullptr;
+  const int64_t n = matrix ? X.size(1) : 1;
+  for (const auto& e : registry) {
+    if (e->crow_raw != crow.unsafeGetTensorImpl() || e->col_raw != col.unsafeGetTensorImpl() || e->op != op ||
+        e->ncols != ncols || e->n != n || e->dtype != val.scalar_type())
+      continue;
+    // A weak pointer keeps the TensorImpl's memory, so a live entry's address is never reused
+    // by another tensor; expired: the tensor died (its entry is swept at the next install).
+    if (!is_alive(e->crow) || !is_alive(e->col)) return nullptr;
+    if (crow._version() != e->crow_version || col._version() != e->col_version) return nullptr;
+    if (val.size(0) != e->nnz || X.size(0) != e->in_rows || X.scalar_type() != e->dtype ||
+        val.device() != X.device() || crow.device() != X.device())
+      return nullptr;
+    return e;
+  }
+  return nullptr;
+}
+
+// Pattern.transposed_values: values seen twice unmodified are gathered once more into a kept
+// tensor and served from it; values that need a gradient, inference tensors and changing
+// values are gathered on each call. Caller holds registry_lock.
+at::Tensor transposed_values(Entry& e, const at::Tensor& val) {
+  if (val.requires_grad() || val.is_inference()) return at::index_select(val, 0, e.perm);
+  const int64_t version = val._version();
+  if (e.seen_val_raw == val.unsafeGetTensorImpl() && is_alive(e.seen_val) && e.seen_version == version) {
+    if (!e.kept.defined()) e.kept = at::index_select(val, 0, e.perm);
+    return e.kept;
+  }
+  e.seen_val = weak_of(val);
+  e.seen_val_raw = val.unsafeGetTensorImpl();
+  e.seen_version = version;
+  e.kept = at::Tensor();
+  return at::index_select(val, 0, e.perm);
+}
+
+at::Tensor aligned(const at::Tensor& t) {
+  // the kernels' vector loads need contiguous, 16-byte aligned operands (Runtime.launch)
+  if (t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
+}
+
+at::Tensor serve(const Entry& e, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val_in,
+                 const at::Tensor& X_in) {
+  const bool matrix = (e.op == SPMM || e.op == SPMM_T);
+  const at::Tensor& rowptr = e.rowptr.defined() ? e.rowptr : crow;
+  const at::Tensor& colidx = e.colidx.defined() ? e.colidx : col;
+  c10::cuda::CUDAGuard guard(X_in.device());
+  if (e.vendor) {
+    count(1);
+    at::Tensor A = at::_sparse_csr_tensor_unsafe(rowptr, colidx, val_in, {e.out_rows, e.vendor_cols},
+                                                 val_in.options().layout(c10::kSparseCsr));
+    at::Tensor X = X_in.contiguous();
+    if (matrix) {
+      at::Tensor out = at::empty({e.out_rows, e.n}, X.options());
+      return at::addmm_out(out, out, A, X, /*beta=*/0, /*alpha=*/1);  // beta=0: out is not read
+    }
+    at::Tensor out = at::empty({e.out_rows}, X.options());
+    return at::addmv_out(out, out, A, X, /*beta=*/0, /*alpha=*/1);
+  }
+  const at::Tensor X = aligned(X_in);
+  const at::Tensor val = aligned(val_in);
+  at::Tensor y = matrix ? (e.init_zero ? at::zeros({e.out_rows, e.n}, X.options()) : at::empty({e.out_rows, e.n}, X.options()))
+                        : (e.init_zero ? at::zeros({e.out_rows}, X.options()) : at::empty({e.out_rows}, X.options()));
+  at::Tensor work;
+  if (e.work_numel) work = at::zeros({e.work_numel}, X.options().dtype(at::kFloat));
+  count(0);
+  if (e.grid == 0) return y;
+  void* pointers[7] = {rowptr.data_ptr(), colidx.data_ptr(), val.numel() ? val.data_ptr() : nullptr,
+                       X.numel() ? X.data_ptr() : nullptr, y.data_ptr(),
+                       e.aux.defined() && e.aux.numel() ? e.aux.data_ptr() : nullptr,
+                       work.defined() ? work.data_ptr() : nullptr};
+  int ints[5] = {e.ints[0], e.ints[1], e.ints[2], e.ints[3], e.ints[4]};
+  void* params[12];
+  for (int i = 0; i < 7; ++i) params[i] = &pointers[i];
+  for (int i = 0; i < 5; ++i) params[7 + i] = &ints[i];
+  void* stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
+  const int err = e.launch(e.grid, e.block, e.smem, stream, params);
+  TORCH_CHECK(err == 0, "sparserl kernel launch: cudaLaunchKernel failed with cudaError ", err, " (grid=", e.grid,
+              ", block=", e.block, ", smem=", e.smem, ")");
+  return y;
+}
+
+template <int64_t OP>
+at::Tensor product(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
+                   const at::Tensor& X) {
+  std::shared_ptr<Entry> e;
+  at::Tensor values = val;
+  {
+    std::lock_guard<std::mutex> hold(registry_lock);
+    // Inside a CUDA graph capture the Python path runs: it keeps what outlives the step out
+    // of the graph's private memory pool, and a replay must read the values of its own step.
+    if (!registry.empty() && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+      e = find(OP, crow, col, val, ncols, X);
+      if (e && (OP == SPMM_T || OP == SPMV_T)) values = transposed_values(*e, val);
+    }
+  }
+  if (e) return serve(*e, crow, col, values, X);
+  static auto slow = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow((std::string("sparserl_direct::") + kOpNames[OP]).c_str(), "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                           const at::Tensor&)>();
+  return slow.call(crow, col, val, ncols, X);
+}
+
+// ------------------------------------------------------------------ the registry's operators
+
+void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64_t op, int64_t n,
+             c10::ScalarType dtype, int64_t nnz, int64_t in_rows, int64_t out_rows,
+             const c10::optional<at::Tensor>& rowptr, const c10::optional<at::Tensor>& colidx,
+             const c10::optional<at::Tensor>& perm, int64_t launcher, at::IntArrayRef geometry,
+             const c10::optional<at::Tensor>& aux, at::IntArrayRef ints, bool init_zero, int64_t work_numel,
+             int64_t vendor_cols) {
+  TORCH_CHECK(op >= SPMM && op <= SPMV_T, "sparserl_fastpath.install: op must be 0..3 (got ", op, ")");
+  TORCH_CHECK(crow.is_cuda() && col.is_cuda() && !crow.is_inference() && !col.is_inference(),
+              "sparserl_fastpath.install: crow and col must be CUDA tensors with version counters");
+  TORCH_CHECK(geometry.size() == 3 && ints.size() == 5,
+              "sparserl_fastpath.install: geometry is (grid, block, smem) and ints (rows, cols, n, nnz, parts)");
+  TORCH_CHECK((op == SPMM_T || op == SPMV_T) == (perm.has_value() && perm->defined()),
+              "sparserl_fastpath.install: the transposed ops, and only they, take perm");
+  auto e = std::make_shared<Entry>();
+  e->crow = weak_of(crow);
+  e->col = weak_of(col);
+  e->crow_raw = crow.unsafeGetTensorImpl();
+  e->col_raw = col.unsafeGetTensorImpl();
+  e->crow_version = crow._version();
+  e->col_version = col._version();
+  e->op = op;
+  e->ncols = ncols;
+  e->n = n;
+  e->dtype = dtype;
+  e->nnz = nnz;
+  e->in_rows = in_rows;
+  e->out_rows = out_rows;
+  if (rowptr.has_value()) e->rowptr = *rowptr;
+  if (colidx.has_value()) e->colidx = *colidx;
+  if (perm.has_value()) e->perm = *perm;
+  e->vendor = launcher == 0;
+  e->vendor_cols = vendor_cols;
+  e->launch = reinterpret_cast<LaunchFn>(static_cast<std::uintptr_t>(launcher));
+  e->grid = static_cast<unsigned>(geometry[0]);
+  e->block = static_cast<unsigned>(geometry[1]);
+  e->smem = static_cast<unsigned>(geometry[2]);
+  if (aux.has_value()) e->aux = *aux;
+  for (int i = 0; i < 5; ++i) e->ints[i] = static_cast<int>(ints[i]);
+  e->init_zero = init_zero;
+  e->work_numel = work_numel;
+  std::lock_guard<std::mutex> hold(registry_lock);
+  std::vector<std::shared_ptr<Entry>> kept;
+  kept.reserve(registry.size() + 1);
+  for (auto& old : registry) {
+    const bool same = old->crow_raw == e->crow_raw && old->col_raw == e->col_raw && old->op == op &&
+                      old->ncols == ncols && old->n == n && old->dtype == dtype;
+    if (!same && is_alive(old->crow) && is_alive(old->col)) kept.push_back(std::move(old));
+  }
+  kept.push_back(std::move(e));
+  registry.swap(kept);
+}
+
+void forget() {
+  std::vector<std::shared_ptr<Entry>> dropped;
+  std::lock_guard<std::mutex> hold(registry_lock);
+  dropped.swap(registry);
+}
+
+int64_t entries() {
+  std::lock_guard<std::mutex> hold(registry_lock);
+  int64_t live = 0;
+  for (const auto& e : registry) live += is_alive(e->crow) && is_alive(e->col);
+  return live;
+}
+
+void bind_counters(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.numel() == 2 && t.is_contiguous(),
+              "sparserl_fastpath.bind_counters: expected 2 contiguous int64 CPU values");
+  std::lock_guard<std::mutex> hold(registry_lock);
+  counters = t;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sparserl_fastpath, m) {
+  m.def(
+      "install(Tensor crow, Tensor col, int ncols, int op, int n, ScalarType dtype, int nnz, int in_rows, "
+      "int out_rows, Tensor? rowptr, Tensor? colidx, Tensor? perm, int launcher, int[] geometry, Tensor? aux, "
+      "int[] ints, bool init_zero, int work_numel, int vendor_cols) -> ()",
+      &install);
+  m.def("forget() -> ()", &forget);
+  m.def("entries() -> int", &entries);
+  m.def("bind_counters(Tensor counters) -> ()", &bind_counters);
+}
+
+TORCH_LIBRARY_IMPL(sparserl_fast, CUDA, m) {
+  m.impl("spmm", &product<SPMM>);
+  m.impl("spmv", &product<SPMV>);
+  m.impl("spmm_transposed", &product<SPMM_T>);
+  m.impl("spmv_transposed", &product<SPMV_T>);
+}

@@ -1,0 +1,205 @@
+"""The C++ fast path (torch_sparserl.fastpath) on a GPU: what it serves, what it hands back to
+the Python implementation, and compiled training through it.
+
+Every result is compared with float64 on fresh random operands, outputs NaN-poisoned. Run on
+the device: ``pytest -m gpu tests/test_fastpath_gpu.py`` (the first run builds the library,
+about a minute).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import torch_sparserl as ts
+from torch_sparserl import families, fastpath
+from torch_sparserl import runtime as rt
+from torch_sparserl.cache import CacheEntry, KernelCache
+from torch_sparserl.dtypes import assert_close_to_reference
+
+from helpers import as_float64_scipy, make_pattern, to_parts
+
+pytestmark = pytest.mark.gpu
+
+KERNEL_N = 32  # products of this width get a kernel; others are decided for cuSPARSE
+FAST = torch.ops.sparserl_fast
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert fastpath.ensure(wait=True), fastpath.unavailable()
+
+
+def _specializer(key, crow, col, ncols):
+    """rowchunks with its defaults for N = KERNEL_N (and spmv); cuSPARSE, decided, otherwise."""
+    if key.op == "spmv" or key.n == KERNEL_N:
+        spec = families.render("rowchunks", None, op=key.op, dtype=key.dtype, n=key.n)
+        return CacheEntry(key, spec.source, family="rowchunks", reason="chosen by the test")
+    return CacheEntry(key, None, reason="decided by the test: cuSPARSE")
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=_specializer)
+    previous = rt.set_active(runtime)
+    yield runtime
+    rt.set_active(previous)
+    runtime.close()
+
+
+def _counts() -> tuple[int, int]:
+    return int(fastpath.COUNTS[0]), int(fastpath.COUNTS[1])
+
+
+def _want(op, crow, col, val, ncols, X):
+    A = as_float64_scipy(crow, col, val, ncols)
+    A = A.T if op.endswith("_transposed") else A
+    return torch.from_numpy(np.asarray(A @ X.detach().cpu().double().numpy()))
+
+
+def _operand(op, A, n, seed):
+    rows = A.shape[0] if op.endswith("_transposed") else A.shape[1]
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, n) if op.startswith("spmm") else (rows,)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).float().cuda()
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("op", fastpath.OPS)
+@pytest.mark.parametrize("n", [KERNEL_N, 16])
+def test_after_one_python_call_cxx_serves_the_same_call(runtime, poison_uninitialized, op, n, index_dtype):
+    if op.startswith("spmv") and n != KERNEL_N:
+        pytest.skip("spmv has one width")
+    A = make_pattern("random", seed=3)  # 60 x 45: its transpose is another pattern
+    crow, col, val = to_parts(A, torch.float32, index_dtype, "cuda")
+    kernel = op.startswith("spmv") or n == KERNEL_N
+    for seed in range(4):  # the first call runs in Python and records; the others run in C++
+        X = _operand(op, A, n, seed)
+        before = _counts()
+        got = getattr(FAST, op)(crow, col, val, A.shape[1], X)
+        torch.cuda.synchronize()
+        assert_close_to_reference(got, _want(op, crow, col, val, A.shape[1], X), torch.float32)
+        served = tuple(a - b for a, b in zip(_counts(), before))
+        assert served == ((0, 0) if seed == 0 else ((1, 0) if kernel else (0, 1))), (seed, served)
+    assert fastpath.entries() == 1
+    stats = runtime.stats
+    assert stats["installed_calls" if kernel else "fallback_calls"] == 4  # C++'s calls folded in
+
+
+def test_what_changed_goes_back_to_python(runtime, poison_uninitialized):
+    A = make_pattern("random", seed=5)
+    crow, col, val = to_parts(A, torch.float32, torch.int32, "cuda")
+    ncols = A.shape[1]
+    G = _operand("spmm_transposed", A, KERNEL_N, 0)
+
+    def check(op, X, *, served_in_cxx, values=None):
+        before = _counts()
+        v = val if values is None else values
+        got = getattr(FAST, op)(crow, col, v, ncols, X)
+        torch.cuda.synchronize()
+        assert_close_to_reference(got, _want(op, crow, col, v, ncols, X), torch.float32)
+        assert (_counts() != before) == served_in_cxx
+
+    for _ in range(3):
+        check("spmm_transposed", G, served_in_cxx=_ != 0)
+    val.mul_(-2.0)  # in place: the transposed values kept in C++ are gathered again
+    check("spmm_transposed", G, served_in_cxx=True)
+    check("spmm_transposed", G, served_in_cxx=True)
+    check("spmm_transposed", G, served_in_cxx=True, values=torch.randn_like(val))  # new values every call
+    check("spmm_transposed", G.t().contiguous().t(), served_in_cxx=True)  # a strided operand is copied
+    check("spmm_transposed", G[:, : KERNEL_N // 2], served_in_cxx=False)  # another N: Python decides it
+
+    # the pattern changed in place (same indices, a new version): Python validates it again,
+    # decides (from the kernel cache), records again
+    col.add_(0)
+    check("spmm_transposed", G, served_in_cxx=False)
+    check("spmm_transposed", G, served_in_cxx=True)
+
+    # a new tensor with the same indices is another pattern: Python first
+    crow2 = crow.clone()
+    before = _counts()
+    got = FAST.spmm_transposed(crow2, col, val, ncols, G)
+    assert _counts() == before
+    assert_close_to_reference(got, _want("spmm_transposed", crow2, col, val, ncols, G), torch.float32)
+
+    # bad operands raise the operators' errors, from Python
+    with pytest.raises(ValueError, match="sparserl.spmm_transposed"):
+        FAST.spmm_transposed(crow, col, val, ncols, G[:-1])
+    with pytest.raises(TypeError, match="sparserl.spmm_transposed"):
+        FAST.spmm_transposed(crow, col, val, ncols, G.double())
+
+    # a new runtime: nothing of the old one's decisions is served
+    assert fastpath.entries() >= 1
+    other = rt.Runtime(rt.RuntimeSettings(mode="off"))
+    previous = rt.set_active(other)
+    try:
+        assert fastpath.entries() == 0
+        check("spmm_transposed", G, served_in_cxx=False)
+        check("spmm_transposed", G, served_in_cxx=False)  # mode "off": nothing recorded
+    finally:
+        rt.set_active(previous)
+        other.close()
+
+
+def test_a_dead_pattern_leaves_no_entry(runtime):
+    A = make_pattern("random", seed=7)
+    crow, col, val = to_parts(A, torch.float32, torch.int32, "cuda")
+    X = _operand("spmm", A, KERNEL_N, 0)
+    for _ in range(2):
+        FAST.spmm(crow, col, val, A.shape[1], X)
+    assert fastpath.entries() == 1
+    del crow, col
+    assert fastpath.entries() == 0
+
+
+class _GCN(torch.nn.Module):
+    def __init__(self, A, features, generator):
+        super().__init__()
+        self.lin1 = torch.nn.Linear(features, KERNEL_N)
+        self.lin2 = torch.nn.Linear(KERNEL_N, 16)
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+        self.register_buffer("adj", A)
+
+    def forward(self, x):
+        h = (self.adj @ self.lin1(x)).relu()
+        return (self.adj @ self.lin2(h)).log_softmax(-1)
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_compiled_training_through_the_fast_path(runtime, fast_path):
+    """Two GCN layers on a non-symmetric graph, compiled: losses and gradients of every step
+    match float64, and with the fast path on, C++ serves the products after the first step."""
+    M = sp.random(300, 300, density=0.03, random_state=np.random.default_rng(0), format="csr")
+    M.data[:] = np.random.default_rng(1).standard_normal(M.nnz)
+    generator = torch.Generator().manual_seed(0)
+    features = 24
+    model = _GCN(ts.csr(M, dtype=torch.float32, device="cuda"), features, generator).cuda()
+    reference = _GCN(torch.from_numpy(M.toarray()), features, torch.Generator().manual_seed(0)).double()
+    labels = torch.randint(0, 16, (300,), generator=generator)
+    compiled = torch.compile(model, backend="sparserl", fullgraph=True, options={"fast_path": fast_path})
+    torch._dynamo.reset()
+    try:
+        for step in range(5):
+            before = _counts()
+            x = torch.randn(300, features, generator=generator)
+            loss = torch.nn.functional.nll_loss(compiled(x.cuda()), labels.cuda())
+            loss.backward()
+            torch.cuda.synchronize()
+            want = torch.nn.functional.nll_loss(reference(x.double()), labels)
+            want.backward()
+            assert_close_to_reference(loss.detach(), want.detach(), torch.float32)
+            for p, q in zip(model.parameters(), reference.parameters()):
+                assert_close_to_reference(p.grad, q.grad, torch.float32)
+                p.grad = None
+                q.grad = None
+            if step >= 1:
+                # forward: A @ (x W1) N=32 kernel, A @ (h W2) N=16 cuSPARSE; backward: the transposes
+                assert (_counts() != before) == fast_path, (step, before, _counts())
+    finally:
+        torch._dynamo.reset()

@@ -1,0 +1,256 @@
+"""The C++ fast path of the products in compiled graphs.
+
+A compiled GNN epoch on a small graph waits on the CPU, and each product's Python
+implementation (checks, pattern lookup, the runtime's state, a ctypes launch) costs tens to
+hundreds of microseconds of it. The backend's post-grad pass points a graph's ``spmm``,
+``spmv`` and their transposes at ``sparserl_fast::<op>`` (:data:`~torch_sparserl.ops.FAST_OPS`):
+the implementation-only operators, whose CUDA kernel is C++ (``csrc/fastpath.cpp``) once this
+module has built and loaded it. That kernel serves a call from a registry, without Python,
+when the Python implementation has served the same call before: the same ``crow`` and ``col``
+tensors (alive, unmodified), op, ``ncols``, N and dtype, operands of the same sizes. It then
+launches the installed kernel through its C launcher, or runs cuSPARSE where the runtime
+decided that no kernel beats it. Anything else goes to ``sparserl_direct::<op>``, the Python
+implementation, which checks, raises the operators' errors, decides, and records what served
+the call (:func:`record`). Nothing is decided in C++; the registry is emptied whenever the
+runtime changes (:func:`forget`).
+
+The library is built once per machine and torch version with torch's extension builder (C++
+only, about a minute: it includes torch's operator headers), in a subprocess so that no
+training loop stalls on the builder, and kept in the kernel cache directory; later processes
+load it in milliseconds. Until it is loaded, ``sparserl_fast`` ops run the Python
+implementation. Where torch has no CUDA, or with ``SPARSERL_FAST_PATH=0``, it is never built.
+
+    sparserl fastpath        # build and load it now (else the first compiled graph starts that)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from .paths import cache_dir
+
+log = logging.getLogger("torch_sparserl.fastpath")
+
+SOURCE = Path(__file__).resolve().parent / "_csrc" / "fastpath.cpp"
+OPS = ("spmm", "spmv", "spmm_transposed", "spmv_transposed")  # in csrc/fastpath.cpp's order
+_HALF = (torch.float16, torch.bfloat16)  # cuSPARSE products of these widen in Python (kernels/vendor.py)
+
+loaded = False
+"""Whether the library is loaded in this process (the ops' Python implementations read it on
+every call: a plain attribute)."""
+
+COUNTS = torch.zeros(2, dtype=torch.int64)
+"""Calls the C++ path served with a kernel, with cuSPARSE (the runtime folds them into its stats)."""
+_COUNTS = COUNTS.numpy()  # shares COUNTS' memory: read without a torch call
+
+_lock = threading.Lock()
+_builder: threading.Thread | None = None
+_failure: str | None = None
+_owner = None  # the runtime whose decisions the registry holds
+_taken = [0, 0]  # COUNTS already folded into _owner's stats
+_epoch = 0  # bumped by forget(): a pattern's recorded marks of an older epoch are stale
+
+
+def unavailable() -> str | None:
+    """Why the fast path cannot run in this process, or None."""
+    if os.environ.get("SPARSERL_FAST_PATH", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "turned off by SPARSERL_FAST_PATH"
+    if torch.version.cuda is None:
+        return "this torch has no CUDA"
+    if _failure is not None:
+        return _failure
+    return None
+
+
+def _name() -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_text(), torch.__version__, str(torch.version.cuda)):
+        h.update(part.encode() + b"\0")
+    return f"sparserl_fastpath_{h.hexdigest()[:16]}"
+
+
+def library(directory: Path | None = None) -> tuple[Path, Path]:
+    """``(shared library, marker written after a complete build)``."""
+    name = _name()
+    folder = (directory or cache_dir() / "build") / name
+    return folder / f"{name}.so", folder / f"{name}.ok"
+
+
+def is_built() -> bool:
+    return library()[1].exists()
+
+
+def status() -> str:
+    """One line: loaded (from where), or why not."""
+    if loaded:
+        return f"loaded from {library()[0]}"
+    why = unavailable()
+    if why is not None:
+        return f"not available: {why}"
+    return f"built, not loaded yet: {library()[0]}" if is_built() else "not built yet"
+
+
+def build() -> Path:
+    """Build the library here (:func:`ensure` runs this in a subprocess); returns its path."""
+    from .build.inline import _exclusive
+
+    path, done = library()
+    with _exclusive(path.parent):
+        if not done.exists():
+            from torch.utils.cpp_extension import load
+
+            source = path.parent / "fastpath.cpp"
+            source.write_text(SOURCE.read_text())
+            load(name=path.stem, sources=[str(source)], build_directory=str(path.parent), with_cuda=True,
+                 is_python_module=False, extra_cflags=["-O2", "-std=c++17"], verbose=False)
+            done.write_text(path.name)
+    return path
+
+
+def _load() -> bool:
+    global loaded
+    with _lock:
+        if loaded:
+            return True
+        path, done = library()
+        if not done.exists():
+            return False
+        torch.ops.load_library(str(path))
+        torch.ops.sparserl_fastpath.bind_counters(COUNTS)
+        loaded = True
+    log.info("sparserl: C++ fast path loaded from %s", path)
+    return True
+
+
+def _build_and_load() -> None:
+    global _failure
+    try:
+        done = subprocess.run([sys.executable, "-c", "from torch_sparserl.fastpath import build; build()"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
+        _load()
+    except Exception as exc:  # noqa: BLE001 - the Python path serves on
+        _failure = f"building the C++ fast path failed: {exc}"
+        log.warning("sparserl: %s; products run through the Python path", _failure)
+
+
+def ensure(*, wait: bool = False) -> bool:
+    """Load the library, building it first (in a subprocess) when it is not on disk: in a
+    background thread unless ``wait``. Returns whether it is loaded now. Safe to call often."""
+    global _builder
+    if loaded:
+        return True
+    if unavailable() is not None:
+        return False
+    if _load():
+        return True
+    with _lock:
+        if _builder is None:
+            _builder = threading.Thread(target=_build_and_load, name="sparserl-fastpath-build", daemon=True)
+            _builder.start()
+        builder = _builder
+    if wait:
+        builder.join()
+    return loaded
+
+
+# ------------------------------------------------------------------ the registry
+
+
+def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, ncols: int, X: torch.Tensor) -> None:
+    """After the Python implementation served ``sparserl_fast::<op>`` (or ``sparserl_direct``)
+    on these CUDA operands, let the C++ path serve the next such call the same way: the
+    runtime's installed kernel, or cuSPARSE where it decided for cuSPARSE. Nothing is recorded
+    while the decision is pending, inside a CUDA graph capture, or for what C++ does not serve
+    (half-precision cuSPARSE products, inference-mode indices, kernels without a C launcher)."""
+    from . import pattern as patterns
+    from . import runtime as rt
+
+    runtime = rt.active_or_none()
+    entry = patterns.validated(crow, col, ncols)
+    if (runtime is None or entry is None or crow.is_inference() or col.is_inference()
+            or torch.cuda.is_current_stream_capturing()):
+        return
+    transposed = op.endswith("_transposed")
+    base = op.removesuffix("_transposed")
+    n = X.shape[1] if base == "spmm" else 1
+    mark = (_epoch, runtime.generation, op, n, val.dtype)
+    if mark in entry.fast_recorded:
+        return
+    used, rowptr, colidx, perm = entry, None, None, None
+    if transposed:
+        used, rowptr, colidx, perm = entry.transpose(crow, col)
+    state = runtime.state(base, used, n, val.dtype)
+    args = None
+    if isinstance(state, rt.Installed):
+        fast = getattr(state.launch, "fast", None)
+        if fast is not None:
+            if fast.copies is not None:
+                rowptr, colidx = fast.copies
+            args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints), fast.init_zero,
+                    fast.work_numel)
+    elif (isinstance(state, rt.Fallback) and val.dtype not in _HALF
+          and (state.decided or not runtime.settings.strict)):
+        args = (0, [0, 0, 0], None, [0] * 5, False, 0)
+    if args is None:
+        return
+    launcher, geometry, aux, ints, init_zero, work_numel = args
+    with _lock:
+        global _owner
+        if _owner is not runtime:
+            _forget_locked()
+            _owner = runtime
+        torch.ops.sparserl_fastpath.install(
+            crow, col, ncols, OPS.index(op), n, val.dtype, entry.nnz, X.shape[0], used.nrows, rowptr, colidx,
+            perm, launcher, geometry, aux, ints, init_zero, work_numel, used.ncols)
+        entry.fast_recorded.add(mark)
+
+
+def _forget_locked() -> None:
+    global _owner, _epoch
+    if _owner is not None:
+        _fold_locked(_owner)
+    _owner = None
+    _epoch += 1
+    torch.ops.sparserl_fastpath.forget()
+
+
+def forget(runtime=None) -> None:
+    """Empty the registry (the runtime changed or closed; ``runtime``: only if it is the one
+    whose decisions the registry holds), its calls folded into that runtime's stats first."""
+    if not loaded:
+        return
+    with _lock:
+        if runtime is None or _owner is runtime:
+            _forget_locked()
+
+
+def _fold_locked(runtime) -> None:
+    kernel, vendor = int(_COUNTS[0]), int(_COUNTS[1])
+    runtime._stats["installed_calls"] += kernel - _taken[0]
+    runtime._stats["fallback_calls"] += vendor - _taken[1]
+    _taken[0], _taken[1] = kernel, vendor
+
+
+def fold(runtime) -> None:
+    """Add the calls C++ served since the last fold to ``runtime``'s stats, if its decisions
+    are the ones the registry holds."""
+    if _owner is runtime and runtime is not None:
+        with _lock:
+            if _owner is runtime:
+                _fold_locked(runtime)
+
+
+def entries() -> int:
+    """Live entries in the registry (0 when the library is not loaded)."""
+    return int(torch.ops.sparserl_fastpath.entries()) if loaded else 0
+
