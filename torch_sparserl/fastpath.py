@@ -14,10 +14,15 @@ implementation, which checks, raises the operators' errors, decides, and records
 the call (:func:`record`). Nothing is decided in C++; the registry is emptied whenever the
 runtime changes (:func:`forget`).
 
+An entry keeps what it serves with (int32 index copies, the transposed pattern, plan data, the
+transposed values while they stay the same), and only weak references to the call's own
+``crow`` and ``col``: once those die, the entry is dropped at the next recording or when the
+runtime changes, and :func:`forget` drops every entry at once.
+
 The library is built once per machine and torch version with torch's extension builder (C++
-only, about a minute: it includes torch's operator headers), in a subprocess so that no
-training loop stalls on the builder, and kept in the kernel cache directory; later processes
-load it in milliseconds. Until it is loaded, ``sparserl_fast`` ops run the Python
+only, about 20 s on the H100 machine: it includes torch's operator headers), in a subprocess
+so that no training loop stalls on the builder, and kept in the kernel cache directory
+(``build/``); later processes load it in milliseconds. Until it is loaded, ``sparserl_fast`` ops run the Python
 implementation. Where torch has no CUDA, or with ``SPARSERL_FAST_PATH=0``, it is never built.
 
     sparserl fastpath        # build and load it now (else the first compiled graph starts that)

@@ -216,7 +216,7 @@ class Runtime:
         # background thread spent deciding; the idle worker's stops; searches run again after
         # a TransientFailure
         self._stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
-                      "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0}
+                       "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0}
 
     @property
     def stats(self) -> dict:
