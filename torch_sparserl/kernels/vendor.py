@@ -60,38 +60,38 @@ def _as_torch_csr(pattern: Pattern, crow, col, val) -> torch.Tensor:
     return torch.sparse_csr_tensor(crow, col, val, (pattern.nrows, pattern.ncols), check_invariants=False)
 
 
-@_outside_cpu_autocast
-def spmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
-         X: torch.Tensor) -> torch.Tensor:
+def _product(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """``A @ X`` for a matrix X (nrows, N) or ``A @ x`` for a vector x."""
     if val.dtype in HALF_DTYPES:
         # Measured on an H100 (torch 2.11): cuSPARSE through torch sums a row of 4096
         # float16 ones to 4768, so half inputs are widened and summed in float32.
-        return spmm(pattern, crow, col, val.float(), X.float()).to(val.dtype)
-    n = X.shape[1]
-    if pattern.nnz == 0 or n == 0 or pattern.nrows == 0 or pattern.ncols == 0:
-        return torch.zeros(pattern.nrows, n, dtype=val.dtype, device=val.device)
+        return _product(pattern, crow, col, val.float(), X.float()).to(val.dtype)
+    matrix = X.dim() == 2
+    shape = (pattern.nrows, X.shape[1]) if matrix else (pattern.nrows,)
+    if pattern.nnz == 0 or pattern.ncols == 0 or 0 in shape:
+        return torch.zeros(shape, dtype=val.dtype, device=val.device)
     A = _as_torch_csr(pattern, crow, col, val)
+    X = X.contiguous()
     if not intercept.installed():
-        return torch.sparse.mm(A, X.contiguous())
-    out = torch.empty(pattern.nrows, n, dtype=val.dtype, device=val.device)  # (nrows, N)
+        return torch.sparse.mm(A, X) if matrix else torch.mv(A, X)
+    out = torch.empty(shape, dtype=val.dtype, device=val.device)
     # beta=0: cuSPARSE does not read `out`, so its uninitialized contents cannot leak in.
-    torch.addmm(out, A, X.contiguous(), beta=0, alpha=1, out=out)
+    (torch.addmm if matrix else torch.addmv)(out, A, X, beta=0, alpha=1, out=out)
     return out
+
+
+@_outside_cpu_autocast
+def spmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
+         X: torch.Tensor) -> torch.Tensor:
+    """``A @ X``, X of shape (ncols, N)."""
+    return _product(pattern, crow, col, val, X)
 
 
 @_outside_cpu_autocast
 def spmv(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
          x: torch.Tensor) -> torch.Tensor:
-    if val.dtype in HALF_DTYPES:  # summed in float32, as in spmm
-        return spmv(pattern, crow, col, val.float(), x.float()).to(val.dtype)
-    if pattern.nnz == 0 or pattern.nrows == 0 or pattern.ncols == 0:
-        return torch.zeros(pattern.nrows, dtype=val.dtype, device=val.device)
-    A = _as_torch_csr(pattern, crow, col, val)
-    if not intercept.installed():
-        return torch.mv(A, x.contiguous())
-    out = torch.empty(pattern.nrows, dtype=val.dtype, device=val.device)
-    torch.addmv(out, A, x.contiguous(), beta=0, alpha=1, out=out)
-    return out
+    """``A @ x``, x of length ncols."""
+    return _product(pattern, crow, col, val, x)
 
 
 def sddmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tensor,
