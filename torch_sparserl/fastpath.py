@@ -182,14 +182,16 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
 
     runtime = rt.active_or_none()
     entry = patterns.validated(crow, col, ncols)
-    if (runtime is None or entry is None or crow.is_inference() or col.is_inference()
-            or torch.cuda.is_current_stream_capturing()):
+    if runtime is None or entry is None:
         return
     transposed = op.endswith("_transposed")
     base = op.removesuffix("_transposed")
     n = X.shape[1] if base == "spmm" else 1
     mark = (_epoch, runtime.generation, op, n, val.dtype)
-    if mark in entry.fast_recorded:
+    # recorded already: the common case of a call C++ leaves to Python (a fast_path=False
+    # graph, a half-precision cuSPARSE product), so it is checked first
+    if (mark in entry.fast_recorded or crow.is_inference() or col.is_inference()
+            or torch.cuda.is_current_stream_capturing()):
         return
     used, rowptr, colidx, perm = entry, None, None, None
     if transposed:
@@ -249,7 +251,8 @@ def _fold_locked(runtime) -> None:
 def fold(runtime) -> None:
     """Add the calls C++ served since the last fold to ``runtime``'s stats, if its decisions
     are the ones the registry holds."""
-    if _owner is runtime and runtime is not None:
+    # read without the lock first: nothing to add on most reads (the eager path reads stats per call)
+    if _owner is runtime and runtime is not None and (_COUNTS[0] != _taken[0] or _COUNTS[1] != _taken[1]):
         with _lock:
             if _owner is runtime:
                 _fold_locked(runtime)

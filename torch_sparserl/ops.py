@@ -432,14 +432,17 @@ _FAKES = {"spmm": _spmm_fake, "spmv": _spmv_fake, "spmm_transposed": _spmm_trans
           "spmv_transposed": _spmv_transposed_fake, "sddmm": _sddmm_fake, "spmm_epilogue": _spmm_epilogue_fake}
 
 
-def _define_direct(name: str, impl) -> tuple:
-    """``sparserl_direct::<name>``: the schema, implementation and fake of ``sparserl::<name>``
-    with no autograd kernel, registered straight with the dispatcher."""
+def _define_twin(library: torch.library.Library, name: str, impl, *, autograd_fallthrough: bool = False) -> tuple:
+    """``<library's namespace>::<name>``: the schema, implementation and fake of ``sparserl::<name>``
+    with no autograd kernel (or, with ``autograd_fallthrough``, autograd passed through),
+    registered straight with the dispatcher."""
     public = getattr(torch.ops.sparserl, name).default
-    _direct_library.define(str(public._schema).split("::", 1)[1])
-    _direct_library.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{DIRECT_NAMESPACE}::{name}", _FAKES[name], lib=_direct_library)
-    return public, getattr(torch.ops.sparserl_direct, name).default
+    library.define(str(public._schema).split("::", 1)[1])
+    library.impl(name, impl, "CompositeExplicitAutograd")
+    if autograd_fallthrough:
+        library.impl(name, torch.library.fallthrough_kernel, "Autograd")
+    torch.library.register_fake(f"{library.ns}::{name}", _FAKES[name], lib=library)
+    return public, getattr(getattr(torch.ops, library.ns), name).default
 
 
 def _recording(op: str, impl):
@@ -458,7 +461,7 @@ def _recording(op: str, impl):
 _DISPATCHED = {**{op: _recording(op, impl) for op, impl in _DIRECT.items()}, "sddmm": _sddmm,
                "spmm_epilogue": _spmm_epilogue}
 
-DIRECT_OPS: dict = dict(_define_direct(name, impl) for name, impl in _DISPATCHED.items())
+DIRECT_OPS: dict = dict(_define_twin(_direct_library, name, impl) for name, impl in _DISPATCHED.items())
 """``torch.ops.sparserl.<op>.default`` -> ``torch.ops.sparserl_direct.<op>.default``.
 
 A graph Inductor compiles has been differentiated by AOTAutograd already: its products need
@@ -471,18 +474,9 @@ FAST_NAMESPACE = "sparserl_fast"
 _fast_library = torch.library.Library(FAST_NAMESPACE, "DEF")
 
 
-def _define_fast(name: str) -> tuple:
-    """``sparserl_fast::<name>``: ``sparserl_direct::<name>`` again, with autograd passed
-    through; the C++ fast path registers its CUDA kernel once loaded."""
-    public = getattr(torch.ops.sparserl, name).default
-    _fast_library.define(str(public._schema).split("::", 1)[1])
-    _fast_library.impl(name, _DISPATCHED[name], "CompositeExplicitAutograd")
-    _fast_library.impl(name, torch.library.fallthrough_kernel, "Autograd")
-    torch.library.register_fake(f"{FAST_NAMESPACE}::{name}", _FAKES[name], lib=_fast_library)
-    return public, getattr(torch.ops.sparserl_fast, name).default
-
-
-FAST_OPS: dict = dict(_define_fast(name) for name in fastpath.OPS)
+# the C++ fast path registers its CUDA kernels for these once loaded
+FAST_OPS: dict = dict(_define_twin(_fast_library, name, _DISPATCHED[name], autograd_fallthrough=True)
+                      for name in fastpath.OPS)
 """``torch.ops.sparserl.<op>.default`` -> ``torch.ops.sparserl_fast.<op>.default`` for the four
 products: what compiled graphs call when the backend's ``fast_path`` is on. Their CUDA calls
 are served in C++ (:mod:`torch_sparserl.fastpath`) once its library is loaded and the Python
