@@ -14,12 +14,13 @@ from torch_sparserl.features import structural_features
 
 
 class FakeSandbox:
-    """Scores a candidate by a hash of its source; every fifth one is wrong."""
+    """Scores a candidate by a hash of its source; about every ``wrong_every``-th one is wrong."""
 
-    def __init__(self, drift: float = 0.0):
+    def __init__(self, drift: float = 0.0, wrong_every: int = 5):
         self.calls: list[tuple[str, object]] = []
         self.matrices = {}
         self.drift = drift
+        self.wrong_every = wrong_every
 
     def set_matrix(self, key, rowptr, col, shape):
         self.matrices[key] = (rowptr, col, shape)
@@ -37,7 +38,7 @@ class FakeSandbox:
         score = int(hashlib.sha256(spec.key.encode()).hexdigest()[:6], 16)
         record = EvalRecord(key=spec.key, family=spec.family, params=spec.params, op=spec.plan.op,
                             n=n, dtype=dtype, compiled=True)
-        if score % 5 == 0:
+        if self.wrong_every and score % self.wrong_every == 0:
             return record.fail(ErrorKind.WRONG, "fake")
         record.correct = True
         record.runtime_us = 10.0 + score % 1000 + (self.drift if config is FINAL_CONFIG else 0.0)
@@ -90,7 +91,7 @@ def test_a_known_pattern_is_not_sent_or_measured_again(cora, monkeypatch):
 
 
 def test_tune_stops_screening_when_the_budget_is_spent(cora):
-    box = FakeSandbox()
+    box = FakeSandbox(wrong_every=0)  # the one candidate screened is correct, whatever the sources' hashes
     result = tune(cora, op="spmv", sandbox=box, budget_s=0.0, top_k=2)
     assert result.budget_exhausted and result.screened == 1 < result.candidates
     assert result.best is not None  # what was screened still gets its final evaluation

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from torch_sparserl import families as F
-from torch_sparserl.abi import check_source, parse_plan, plan_line
+from torch_sparserl.abi import PlanError, check_source, parse_plan, plan_line
 
 DTYPES = ("f32", "f16", "bf16")
 SPMM_NS = (1, 7, 32, 128)
@@ -25,6 +25,21 @@ def _cases():
                     yield name, op, dtype, n
 
 
+SPLIT_FAMILIES = ("nnz_split", "merge_path", "rowchunks")  # a row's pieces summed atomically into y
+
+
+def test_half_precision_plans_sum_no_pieces_into_y():
+    """A split spmm/spmv plan of a half dtype is refused by the ABI's plan check (and so is a
+    policy-written kernel with one): its atomics would round every partial sum of a row."""
+    for op, dtype in (("spmm", "bf16"), ("spmv", "f16")):
+        line = f"// sparserl: op={op} dtype={dtype} n={32 if op == 'spmm' else 1} split=rowchunks(64) block=256 " \
+               f"grid=ceil(parts/8) init=zero"
+        with pytest.raises(PlanError, match=f"split for op={op} dtype={dtype} must be none"):
+            parse_plan(line)
+    parse_plan("// sparserl: op=sddmm dtype=bf16 n=32 split=rowchunks(64) block=256 grid=ceil(parts/8)")
+    parse_plan("// sparserl: op=spmm dtype=f32 n=32 split=rowchunks(64) block=256 grid=ceil(parts/8) init=zero")
+
+
 def _default_params(name: str, op: str, dtype: str, n: int) -> dict:
     """The family's first candidate for this shape (defaults may not fit every n, e.g. vec=4, n=7)."""
     grid = F.FAMILIES[name].grid(op, dtype, n, {})
@@ -33,6 +48,10 @@ def _default_params(name: str, op: str, dtype: str, n: int) -> dict:
 
 @pytest.mark.parametrize("name,op,dtype,n", list(_cases()))
 def test_renders_a_valid_abi_source(name, op, dtype, n):
+    if name in SPLIT_FAMILIES and op != "sddmm" and dtype != "f32":
+        with pytest.raises(ValueError, match=f"family {name}: parameter 'dtype' expected f32 for op={op}"):
+            F.render(name, _default_params(name, op, "f32", n), op=op, dtype=dtype, n=n)
+        return
     spec = F.render(name, _default_params(name, op, dtype, n), op=op, dtype=dtype, n=n)
     plan = check_source(spec.source)
     assert parse_plan(plan_line(spec.source)) == plan
@@ -124,8 +143,12 @@ FEATURES = {
 def test_space_is_sized_renderable_and_pruned(op, n, dtype, features):
     feats = FEATURES.get(features) if features else None
     candidates = F.space(op, dtype, n, feats)
-    # spmm with n=1 is a matrix-vector product in disguise: only the lane-per-row shapes fit
-    assert (3 if (op, n) == ("spmm", 1) else 8) <= len(candidates) <= 120, len(candidates)
+    # spmm with n=1 is a matrix-vector product in disguise: only the lane-per-row shapes fit;
+    # half-precision spmm/spmv have no split families (float32 accumulation)
+    fewest = 3 if (op, n) == ("spmm", 1) else 8
+    if dtype != "f32" and op != "sddmm":
+        fewest -= 1 if (op, n) == ("spmm", 1) else 2
+    assert fewest <= len(candidates) <= 120, len(candidates)
     keys = set()
     for name, params in candidates:
         spec = F.render(name, params, op=op, dtype=dtype, n=n)
@@ -136,10 +159,14 @@ def test_space_is_sized_renderable_and_pruned(op, n, dtype, features):
         assert "binned" not in families and "rowchunks" not in families  # nothing to split
         if op == "spmv":
             assert all(p["lanes"] <= 8 for name, p in candidates if name == "vector_row")
-    if features == "powerlaw":
+    if dtype != "f32" and op != "sddmm":
+        assert not families & set(SPLIT_FAMILIES), families  # float32 accumulation: no atomics into y
+    elif features == "powerlaw":
         assert {"nnz_split", "rowchunks"} <= families
         if op == "spmv":
             assert {"binned", "merge_path"} <= families and "sell" not in families
+    if features == "powerlaw" and op == "spmv" and dtype != "f32":
+        assert "binned" in families and "sell" not in families
 
 
 def test_spmm_tiles_cover_n_without_too_many_registers():
@@ -169,13 +196,15 @@ def _compile_subset() -> list[tuple[str, str, str, int, dict]]:
     for name, fam in F.FAMILIES.items():
         for op in sorted(fam.ops):
             for dtype in DTYPES:
+                if name in SPLIT_FAMILIES and op != "sddmm" and dtype != "f32":
+                    continue  # not in the space (float32 accumulation)
                 if op == "spmv":
                     shapes = [(1, {})]
                 elif op == "sddmm":  # n=130 with vec=2: a ragged last tile of D; sorted rows; one lane per row
                     shapes = [(128, {}), (130, {"vec": 2, "lanes": 32}), (7, {"vec": 1, "lanes": 8, "unroll": 4})]
                 else:  # n=130 with vec=2: a ragged last tile; half types try the 16-byte load
                     shapes = [(32, {}), (130, {"vec": 2, "lanes": 32})]
-                    if dtype != "f32" and name in ("group_row", "nnz_split"):
+                    if dtype != "f32" and name == "group_row":
                         shapes.append((64, {"vec": 8, "lanes": 8}))
                 for n, params in shapes:
                     jobs.append((name, op, dtype, n, params))

@@ -82,51 +82,46 @@ def _vec(dtype: str, n: int, widest: int = 8) -> int:
     return max(v for v in F._vecs(dtype) if n % v == 0 and v <= widest)
 
 
+SPLIT_FAMILIES = ("nnz_split", "merge_path", "rowchunks")
+"""They sum a row's pieces atomically into y: float32 only for spmv/spmm (the ABI refuses half
+dtypes there: 16-bit atomics rounded every partial sum, and this test caught a bf16 arrow row
+summed to -12.75 for -13.70 by rowchunks with 200-nonzero pieces, the atomics' order deciding)."""
+
+
 def _spmv_params(name: str, dtype: str) -> list[dict]:
-    # Rows split across work items are summed with 16-bit atomics in f16/bf16: a hub row cut into
-    # hundreds of pieces loses precision (measured: bf16 arrow row -13.70 summed to -12.63 with
-    # chunk=32). Small pieces are tested in f32; the half types get pieces of >= 256 nonzeros.
-    small = dtype == "f32"
     return {
         "vector_row": [{"lanes": 1, "unroll": 1}, {"lanes": 4, "rows": "sorted_desc", "unroll": 4},
                        {"lanes": 32, "unroll": 2}, {"lanes": 2, "rows": "sorted_desc", "unroll": 1, "block": 64}],
-        "nnz_split": [{"chunk": 32 if small else 256}, {"chunk": 256 if small else 1024},
-                      {"chunk": 2048, "block": 128}],
-        "merge_path": [{"items": 1 if small else 256}, {"items": 7 if small else 512},
-                       {"items": 32 if small else 1024}],
+        "nnz_split": [{"chunk": 32}, {"chunk": 256}, {"chunk": 2048, "block": 128}],
+        "merge_path": [{"items": 1}, {"items": 7}, {"items": 32}],
         "sell": [{"c": 32, "sigma": 128, "unroll": 1}, {"c": 4, "sigma": 4, "unroll": 4},
                  {"c": 128, "sigma": 1024, "unroll": 2}],
         "binned": [{}, {"edges": (2, 8, 32, 256, 4096), "lanes": (1, 4, 16, 32, 32, 256)},
                    {"edges": (1,), "lanes": (1, 256)}, {"edges": (3, 40), "lanes": (2, 32, 128), "block": 128}],
-        "rowchunks": [{"lanes": 1, "seg": 64 if small else 256}, {"lanes": 32, "seg": 256 if small else 1024},
-                      {"lanes": 8, "seg": 7 if small else 500}],
+        "rowchunks": [{"lanes": 1, "seg": 64}, {"lanes": 32, "seg": 256}, {"lanes": 8, "seg": 7}],
     }[name]
 
 
 def _spmv_cases():
     for name in ("vector_row", "nnz_split", "merge_path", "sell", "binned", "rowchunks"):
         for dtype in TORCH_DTYPES:
+            if name in SPLIT_FAMILIES and dtype != "f32":
+                continue
             for i, params in enumerate(_spmv_params(name, dtype)):
                 yield pytest.param(name, params, dtype, 1, id=f"spmv-{name}-{i}-{dtype}")
 
 
 def _spmm_params(name: str, dtype: str, n: int) -> list[dict]:
     v = _vec(dtype, n)
-    # A row cut into pieces is summed with 16-bit atomics in f16/bf16, each add rounding the running
-    # sum: tiny chunks on the 5000-nonzero arrow row are tested in f32 only, and the half types get
-    # pieces of >= 1000 nonzeros (measured: bf16 n=1 with chunk=256, 20 pieces, summed the row's
-    # -13.70 to -14.69 on an H100 in one run of several, the atomics' order deciding)
-    small = dtype == "f32"
     return {
         "group_row": [{"lanes": 8, "vec": v}, {"lanes": 32, "vec": 1, "rows": "sorted_desc", "unroll": 4},
                       {"lanes": 1, "vec": v, "unroll": 1}, {"lanes": 4, "vec": _vec(dtype, n, 2), "block": 128}],
         "warp_row_staged": [{"lanes": 8, "vec": v, "stage": "shfl"},
                             {"lanes": 32, "vec": 1, "stage": "smem", "rows": "sorted_desc"},
                             {"lanes": 16, "vec": v, "stage": "smem"}],
-        "nnz_split": [{"lanes": 8, "vec": v, "chunk": 64 if small else 1024},
-                      {"lanes": 1, "vec": 1, "chunk": 7 if small else 2500, "unroll": 4},
+        "nnz_split": [{"lanes": 8, "vec": v, "chunk": 64}, {"lanes": 1, "vec": 1, "chunk": 7, "unroll": 4},
                       {"lanes": 32, "vec": v, "chunk": 1000}],
-        "rowchunks": [{"lanes": 8, "vec": v, "seg": 16 if small else 128}, {"lanes": 32, "vec": 1, "seg": 1 if small else 200},
+        "rowchunks": [{"lanes": 8, "vec": v, "seg": 16}, {"lanes": 32, "vec": 1, "seg": 1},
                       {"lanes": 4, "vec": v, "seg": 500}],
     }[name]
 
@@ -154,6 +149,8 @@ def _sddmm_cases():
 def _spmm_cases():
     for name in ("group_row", "warp_row_staged", "nnz_split", "rowchunks"):
         for dtype in TORCH_DTYPES:
+            if name in SPLIT_FAMILIES and dtype != "f32":
+                continue
             for n in (1, 5, 32, 64, 130):
                 for i, params in enumerate(_spmm_params(name, dtype, n)):
                     yield pytest.param(name, params, dtype, n, id=f"spmm-{name}-{i}-{dtype}-n{n}")

@@ -24,6 +24,7 @@ PLAN_PREFIX = "// sparserl:"
 
 OPS = ("spmm", "spmv", "sddmm")
 DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+HALF_DTYPES = ("f16", "bf16")  # their kernels round y once, from float32 sums: no atomics into y
 ROW_ORDERS = ("natural", "sorted_desc", "binned", "sell")
 SPLITS = ("none", "nnz", "merge", "rowchunks")
 INITS = ("none", "zero")
@@ -220,6 +221,10 @@ class Plan:
             if self.op != "spmm" or self.atomic or self.init != "none":
                 bad("epilogue", "none unless op=spmm with split=none and init=none (each row of y stored once)",
                     self.epilogue)
+        if self.dtype in HALF_DTYPES and self.op != "sddmm" and self.split != "none":
+            bad(f"split for op={self.op} dtype={self.dtype}", "none (a split sums a row's pieces through atomics "
+                "into y, which for a half dtype rounds every partial sum to it, where the ABI accumulates in "
+                "float32)", f"{self.split}({self.split_arg})")
         if self.op == "sddmm" and self.init != "none":
             bad("init", "none for op=sddmm (every output element belongs to one nonzero)", self.init)
         if self.rows not in ROW_ORDERS:

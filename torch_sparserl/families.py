@@ -34,6 +34,11 @@ group_row                 spmm,  G lanes per row x VEC columns per lane; short r
 warp_row_staged           spmm   coalesced (col,val) batches broadcast by shfl or smem; long rows
 ========================  =====  ==============================================================
 
+The split families (nnz_split, merge_path, rowchunks) sum a row's pieces through atomics into
+``y``; for spmm and spmv they take float32 only, since half-precision atomics would round every
+partial sum and the ABI accumulates in float32 (half products get the families that store each
+row once, or cuSPARSE).
+
 ``sddmm`` (``y[k] = dot(D[row(k)], X[col(k)])``, the gradient of the values) reuses the SpMM
 work partitions: a group of lanes keeps its row of D in registers and computes one dot
 product per nonzero. It needs no atomics, and its tile must cover n in one pass.
@@ -48,7 +53,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from .abi import KernelSpec, PlanError, parse_plan
+from .abi import HALF_DTYPES, KernelSpec, PlanError, parse_plan
 
 OPS = ("spmm", "spmv", "sddmm")
 # families whose spmm kernels store each row of y once, from registers: they can fuse an
@@ -177,6 +182,15 @@ def _vector_row(op, dtype, n, params) -> _Rendered:
         params=c.p)
 
 
+def _summed_in_pieces(family: str, op: str, dtype: str) -> None:
+    """The split families sum a row's pieces atomically into y: for spmm/spmv that is float32
+    only, since half-precision atomics would round every partial sum (the ABI's plan check)."""
+    if op != "sddmm" and dtype in HALF_DTYPES:
+        raise ValueError(f"family {family}: parameter 'dtype' expected f32 for op={op} (a row's pieces are "
+                         f"summed through atomics into y, which for a half dtype would not accumulate in "
+                         f"float32), got {dtype!r}")
+
+
 def _atomic_init(op: str) -> dict[str, str]:
     """Split plans sum a row's pieces atomically into zero-filled output; sddmm writes each
     output element once, from the one work item holding its nonzero."""
@@ -184,6 +198,7 @@ def _atomic_init(op: str) -> dict[str, str]:
 
 
 def _nnz_split(op, dtype, n, params) -> _Rendered:
+    _summed_in_pieces("nnz_split", op, dtype)
     if op == "spmv":
         c = _Checker("nnz_split", params, {"chunk": 256, "block": 256})
         chunk = c.multiple("chunk", 32, 32, MAX_CHUNK)
@@ -204,6 +219,7 @@ def _nnz_split(op, dtype, n, params) -> _Rendered:
 
 
 def _merge_path(op, dtype, n, params) -> _Rendered:
+    _summed_in_pieces("merge_path", op, dtype)
     c = _Checker("merge_path", params, {"items": 16, "block": 256})
     items = c.int_("items", 1, 4096)
     block = _block(c)
@@ -259,6 +275,7 @@ def _binned(op, dtype, n, params) -> _Rendered:
 
 
 def _rowchunks(op, dtype, n, params) -> _Rendered:
+    _summed_in_pieces("rowchunks", op, dtype)
     if op == "spmv":
         c = _Checker("rowchunks", params, {"lanes": 32, "seg": 1024, "block": 256, "unroll": 2})
         lanes = c.one_of("lanes", LANES)

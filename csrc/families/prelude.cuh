@@ -70,7 +70,8 @@ __device__ __forceinline__ float sr_ld(const T* __restrict__ p) {
 
 __device__ __forceinline__ void sr_st(T* p, float v) { *p = sr_from_f(v); }
 
-// Atomic accumulation into y (only with init=zero plans). Half types add in their own precision.
+// Atomic accumulation into y (only with init=zero plans: float32 ones, since a half-precision y
+// would round every partial sum; the plan check refuses split spmm/spmv plans of half dtypes).
 __device__ __forceinline__ void sr_atomic(T* p, float v) {
 #if SR_DTYPE == 0
     atomicAdd(p, v);
@@ -139,8 +140,9 @@ __device__ __forceinline__ void sr_stv(T* p, const float (&a)[VEC]) {
 #endif
 }
 
-// Atomic accumulation of VEC consecutive results: float2/float4 vector atomics (sm_90) for f32,
-// paired __half2 / __nv_bfloat162 atomics for the half types.
+// Atomic accumulation of VEC consecutive results: float2/float4 vector atomics (sm_90) for f32.
+// The half types' paired atomics compile (a kernel of a family that can store a row in pieces
+// instantiates them) but no half plan with a split reaches a launch.
 template <int VEC>
 __device__ __forceinline__ void sr_atomicv(T* p, const float (&a)[VEC]) {
 #if SR_DTYPE == 0
