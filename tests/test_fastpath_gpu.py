@@ -139,10 +139,50 @@ def test_what_changed_goes_back_to_python(runtime, poison_uninitialized):
     try:
         assert fastpath.entries() == 0
         check("spmm_transposed", G, served_in_cxx=False)
-        check("spmm_transposed", G, served_in_cxx=False)  # mode "off": nothing recorded
+        check("spmm_transposed", G, served_in_cxx=True)  # mode "off": cuSPARSE, from C++ after one call
     finally:
         rt.set_active(previous)
         other.close()
+
+
+@pytest.mark.parametrize("op", ["spmm", "spmm_transposed"])
+def test_cxx_serves_cusparse_while_pending_then_the_decision(tmp_path, poison_uninitialized, op):
+    """While a decision runs in the background C++ serves cuSPARSE; when it lands the registry
+    is emptied, one call goes back to Python, and C++ serves the installed kernel after it."""
+    import threading
+
+    gate = threading.Event()
+
+    def slow(key, crow, col, ncols):
+        assert gate.wait(60)
+        return _specializer(key, crow, col, ncols)
+
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path), specializer=slow)
+    previous = rt.set_active(runtime)
+    try:
+        A = make_pattern("random", seed=11)
+        crow, col, val = to_parts(A, torch.float32, torch.int32, "cuda")
+
+        def call(seed):
+            X = _operand(op, A, KERNEL_N, seed)
+            before = _counts()
+            got = getattr(FAST, op)(crow, col, val, A.shape[1], X)
+            torch.cuda.synchronize()
+            assert_close_to_reference(got, _want(op, crow, col, val, A.shape[1], X), torch.float32)
+            return tuple(a - b for a, b in zip(_counts(), before))
+
+        assert call(0) == (0, 0)  # Python: the decision starts, cuSPARSE serves
+        assert call(1) == (0, 1) and call(2) == (0, 1)  # C++ runs cuSPARSE while it is pending
+        gate.set()
+        runtime.wait(60)  # the decision has landed
+        assert fastpath.entries() == 0
+        assert call(3) == (0, 0)  # Python again: it sees the installed kernel and records it
+        assert call(4) == (1, 0) and call(5) == (1, 0)
+        assert runtime.stats["installs"] >= 1
+    finally:
+        gate.set()
+        rt.set_active(previous)
+        runtime.close()
 
 
 def test_a_dead_pattern_leaves_no_entry(runtime):

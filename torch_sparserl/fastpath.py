@@ -174,9 +174,11 @@ def ensure(*, wait: bool = False) -> bool:
 def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, ncols: int, X: torch.Tensor) -> None:
     """After the Python implementation served ``sparserl_fast::<op>`` (or ``sparserl_direct``)
     on these CUDA operands, let the C++ path serve the next such call the same way: the
-    runtime's installed kernel, or cuSPARSE where it decided for cuSPARSE. Nothing is recorded
-    while the decision is pending, inside a CUDA graph capture, or for what C++ does not serve
-    (half-precision cuSPARSE products, inference-mode indices, kernels without a C launcher)."""
+    runtime's installed kernel, or cuSPARSE where it decided for cuSPARSE, where the decision
+    is still pending (the runtime drops the registry when it lands: :meth:`Runtime._set`), or
+    where the runtime is off. Nothing is recorded inside a CUDA graph capture, or for what C++
+    does not serve (half-precision cuSPARSE products, inference-mode indices, kernels without a
+    C launcher)."""
     from . import pattern as patterns
     from . import runtime as rt
 
@@ -196,30 +198,32 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
     used, rowptr, colidx, perm = entry, None, None, None
     if transposed:
         used, rowptr, colidx, perm = entry.transpose(crow, col)
-    state = runtime.state(base, used, n, val.dtype)
-    args = None
-    if isinstance(state, rt.Installed):
-        fast = getattr(state.launch, "fast", None)
-        if fast is not None:
-            if fast.copies is not None:
-                rowptr, colidx = fast.copies
-            args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints), fast.init_zero,
-                    fast.work_numel)
-    elif (isinstance(state, rt.Fallback) and val.dtype not in _HALF
-          and (state.decided or not runtime.settings.strict)):
-        args = (0, [0, 0, 0], None, [0] * 5, False, 0)
-    if args is None:
-        return
-    launcher, geometry, aux, ints, init_zero, work_numel = args
-    with _lock:
-        global _owner
+    with _lock:  # the state is read under the lock that forget() takes: a decision landing now
+        global _owner  # either is read here or empties the registry after this entry is in
+        state = runtime.state(base, used, n, val.dtype)
+        args = None
+        if isinstance(state, rt.Installed):
+            fast = getattr(state.launch, "fast", None)
+            if fast is not None:
+                if fast.copies is not None:
+                    rowptr, colidx = fast.copies
+                args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints),
+                        fast.init_zero, fast.work_numel)
+        elif val.dtype not in _HALF and (
+                (isinstance(state, rt.Fallback) and (state.decided or not runtime.settings.strict))
+                or isinstance(state, rt.Pending)
+                or (state is None and (runtime.settings.mode == "off" or X.device.type not in runtime.devices))):
+            args = (0, [0, 0, 0], None, [0] * 5, False, 0)
+        if args is None:
+            return
+        launcher, geometry, aux, ints, init_zero, work_numel = args
         if _owner is not runtime:
             _forget_locked()
             _owner = runtime
         torch.ops.sparserl_fastpath.install(
             crow, col, ncols, OPS.index(op), n, val.dtype, entry.nnz, X.shape[0], used.nrows, rowptr, colidx,
             perm, launcher, geometry, aux, ints, init_zero, work_numel, used.ncols)
-        entry.fast_recorded.add(mark)
+        entry.fast_recorded.add((_epoch, runtime.generation, op, n, val.dtype))
 
 
 def _forget_locked() -> None:

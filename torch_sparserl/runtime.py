@@ -476,7 +476,10 @@ class Runtime:
 
     def _set(self, pattern, slot, state) -> None:
         with self._lock:
+            previous = pattern.specializations.get(slot)
             pattern.specializations[slot] = state
+        if previous.__class__ is Pending:
+            fastpath.forget(self)  # C++ served cuSPARSE while this was pending: it asks Python again
 
     def _fallback(self, pattern, slot, key, reason: str, exc: BaseException | None, quiet: bool = False):
         state = Fallback(key, reason, decided=quiet)
