@@ -7,7 +7,9 @@ in-process for a few (graph, model, hidden) rows with the runtime's steps timed 
 policy's samples and their timing in the sandbox's worker), the install (build or load of the
 library, plan preparation), the in-process build, the pattern helpers' kept work, and Python's
 garbage collections. Every epoch is timed with its start; a stalled epoch (over 4x the
-median) is listed with the intervals that overlap it. Writes ``$OUT/first-run.json``.
+median) is listed with the intervals that overlap it. Epochs are also grouped by the
+background steps they overlap (the worker's start, its tasks by name): the median epoch while
+each runs. Writes ``$OUT/first-run.json``.
 ``SPARSERL_EVAL_BURST_REPS=0`` runs the candidates' timing loops back to back, as before the
 runtime's evaluations were timed in bursts (``autotune.RUNTIME_BURST_REPS``).
 
@@ -56,6 +58,23 @@ def instrument() -> None:
                        (rt.autotune_specializer, ("__call__",)), (rt.learned_specializer, ("__call__",))):
         for name in names:
             setattr(cls, name, _record(f"{cls.__name__}.{name}", getattr(cls, name)))
+    from torch_sparserl.evaluate import sandbox as sb
+
+    # the worker's side: its start, the matrix sent, and each task by name (the policy's load and
+    # samples, the candidates' builds and timings)
+    sb.Sandbox._ensure_worker = _record("worker start", sb.Sandbox._ensure_worker)
+    sb.Sandbox._ensure_matrix = _record("worker matrix", sb.Sandbox._ensure_matrix)
+    run = sb.Sandbox.run
+
+    @functools.wraps(run)
+    def run_named(self, task, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run(self, task, *args, **kwargs)
+        finally:
+            INTERVALS.append((f"worker {task.rpartition(':')[2]}", threading.current_thread().name, start,
+                              time.perf_counter()))
+    sb.Sandbox.run = run_named
     rt.fingerprint = _record("fingerprint", rt.fingerprint)
     rt.run_kept = _record("run_kept", rt.run_kept)
     rt._bind_spec = _record("_bind_spec", rt._bind_spec)
@@ -96,6 +115,19 @@ def stalls(epochs: list[tuple[float, float]], intervals, factor: float = 4.0) ->
             "excess_ms_by_overlapping_interval": {k: round(v, 1) for k, v in sorted(excess_by.items(), key=lambda kv: -kv[1])}}
 
 
+def by_phase(epochs: list[tuple[float, float]], intervals) -> dict:
+    """Median epoch while each kind of interval overlaps it (gc aside), and over epochs that
+    overlap none: which background step slows the training loop, stalls or not."""
+    kinds: dict[str, list[float]] = {}
+    for start, ms in epochs:
+        end = start + ms / 1e3
+        names = {name for name, _, a, b in intervals if a < end and b > start and not name.startswith("gc")}
+        for name in names or {"(none)"}:
+            kinds.setdefault(name, []).append(ms)
+    return {name: {"epochs": len(v), "median_ms": round(statistics.median(v), 3)}
+            for name, v in sorted(kinds.items(), key=lambda kv: -len(kv[1]))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="fb100_Cornell5:gcn:128,uk-2007-05_100000:sage:128")
@@ -104,6 +136,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from torch_sparserl import fastpath
+
+    fastpath.ensure(wait=True)  # once per machine, as bench_cold_start does: not part of a first run on a graph
     instrument()
     device = torch.device("cuda")
     from torch_sparserl import autotune
@@ -120,7 +155,7 @@ def main(argv=None) -> int:
         t0 = epochs[0][0]
         row = {"row": spec, "eager_ms": eager["epoch_ms"], "decided_after_epochs": run["decided_after_epochs"],
                "decided_after_s": run["decided_after_s"], "steady_ms": run["steady_ms"],
-               "stalls": stalls(epochs, INTERVALS),
+               "stalls": stalls(epochs, INTERVALS), "by_phase": by_phase(epochs, INTERVALS),
                "intervals": [(n, th, round((a - t0) * 1e3, 2), round((b - a) * 1e3, 2)) for n, th, a, b in INTERVALS],
                "epochs": [(round((a - t0) * 1e3, 2), ms) for a, ms in epochs]}
         s = row["stalls"]
@@ -129,6 +164,8 @@ def main(argv=None) -> int:
               flush=True)
         for label, ms in list(s["excess_ms_by_overlapping_interval"].items())[:12]:
             print(f"    {ms:9.1f} ms  {label}", flush=True)
+        for label, what in row["by_phase"].items():
+            print(f"    while {label}: {what['epochs']} epochs, median {what['median_ms']} ms", flush=True)
         result["rows"].append(row)
     Path(os.environ.get("OUT", "/tmp"), "first-run.json").write_text(json.dumps(result))
     return 0
