@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_gnn as bench  # noqa: E402
 from bench_gnn import _fmt  # noqa: E402
-from report import geomean, results_path, write_json_md  # noqa: E402
+from report import emit_markdown, geomean, results_path, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_cold_start/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000"]
@@ -120,6 +120,35 @@ def row_metrics(row: dict) -> dict:
     out["loss_rel_diff"] = abs(a - b) / abs(a)
     out["losses_equal"] = out["loss_rel_diff"] <= LOSS_RTOL
     return out
+
+
+def compare(paths: list[Path]) -> str:
+    """Repeated first runs side by side: each row's break-even and speedups in every run, rows
+    matched by (graph, model, hidden), and how many rows each run repaid within the target."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    keyed = [{(r["graph"], r["model"], r["hidden"]): row_metrics(r) for r in d.get("rows", [])} for d in docs]
+    keys = [k for k in dict.fromkeys(k for runs in keyed for k in runs) if all(k in runs for runs in keyed)]
+    runs = " | ".join(f"run {i + 1}" for i in range(len(docs)))
+    lines = [f"# First run on a graph: {len(docs)} runs compared", "",
+             "Runs: " + ", ".join(f"`{Path(p).stem}` ({d['env'].get('gpu', '?')})" for p, d in zip(paths, docs))
+             + f". Rows present in every run: {len(keys)}. Break-even in epochs (target: {TARGET_EPOCHS}; — : "
+             "never within the run), speedups over eager from the same run.", ""]
+    for metric, title, spec, unit in (("breakeven_epochs", "Break-even epochs", "d", ""),
+                                      ("during_jit_vs_eager", "During JIT vs eager", ".2f", "×"),
+                                      ("steady_speedup_vs_eager", "Steady vs eager", ".2f", "×")):
+        lines += [f"## {title}", "", f"| graph | model | hidden | {runs} |", "|---|---|---:|" + "---:|" * len(docs)]
+        for k in keys:
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | "
+                         + " | ".join(_fmt(r[k].get(metric), spec, unit) for r in keyed) + " |")
+        if metric == "breakeven_epochs":
+            repaid = [sum(1 for k in keys if (r[k][metric] or TARGET_EPOCHS + 1) <= TARGET_EPOCHS) for r in keyed]
+            lines.append(f"| **repaid within {TARGET_EPOCHS}** | | | " + " | ".join(f"{n} of {len(keys)}" for n in repaid)
+                         + " |")
+        else:
+            lines.append("| **geometric mean** | | | " + " | ".join(
+                _fmt(geomean(r[k].get(metric) for k in keys), spec, unit) for r in keyed) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 # -------------------------------------------------------------------- one row (child)
@@ -378,6 +407,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results", help="folder (a dated file in it) or a .json path")
     parser.add_argument("--resume", help="add to this results file (rows already there are skipped)")
     parser.add_argument("--report", help="only re-render the .md and .svg of this results file")
+    parser.add_argument("--compare", nargs="+", metavar="JSON", help="only compare these results files (Markdown "
+                        "to --out, a .md path, or stdout)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--row", nargs=3, metavar=("GRAPH", "MODEL", "HIDDEN"), help=argparse.SUPPRESS)
     parser.add_argument("--row-out", help=argparse.SUPPRESS)
@@ -386,6 +417,9 @@ def main(argv=None) -> int:
     if args.report:
         path = Path(args.report)
         save(json.loads(path.read_text()), path)
+        return 0
+    if args.compare:
+        emit_markdown(compare([Path(p) for p in args.compare]), args.out)
         return 0
     from bench_kernels import environment
 

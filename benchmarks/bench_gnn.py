@@ -56,7 +56,7 @@ import scipy.sparse as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import geomean, write_json_md  # noqa: E402
+from report import emit_markdown, geomean, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_gnn/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000", "rmat:scale=22,edge_factor=16"]
@@ -910,11 +910,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.compare:
-        text = compare([Path(p) for p in args.compare])
-        if args.out.endswith(".md"):
-            Path(args.out).write_text(text)
-        else:
-            print(text, end="")
+        emit_markdown(compare([Path(p) for p in args.compare]), args.out)
         return 0
     if args.report:
         path = Path(args.report)

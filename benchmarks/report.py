@@ -423,3 +423,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def emit_markdown(text: str, out: str) -> None:
+    """A comparison's Markdown: to ``out`` where it names a ``.md`` file, else to stdout."""
+    if str(out).endswith(".md"):
+        Path(out).write_text(text)
+    else:
+        print(text, end="")

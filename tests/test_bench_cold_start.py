@@ -42,6 +42,26 @@ def test_eager_reference_brackets_the_compiled_runs():
     assert cold.eager_ms({"eager": before, "eager_after": after}) == 4.0
 
 
+def test_compare_lines_up_the_rows_of_repeated_runs(tmp_path):
+    cold = load_benchmark("bench_cold_start")
+
+    def row(graph, cold_ms):  # eager 2 ms; the cold run at cold_ms per epoch, losses equal
+        eager = {"epoch_ms": 2.0, "epochs_ms": [2.0] * 30, "losses": [1.0]}
+        run = {"epochs_ms": [cold_ms] * 30, "decided_after_epochs": 10, "steady_ms": cold_ms, "waited_s": 0.0,
+               "losses": [1.0]}
+        return {"graph": graph, "model": "gcn", "hidden": 128, "eager": eager, "cold": run}
+
+    paths = []
+    for i, rows in enumerate(([row("a", 1.0), row("b", 3.0)], [row("a", 1.0), row("b", 1.0), row("c", 1.0)])):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps({"env": {"gpu": "fake"}, "rows": rows}))
+    text = cold.compare(paths)
+    assert "Rows present in every run: 2" in text and "| c |" not in text  # c is not in run 1
+    assert "| a | gcn | 128 | 1 | 1 |" in text and "| b | gcn | 128 | — | 1 |" in text
+    assert "| **repaid within 10** | | | 1 of 2 | 2 of 2 |" in text
+    assert "| b | gcn | 128 | 0.67× | 2.00× |" in text  # during the JIT, eager 2 ms over 3 ms / 1 ms
+
+
 class SlowSpecializer:
     """Decides a key once ``ready()`` says so (polled, as a specializer waits on its sandbox),
     with a kernel that computes the product densely."""
