@@ -25,19 +25,28 @@ def _cases():
                     yield name, op, dtype, n
 
 
-SPLIT_FAMILIES = ("nnz_split", "merge_path", "rowchunks")  # a row's pieces summed atomically into y
+SPLIT_FAMILIES = ("nnz_split", "merge_path")  # a row's pieces summed atomically into y: float32 only
 
 
 def test_half_precision_plans_sum_no_pieces_into_y():
     """A split spmm/spmv plan of a half dtype is refused by the ABI's plan check (and so is a
-    policy-written kernel with one): its atomics would round every partial sum of a row."""
-    for op, dtype in (("spmm", "bf16"), ("spmv", "f16")):
-        line = f"// sparserl: op={op} dtype={dtype} n={32 if op == 'spmm' else 1} split=rowchunks(64) block=256 " \
+    policy-written kernel with one), since atomics into y would round every partial sum of a
+    row; rowchunks with a float32 workspace for its hubs is the exception."""
+    for op, dtype, split in (("spmm", "bf16", "rowchunks(64)"), ("spmv", "f16", "rowchunks(64)"),
+                             ("spmm", "f16", "nnz(64)"), ("spmv", "bf16", "merge(16)")):
+        line = f"// sparserl: op={op} dtype={dtype} n={32 if op == 'spmm' else 1} split={split} block=256 " \
                f"grid=ceil(parts/8) init=zero"
-        with pytest.raises(PlanError, match=f"split for op={op} dtype={dtype} must be none"):
+        with pytest.raises(PlanError, match=f"split for op={op} dtype={dtype} must be none, or rowchunks"):
             parse_plan(line)
+    with pytest.raises(PlanError, match="must be none, or rowchunks"):  # a workspace is not enough
+        parse_plan("// sparserl: op=spmm dtype=f16 n=32 split=nnz(64) block=256 grid=ceil(parts/8) init=zero "
+                   "work=hubs*36")
+    parse_plan("// sparserl: op=spmm dtype=bf16 n=32 split=rowchunks(64) block=256 grid=ceil(parts/8) init=zero "
+               "work=hubs*36")
     parse_plan("// sparserl: op=sddmm dtype=bf16 n=32 split=rowchunks(64) block=256 grid=ceil(parts/8)")
     parse_plan("// sparserl: op=spmm dtype=f32 n=32 split=rowchunks(64) block=256 grid=ceil(parts/8) init=zero")
+    spec = F.render("rowchunks", {"vec": 2, "lanes": 32}, op="spmm", dtype="bf16", n=130)
+    assert parse_plan(plan_line(spec.source)).work.evaluate({"hubs": 3}) == 3 * (132 + 4)  # SR_HUB floats a hub
 
 
 def _default_params(name: str, op: str, dtype: str, n: int) -> dict:
@@ -161,12 +170,13 @@ def test_space_is_sized_renderable_and_pruned(op, n, dtype, features):
             assert all(p["lanes"] <= 8 for name, p in candidates if name == "vector_row")
     if dtype != "f32" and op != "sddmm":
         assert not families & set(SPLIT_FAMILIES), families  # float32 accumulation: no atomics into y
-    elif features == "powerlaw":
-        assert {"nnz_split", "rowchunks"} <= families
+    if features == "powerlaw":
+        assert "rowchunks" in families  # the hubs' family, in half precision too
+        if dtype == "f32" or op == "sddmm":
+            assert "nnz_split" in families
         if op == "spmv":
-            assert {"binned", "merge_path"} <= families and "sell" not in families
-    if features == "powerlaw" and op == "spmv" and dtype != "f32":
-        assert "binned" in families and "sell" not in families
+            assert "binned" in families and "sell" not in families
+            assert ("merge_path" in families) == (dtype == "f32")
 
 
 def test_spmm_tiles_cover_n_without_too_many_registers():

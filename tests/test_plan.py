@@ -184,12 +184,15 @@ def _expected_aux(plan: Plan, A, n):
         return [c[0] for c in coords] + [c[1] for c in coords], parts
     if plan.split == "rowchunks":
         t = plan.split_arg
-        seg_row, seg_start = [], []
+        seg_row, seg_start, seg_hub, hubs = [], [], [], 0
         for r in range(rows):
-            for start in range(rowptr[r], rowptr[r + 1], t):
+            pieces = range(rowptr[r], rowptr[r + 1], t)
+            for start in pieces:
                 seg_row.append(r)
                 seg_start.append(start)
-        return seg_row + seg_start, len(seg_row)
+                seg_hub.append(hubs if len(pieces) > 1 else -1)  # hubs numbered in row order
+            hubs += len(pieces) > 1
+        return seg_row + seg_start + seg_hub, len(seg_row)
     return None, 0
 
 

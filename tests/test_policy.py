@@ -287,16 +287,21 @@ def test_speculative_sampling_keeps_the_policy_distribution(small_tokenizer):
     from collections import Counter
 
     tok, _ = small_tokenizer
-    torch.manual_seed(1)
-    policy = build(tok, hidden=16, layers=1, heads=2, intermediate=32, samples=4, pe_dim=4)
-    with torch.no_grad():
-        policy.lm.model.embed_tokens.weight.mul_(30.0)  # peaky but not deterministic distributions
     rowptr, col = _random_csr(20, 20, 2)
     inp = PatternInput.from_pattern(rowptr, col, (20, 20), "spmv", "f32", 1, samples=4)
     kw = dict(k=600, temperature=1.0, greedy_first=False, max_new_tokens=2)
-    a = policy.sample(inp, "spmv", "f32", 1, generator=torch.Generator().manual_seed(0), **kw)
-    second = Counter(s.tokens[1] for s in a if len(s.tokens) > 1)
-    drafted = second.most_common(1)[0][0]
+    # a tiny random policy whose second token is peaky but not deterministic; which seed gives
+    # one depends on the tokenizer, itself trained on the shipped kernels' text
+    for seed in range(1, 21):
+        torch.manual_seed(seed)
+        policy = build(tok, hidden=16, layers=1, heads=2, intermediate=32, samples=4, pe_dim=4)
+        with torch.no_grad():
+            policy.lm.model.embed_tokens.weight.mul_(30.0)
+        a = policy.sample(inp, "spmv", "f32", 1, generator=torch.Generator().manual_seed(0), **kw)
+        second = Counter(s.tokens[1] for s in a if len(s.tokens) > 1)
+        drafted = second.most_common(1)[0][0]
+        if 0.1 < second[drafted] / 600 < 0.95:
+            break
     policy._draft = lambda context, length: [drafted][:length]
     b = policy.sample_speculative(inp, "spmv", "f32", 1, generator=torch.Generator().manual_seed(1), **kw)
     other = Counter(s.tokens[1] for s in b if len(s.tokens) > 1)

@@ -32,7 +32,7 @@ INITS = ("none", "zero")
 # y = relu(scale[row] * (A @ X)[row] + bias). A plan names a '+'-joined subset, e.g. bias+relu.
 EPILOGUE_STEPS = ("scale", "bias", "relu")
 EPILOGUE_BITS = {"scale": 1, "bias": 2, "relu": 4}
-EXPR_NAMES = ("rows", "cols", "nnz", "n", "parts")
+EXPR_NAMES = ("rows", "cols", "nnz", "n", "parts", "hubs")  # hubs: rows of more than one rowchunks segment
 
 MAX_BLOCK = 1024
 MAX_SMEM_BYTES = 227 * 1024  # sm_90 opt-in limit per block
@@ -221,10 +221,12 @@ class Plan:
             if self.op != "spmm" or self.atomic or self.init != "none":
                 bad("epilogue", "none unless op=spmm with split=none and init=none (each row of y stored once)",
                     self.epilogue)
-        if self.dtype in HALF_DTYPES and self.op != "sddmm" and self.split != "none":
-            bad(f"split for op={self.op} dtype={self.dtype}", "none (a split sums a row's pieces through atomics "
-                "into y, which for a half dtype rounds every partial sum to it, where the ABI accumulates in "
-                "float32)", f"{self.split}({self.split_arg})")
+        if self.dtype in HALF_DTYPES and self.op != "sddmm" and self.split != "none" and not (
+                self.split == "rowchunks" and "hubs" in self.work.text):
+            bad(f"split for op={self.op} dtype={self.dtype}", "none, or rowchunks(T) with a float32 workspace "
+                "for its hubs (work=...hubs...): a split sums a row's pieces, and atomics into a half-precision "
+                "y would round every partial sum, where the ABI accumulates in float32",
+                f"{self.split}({self.split_arg})" + ("" if self.work.text == "0" else f" with work={self.work}"))
         if self.op == "sddmm" and self.init != "none":
             bad("init", "none for op=sddmm (every output element belongs to one nonzero)", self.init)
         if self.rows not in ROW_ORDERS:

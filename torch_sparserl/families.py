@@ -34,10 +34,10 @@ group_row                 spmm,  G lanes per row x VEC columns per lane; short r
 warp_row_staged           spmm   coalesced (col,val) batches broadcast by shfl or smem; long rows
 ========================  =====  ==============================================================
 
-The split families (nnz_split, merge_path, rowchunks) sum a row's pieces through atomics into
-``y``; for spmm and spmv they take float32 only, since half-precision atomics would round every
-partial sum and the ABI accumulates in float32 (half products get the families that store each
-row once, or cuSPARSE).
+The split families sum a row's pieces through atomics. Into a half-precision ``y`` that would
+round every partial sum, where the ABI accumulates in float32: for spmm and spmv, nnz_split and
+merge_path take float32 only, and rowchunks' half kernels add a hub row's pieces in float32 to
+a workspace slot (``work=hubs*...``), the group adding the last piece storing the row once.
 
 ``sddmm`` (``y[k] = dot(D[row(k)], X[col(k)])``, the gradient of the values) reuses the SpMM
 work partitions: a group of lanes keeps its row of D in registers and computes one dot
@@ -183,8 +183,9 @@ def _vector_row(op, dtype, n, params) -> _Rendered:
 
 
 def _summed_in_pieces(family: str, op: str, dtype: str) -> None:
-    """The split families sum a row's pieces atomically into y: for spmm/spmv that is float32
-    only, since half-precision atomics would round every partial sum (the ABI's plan check)."""
+    """nnz_split and merge_path sum a row's pieces atomically into y: for spmm/spmv that is
+    float32 only, since half-precision atomics would round every partial sum (the ABI's plan
+    check). rowchunks sums its half-precision hubs in a float32 workspace instead."""
     if op != "sddmm" and dtype in HALF_DTYPES:
         raise ValueError(f"family {family}: parameter 'dtype' expected f32 for op={op} (a row's pieces are "
                          f"summed through atomics into y, which for a half dtype would not accumulate in "
@@ -275,7 +276,6 @@ def _binned(op, dtype, n, params) -> _Rendered:
 
 
 def _rowchunks(op, dtype, n, params) -> _Rendered:
-    _summed_in_pieces("rowchunks", op, dtype)
     if op == "spmv":
         c = _Checker("rowchunks", params, {"lanes": 32, "seg": 1024, "block": 256, "unroll": 2})
         lanes = c.one_of("lanes", LANES)
@@ -287,10 +287,14 @@ def _rowchunks(op, dtype, n, params) -> _Rendered:
     seg = c.int_("seg", 1, MAX_CHUNK)
     block = _block(c)
     unroll = c.one_of("unroll", UNROLLS)
-    return _Rendered(
-        plan={"rows": "natural", "split": f"rowchunks({seg})", "block": str(block),
-              "grid": f"ceil(parts/{block // lanes})", **_atomic_init(op)},
-        defines={"SR_BLOCK": block, **geo, "SR_UNROLL": unroll, "SR_SEG": seg}, params=c.p)
+    plan = {"rows": "natural", "split": f"rowchunks({seg})", "block": str(block),
+            "grid": f"ceil(parts/{block // lanes})", **_atomic_init(op)}
+    if dtype in HALF_DTYPES and op != "sddmm":
+        # a hub row's pieces meet in float32: per hub, the sums (spmm: n, padded to 16 bytes) and
+        # a counter (the kernels' SR_HUB layout)
+        plan["work"] = "hubs*2" if op == "spmv" else f"hubs*{(n + 3) // 4 * 4 + 4}"
+    return _Rendered(plan=plan, defines={"SR_BLOCK": block, **geo, "SR_UNROLL": unroll, "SR_SEG": seg},
+                     params=c.p)
 
 
 def _group_row(op, dtype, n, params) -> _Rendered:

@@ -35,10 +35,12 @@ class Prepared:
     cols: int
     nnz: int
     n: int
+    hubs: int = 0  # rows of more than one segment (split=rowchunks)
 
     @property
     def env(self) -> dict[str, int]:
-        return {"rows": self.rows, "cols": self.cols, "nnz": self.nnz, "n": self.n, "parts": self.parts}
+        return {"rows": self.rows, "cols": self.cols, "nnz": self.nnz, "n": self.n, "parts": self.parts,
+                "hubs": self.hubs}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -113,7 +115,7 @@ def _merge_split(rowptr: torch.Tensor, nnz: int, chunk: int) -> tuple[torch.Tens
     return torch.cat([part_row, diagonals - part_row]), parts
 
 
-def _rowchunks(rowptr: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
+def _rowchunks(rowptr: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int, int]:
     device = rowptr.device
     per_row = (lengths + chunk - 1) // chunk  # segments of each row; 0 for empty rows
     parts = int(per_row.sum())
@@ -121,7 +123,11 @@ def _rowchunks(rowptr: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple
     first_seg = per_row.cumsum(0) - per_row
     seg_index = torch.arange(parts, device=device) - first_seg[seg_row]
     seg_start = rowptr.long()[seg_row] + seg_index * chunk
-    return torch.cat([seg_row, seg_start]), parts
+    # hubs: the rows of more than one segment, numbered in row order (a half-precision kernel
+    # sums their pieces in a float32 workspace slot); -1 for the segments of whole rows
+    hub = per_row > 1
+    hub_slot = torch.where(hub, hub.long().cumsum(0) - 1, torch.full_like(per_row, -1))
+    return torch.cat([seg_row, seg_start, hub_slot[seg_row]]), parts, int(hub.sum())
 
 
 def prepare(plan: Plan, rowptr: torch.Tensor, col: torch.Tensor, shape: tuple[int, int], n: int) -> Prepared:
@@ -138,7 +144,7 @@ def prepare(plan: Plan, rowptr: torch.Tensor, col: torch.Tensor, shape: tuple[in
         raise PlanError(f"prepare: the plan was written for n={plan.n} (got a call with n={n})")
 
     lengths = _row_lengths(rowptr)
-    aux, parts = None, 0
+    aux, parts, hubs = None, 0, 0
     if plan.rows == "sorted_desc":
         aux = _sorted_desc(lengths)
     elif plan.rows == "binned":
@@ -150,13 +156,13 @@ def prepare(plan: Plan, rowptr: torch.Tensor, col: torch.Tensor, shape: tuple[in
     elif plan.split == "merge":
         aux, parts = _merge_split(rowptr, nnz, plan.split_arg)
     elif plan.split == "rowchunks":
-        aux, parts = _rowchunks(rowptr, lengths, plan.split_arg)
+        aux, parts, hubs = _rowchunks(rowptr, lengths, plan.split_arg)
     if aux is not None:
         if aux.numel() and int(aux.max()) > _INT32_MAX:
             raise PlanError("prepare: the plan's data does not fit int32")
         aux = aux.to(torch.int32).contiguous()
 
-    env = {"rows": rows, "cols": cols, "nnz": nnz, "n": n, "parts": parts}
+    env = {"rows": rows, "cols": cols, "nnz": nnz, "n": n, "parts": parts, "hubs": hubs}
     grid = plan.grid.evaluate(env)
     smem = plan.smem.evaluate(env)
     work = plan.work.evaluate(env)
@@ -168,4 +174,4 @@ def prepare(plan: Plan, rowptr: torch.Tensor, col: torch.Tensor, shape: tuple[in
         raise PlanError(f"prepare: work={plan.work} evaluates to {work} elements (expected 0..2^31)")
     return Prepared(plan=plan, aux=aux, parts=parts, grid=grid, block=plan.block, smem=smem,
                     init_zero=plan.init == "zero", work_numel=work,
-                    rows=rows, cols=cols, nnz=nnz, n=n)
+                    rows=rows, cols=cols, nnz=nnz, n=n, hubs=hubs)

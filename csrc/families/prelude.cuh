@@ -71,7 +71,7 @@ __device__ __forceinline__ float sr_ld(const T* __restrict__ p) {
 __device__ __forceinline__ void sr_st(T* p, float v) { *p = sr_from_f(v); }
 
 // Atomic accumulation into y (only with init=zero plans: float32 ones, since a half-precision y
-// would round every partial sum; the plan check refuses split spmm/spmv plans of half dtypes).
+// would round every partial sum; half plans sum pieces in a float32 workspace, sr_hub_last).
 __device__ __forceinline__ void sr_atomic(T* p, float v) {
 #if SR_DTYPE == 0
     atomicAdd(p, v);
@@ -140,15 +140,15 @@ __device__ __forceinline__ void sr_stv(T* p, const float (&a)[VEC]) {
 #endif
 }
 
-// Atomic accumulation of VEC consecutive results: float2/float4 vector atomics (sm_90) for f32.
-// The half types' paired atomics compile (a kernel of a family that can store a row in pieces
-// instantiates them) but no half plan with a split reaches a launch.
+// VEC consecutive float32 atomic adds (p aligned to VEC floats): float2/float4 vector atomics on
+// sm_90. Used for f32 outputs and for the float32 workspace of half-precision hub rows.
 template <int VEC>
-__device__ __forceinline__ void sr_atomicv(T* p, const float (&a)[VEC]) {
-#if SR_DTYPE == 0
+__device__ __forceinline__ void sr_atomicv_f32(float* p, const float (&a)[VEC]) {
 #if __CUDA_ARCH__ >= 900
-    if constexpr (VEC == 4) {
-        atomicAdd(reinterpret_cast<float4*>(p), make_float4(a[0], a[1], a[2], a[3]));
+    if constexpr (VEC % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < VEC; i += 4)
+            atomicAdd(reinterpret_cast<float4*>(p + i), make_float4(a[i], a[i + 1], a[i + 2], a[i + 3]));
         return;
     } else if constexpr (VEC == 2) {
         atomicAdd(reinterpret_cast<float2*>(p), make_float2(a[0], a[1]));
@@ -157,6 +157,16 @@ __device__ __forceinline__ void sr_atomicv(T* p, const float (&a)[VEC]) {
 #endif
 #pragma unroll
     for (int i = 0; i < VEC; ++i) atomicAdd(p + i, a[i]);
+}
+
+// Atomic accumulation of VEC consecutive results into y: f32 only. The half types' pieces of a
+// row meet in a float32 workspace instead (sr_hub_last); their paired 16-bit atomics compile (a
+// kernel of a family that can store a row in pieces instantiates them) but no half plan that
+// would need them parses.
+template <int VEC>
+__device__ __forceinline__ void sr_atomicv(T* p, const float (&a)[VEC]) {
+#if SR_DTYPE == 0
+    sr_atomicv_f32<VEC>(p, a);
 #else
     if constexpr (VEC % 2 == 0) {
 #pragma unroll
@@ -169,6 +179,25 @@ __device__ __forceinline__ void sr_atomicv(T* p, const float (&a)[VEC]) {
         for (int i = 0; i < VEC; ++i) atomicAdd(p + i, sr_from_f(a[i]));
     }
 #endif
+}
+
+// Half-precision hub rows (split=rowchunks): each group of W lanes (an aligned power of two <= 32)
+// has added its piece of the row to the row's float32 workspace slot; `count` is the slot's
+// counter (zeroed with the workspace). Returns, to every lane of the group, whether this group
+// added the row's last piece of `pieces`: it then reads the finished sums (__ldcg: from L2,
+// where the atomics landed) and stores the row once, rounded once. The group must be converged.
+template <int W>
+__device__ __forceinline__ bool sr_hub_last(int* count, int pieces) {
+    const int lane = threadIdx.x & 31;
+    const int leader = lane & ~(W - 1);
+    const unsigned mask = W == 32 ? SR_FULL : (((1u << W) - 1u) << leader);
+    __threadfence();  // this lane's adds are visible device-wide before the count moves
+    __syncwarp(mask);
+    int last = 0;
+    if (lane == leader) last = atomicAdd(count, 1) == pieces - 1;
+    last = __shfl_sync(mask, last, leader);
+    if (last) __threadfence();  // the other groups' adds, counted before ours, are read after it
+    return last != 0;
 }
 
 // Sum over aligned groups of W lanes (W a power of two ≤ 32). Every lane of the warp must call it.

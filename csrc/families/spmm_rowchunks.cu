@@ -1,9 +1,12 @@
 // Family rowchunks (SpMM): split=rowchunks(SR_SEG); every non-empty row is cut into segments of
 // at most SR_SEG nonzeros, one segment per group of SR_LANES lanes (group_row inside a segment).
-// Single-segment rows are stored, multi-segment (hub) rows atomically added (init=zero).
+// Single-segment rows are stored, multi-segment (hub) rows atomically added (init=zero); for the
+// half types a hub row's pieces are added in float32 to its workspace slot (work=hubs*SR_HUB:
+// SR_N sums, then the slot's counter) and the group adding the last piece stores the row.
 // Why fast: group_row speed on the ordinary rows, while a hub row is spread over len/SR_SEG
 // groups instead of serializing one warp (power-law graphs, arrow matrices).
 // Needs: SR_BLOCK, SR_N, SR_LANES, SR_VEC, SR_TB, SR_PASSES, SR_UNROLL, SR_SEG.
+#define SR_HUB (((SR_N + 3) / 4) * 4 + 4)  // floats per hub slot (16-byte aligned; counter last)
 extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int* __restrict__ rowptr, const int* __restrict__ col, const T* __restrict__ val,
     const T* __restrict__ x, T* __restrict__ y, const int* __restrict__ aux,
@@ -11,18 +14,47 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
 {
     const int seg = (int)((blockIdx.x * (unsigned)SR_BLOCK + threadIdx.x) / SR_LANES);
     const int gl = threadIdx.x % SR_LANES;
-    if (seg >= parts) return;  // no shuffles in this kernel
+    if (seg >= parts) return;  // a whole group returns: its lanes share seg
     const int row = __ldg(aux + seg);
     const int start = __ldg(aux + parts + seg);
     const int rbeg = __ldg(rowptr + row), rend = __ldg(rowptr + row + 1);
     const int end = min(start + SR_SEG, rend);
     const bool whole = start == rbeg && end == rend;
+#if SR_DTYPE != 0
+    float* hub = work + (size_t)(whole ? 0 : __ldg(aux + 2 * parts + seg)) * SR_HUB;
+#endif
 #pragma unroll 1
     for (int pass = 0; pass < SR_PASSES; ++pass) {
         const int col0 = pass * SR_TB * SR_W + gl * SR_VEC;
         float acc[SR_TB][SR_VEC];
         sr_acc_zero(acc);
         sr_row_accumulate(acc, col, val, x, start, end, col0);
+#if SR_DTYPE != 0
+        if (!whole) {
+#pragma unroll
+            for (int t = 0; t < SR_TB; ++t) {
+                const int cc = col0 + t * SR_W;
+                if (SR_EXACT || cc < SR_N) sr_atomicv_f32<SR_VEC>(hub + cc, acc[t]);
+            }
+            continue;
+        }
+#endif
         sr_flush(y, row, col0, acc, !whole);
     }
+#if SR_DTYPE != 0
+    if (!whole && sr_hub_last<SR_LANES>(reinterpret_cast<int*>(hub + SR_HUB - 4), (rend - rbeg + SR_SEG - 1) / SR_SEG)) {
+#pragma unroll 1
+        for (int pass = 0; pass < SR_PASSES; ++pass) {
+            const int col0 = pass * SR_TB * SR_W + gl * SR_VEC;
+            float acc[SR_TB][SR_VEC];
+#pragma unroll
+            for (int t = 0; t < SR_TB; ++t) {
+                const int cc = col0 + t * SR_W;
+#pragma unroll
+                for (int i = 0; i < SR_VEC; ++i) acc[t][i] = (SR_EXACT || cc < SR_N) ? __ldcg(hub + cc + i) : 0.f;
+            }
+            sr_flush(y, row, col0, acc, false);
+        }
+    }
+#endif
 }

@@ -1,6 +1,7 @@
 // Family rowchunks (SpMV): split=rowchunks(SR_SEG); SR_LANES lanes per segment of at most SR_SEG
 // nonzeros of one row, reduced with shuffles; single-segment rows stored, hub rows atomically
-// added (init=zero). Why fast: vector_row on ordinary rows with hubs cut into equal pieces, so
+// added (init=zero; for the half types in float32, to the row's workspace slot of work=hubs*2:
+// the sum, then a counter, and the group adding the last piece stores it). Why fast: vector_row on ordinary rows with hubs cut into equal pieces, so
 // one 10^5-nonzero row no longer decides the runtime (power-law, arrow).
 // Needs: SR_BLOCK, SR_LANES, SR_UNROLL, SR_SEG.
 extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
@@ -38,6 +39,16 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
 #endif
 #if SR_LANES > 1
     sum = sr_group_sum<SR_LANES>(sum);
+#endif
+#if SR_DTYPE != 0
+    if (row >= 0 && !whole) {  // a whole group: its lanes share seg
+        float* hub = work + 2 * (size_t)__ldg(aux + 2 * parts + seg);
+        if (lane == 0) atomicAdd(hub, sum);
+        const int rlen = __ldg(rowptr + row + 1) - __ldg(rowptr + row);
+        if (sr_hub_last<SR_LANES>(reinterpret_cast<int*>(hub + 1), (rlen + SR_SEG - 1) / SR_SEG) && lane == 0)
+            sr_st(y + row, __ldcg(hub));
+        return;
+    }
 #endif
     if (row >= 0 && lane == 0) {
         if (whole) sr_st(y + row, sum); else sr_atomic(y + row, sum);
