@@ -179,6 +179,7 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
     where the runtime is off. Nothing is recorded inside a CUDA graph capture, or for what C++
     does not serve (half-precision cuSPARSE products, inference-mode indices, kernels without a
     C launcher)."""
+    global _owner
     from . import pattern as patterns
     from . import runtime as rt
 
@@ -198,8 +199,9 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
     used, rowptr, colidx, perm = entry, None, None, None
     if transposed:
         used, rowptr, colidx, perm = entry.transpose(crow, col)
-    with _lock:  # the state is read under the lock that forget() takes: a decision landing now
-        global _owner  # either is read here or empties the registry after this entry is in
+    # the state is read under the lock that forget() takes: a decision landing meanwhile is
+    # either read here or empties the registry after this entry is in
+    with _lock:
         state = runtime.state(base, used, n, val.dtype)
         args = None
         if isinstance(state, rt.Installed):

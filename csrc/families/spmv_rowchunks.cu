@@ -1,8 +1,9 @@
 // Family rowchunks (SpMV): split=rowchunks(SR_SEG); SR_LANES lanes per segment of at most SR_SEG
 // nonzeros of one row, reduced with shuffles; single-segment rows stored, hub rows atomically
 // added (init=zero; for the half types in float32, to the row's workspace slot of work=hubs*2:
-// the sum, then a counter, and the group adding the last piece stores it). Why fast: vector_row on ordinary rows with hubs cut into equal pieces, so
-// one 10^5-nonzero row no longer decides the runtime (power-law, arrow).
+// the sum, then a counter, and the group adding the last piece stores it). Why fast: vector_row
+// on ordinary rows with hubs cut into equal pieces, so one 10^5-nonzero row no longer decides
+// the runtime (power-law, arrow).
 // Needs: SR_BLOCK, SR_LANES, SR_UNROLL, SR_SEG.
 extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int* __restrict__ rowptr, const int* __restrict__ col, const T* __restrict__ val,
