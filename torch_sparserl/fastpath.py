@@ -11,8 +11,9 @@ tensors (alive, unmodified), op, ``ncols``, N and dtype, operands of the same si
 launches the installed kernel through its C launcher, or runs cuSPARSE where the runtime
 decided that no kernel beats it. Anything else goes to ``sparserl_direct::<op>``, the Python
 implementation, which checks, raises the operators' errors, decides, and records what served
-the call (:func:`record`). Nothing is decided in C++; the registry is emptied whenever the
-runtime changes (:func:`forget`).
+the call (:func:`record`), cuSPARSE too while a decision is still pending. Nothing is decided
+in C++; the registry is emptied whenever the runtime changes or a pending decision lands
+(:func:`forget`).
 
 An entry keeps what it serves with (int32 index copies, the transposed pattern, plan data, the
 transposed values while they stay the same), and only weak references to the call's own
