@@ -39,14 +39,16 @@ INTERVALS: list[tuple[str, str, float, float]] = []
 EPOCHS: list[tuple[float, float]] = []
 
 
-def _record(name: str, fn):
+def _record(name, fn):
+    """``fn``, each call recorded as an interval named ``name`` (or ``name(*args)``)."""
     @functools.wraps(fn)
     def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            INTERVALS.append((name, threading.current_thread().name, start, time.perf_counter()))
+            label = name(*args) if callable(name) else name
+            INTERVALS.append((label, threading.current_thread().name, start, time.perf_counter()))
     return timed
 
 
@@ -64,17 +66,7 @@ def instrument() -> None:
     # samples, the candidates' builds and timings)
     sb.Sandbox._ensure_worker = _record("worker start", sb.Sandbox._ensure_worker)
     sb.Sandbox._ensure_matrix = _record("worker matrix", sb.Sandbox._ensure_matrix)
-    run = sb.Sandbox.run
-
-    @functools.wraps(run)
-    def run_named(self, task, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return run(self, task, *args, **kwargs)
-        finally:
-            INTERVALS.append((f"worker {task.rpartition(':')[2]}", threading.current_thread().name, start,
-                              time.perf_counter()))
-    sb.Sandbox.run = run_named
+    sb.Sandbox.run = _record(lambda self, task, *rest: f"worker {task.rpartition(':')[2]}", sb.Sandbox.run)
     rt.fingerprint = _record("fingerprint", rt.fingerprint)
     rt.run_kept = _record("run_kept", rt.run_kept)
     rt._bind_spec = _record("_bind_spec", rt._bind_spec)

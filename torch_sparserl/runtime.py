@@ -670,9 +670,8 @@ def configure(settings: RuntimeSettings | None = None, **changes) -> Runtime:
         base = settings or (previous.settings if previous is not None else RuntimeSettings.from_env())
         new_settings = dataclasses.replace(base, **changes)
         _ACTIVE = Runtime(new_settings, cache=previous._cache if previous is not None else None)
-    fastpath.forget(previous)
     if previous is not None:
-        previous.close()
+        previous.close()  # which empties the C++ registry of its decisions
     return _ACTIVE
 
 
