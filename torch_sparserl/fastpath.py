@@ -215,7 +215,7 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
         elif val.dtype not in _HALF and (
                 (isinstance(state, rt.Fallback) and (state.decided or not runtime.settings.strict))
                 or isinstance(state, rt.Pending)
-                or (state is None and (runtime.settings.mode == "off" or X.device.type not in runtime.devices))):
+                or (state is None and not runtime.decides_on(X.device))):
             args = (0, [0, 0, 0], None, [0] * 5, False, 0)
         if args is None:
             return

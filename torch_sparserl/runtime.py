@@ -225,6 +225,10 @@ class Runtime:
         fastpath.fold(self)
         return self._stats
 
+    def decides_on(self, device: torch.device) -> bool:
+        """Whether products on ``device`` get decisions (kernels) here; where not, cuSPARSE serves."""
+        return self.settings.mode != "off" and device.type in self.devices
+
     @property
     def generation(self) -> int:
         """Tells this runtime's states on a Pattern from another runtime's."""
@@ -248,7 +252,7 @@ class Runtime:
         n = 1 if op == "spmv" else X.shape[1]
         state = pattern.specializations.get((self._generation, op, n, val.dtype))
         if state is None:
-            if self.settings.mode == "off" or X.device.type not in self.devices:
+            if not self.decides_on(X.device):
                 return None
             state = self._resolve(op, n, pattern, crow, col, val.dtype)
         elif state.__class__ is Pending and state.future.done():
@@ -287,7 +291,7 @@ class Runtime:
         slot = (self._generation, f"spmm+{epilogue}", n, val.dtype)
         state = pattern.specializations.get(slot)
         if state is None or (state.__class__ is Pending and state.future.done()):
-            if self.settings.mode == "off" or X.device.type not in self.devices:
+            if not self.decides_on(X.device):
                 return None
             state = self._resolve_fused(pattern, slot, crow, col, val.dtype, n, epilogue)
         if state.__class__ is not Installed:
@@ -363,7 +367,7 @@ class Runtime:
                       dtype: torch.dtype):
         """Decide the kernel for a product that has not run yet (the backend calls this at
         compile time); returns the state, Pending in background mode."""
-        if self.settings.mode == "off" or col.device.type not in self.devices:
+        if not self.decides_on(col.device):
             return None
         slot = (self._generation, op, n, dtype)
         return pattern.specializations.get(slot) or self._resolve(op, n, pattern, crow, col, dtype)
