@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     import torch_sparserl.pyg  # noqa: F401
 
     device = torch.device(args.device)
-    graph = bench.prepare_graph(args.graph, device)
+    graph = bench.prepare_graph(args.graph, device, models=[args.model])
     doc = {"graph": args.graph, "model": args.model, "hidden": args.hidden, "device": str(device),
            "command": " ".join(["python benchmarks/profile_epoch.py"] + (argv if argv is not None else sys.argv[1:])),
            "ways": {}}
