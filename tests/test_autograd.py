@@ -116,3 +116,18 @@ def test_an_eager_backward_skips_the_dispatch_and_a_double_backward_keeps_it(dev
     out = ops.spmm(crow, col, v, A.shape[1], X)
     torch.autograd.grad(out.square().sum(), (v, X), create_graph=True)
     assert sorted(dispatched) == ["sddmm", "spmm_transposed"]  # the graph of the gradient needs the operators
+
+
+@pytest.mark.parametrize("name", ["random", "empty rows in the middle", "short and huge rows"])
+def test_heads_gradcheck(device, name):
+    """The heads products, first and second order, for the attention and the features."""
+    A = make_pattern(name, seed=35)
+    crow, col, _ = to_parts(A, torch.float64, torch.int32, device)
+    val = torch.randn(A.nnz, 3, dtype=torch.float64, device=device)
+    X = torch.randn(A.shape[1], 3, 2, dtype=torch.float64, device=device)
+    G = torch.randn(A.shape[0], 3, 2, dtype=torch.float64, device=device)
+    spmm = lambda v, x: ops.spmm_heads(crow, col, v, A.shape[1], x)  # noqa: E731
+    assert gradcheck(spmm, (_leaf(val), _leaf(X)))
+    assert gradgradcheck(spmm, (_leaf(val), _leaf(X)))
+    assert gradcheck(lambda v, g: ops.spmm_heads_transposed(crow, col, v, A.shape[1], g), (_leaf(val), _leaf(G)))
+    assert gradcheck(lambda y, x: ops.sddmm_heads(crow, col, y, x), (_leaf(G), _leaf(X)))

@@ -37,6 +37,13 @@ def _samples(op, device):
             out.append((crow, col, val, n, torch.randn(n, 5, **f64), torch.randn(m, 1, **f64), torch.randn(5, **f64), True))
             out.append((crow, col, val, n, torch.randn(n, 5, **f64), None, torch.randn(1, 5, **f64), False))
             out.append((crow, col, val, n, torch.randn(n, 5, **f64), torch.randn(m, **f64), None, True))
+        elif op in ("spmm_heads", "spmm_heads_transposed"):
+            rows = n if op == "spmm_heads" else m
+            out.append((crow, col, torch.randn(col.shape[0], 3, device=device, dtype=torch.float64, **grad), n,
+                        torch.randn(rows, 3, 4, device=device, dtype=torch.float64, **grad)))
+        elif op == "sddmm_heads":
+            out.append((crow, col, torch.randn(m, 3, 4, device=device, dtype=torch.float64, **grad),
+                        torch.randn(n, 3, 4, device=device, dtype=torch.float64, **grad)))
         elif op == "sddmm":
             out.append((crow, col, torch.randn(m, 5, device=device, dtype=torch.float64, **grad),
                         torch.randn(n, 5, device=device, dtype=torch.float64, **grad)))
@@ -49,7 +56,8 @@ def _without_grad(args):
 
 def test_every_op_has_samples():
     ops = registered_ops()
-    assert {"spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm"} <= set(ops)
+    assert {"spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm", "spmm_heads", "spmm_heads_transposed",
+            "sddmm_heads"} <= set(ops)
     for op in ops:
         assert _samples(op, "cpu"), f"sparserl::{op} has no opcheck samples"
 
@@ -68,7 +76,8 @@ def test_implementation_twin_opcheck(op, device, twins):
     autograd kernel to check."""
     public = getattr(torch.ops.sparserl, op).default
     if public not in twins:
-        assert twins is FAST_OPS and op in ("sddmm", "spmm_epilogue")
+        assert twins is FAST_OPS and op in ("sddmm", "spmm_epilogue", "spmm_heads", "spmm_heads_transposed",
+                                            "sddmm_heads")
         return
     twin = twins[public]
     assert str(twin._schema).split("::", 1)[1] == str(public._schema).split("::", 1)[1]

@@ -83,6 +83,83 @@ def test_sddmm(device, dtype, index_dtype, name, n):
     assert_close_to_reference(out, ref_sddmm(crow, col, Y, X), dtype)
 
 
+def _heads_operand(rows, heads, c, dtype, device, seed, *, contiguous=True):
+    g = torch.Generator().manual_seed(seed)
+    if contiguous:
+        return torch.randn(rows, heads, c, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    wide = torch.randn(rows, heads, 2 * c, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    return wide[:, :, ::2]
+
+
+@pytest.mark.parametrize("dtype", VALUE_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=INDEX_IDS)
+@pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.parametrize("heads", [1, 4])
+def test_heads_products(device, dtype, index_dtype, name, heads):
+    """spmm_heads, its transpose and sddmm_heads (one product for every head, on the pattern's
+    block-diagonal form): each head against the float64 reference of its own product."""
+    A = make_pattern(name, seed=13 + heads)
+    crow, col, _ = to_parts(A, dtype, index_dtype, device)
+    (m, n), c = A.shape, 6
+    val = _heads_operand(A.nnz, heads, 1, dtype, device, 14)[:, :, 0]
+    X = _heads_operand(n, heads, c, dtype, device, 15, contiguous=heads == 1)
+    G = _heads_operand(m, heads, c, dtype, device, 16)
+    out = ops.spmm_heads(crow, col, val, n, X)
+    out_t = ops.spmm_heads_transposed(crow, col, val, n, G)
+    out_s = ops.sddmm_heads(crow, col, G, X)
+    assert out.shape == (m, heads, c) and out_t.shape == (n, heads, c) and out_s.shape == (A.nnz, heads)
+    assert out.dtype == out_t.dtype == out_s.dtype == dtype
+    for h in range(heads):
+        assert_close_to_reference(out[:, h], ref_spmm(crow, col, val[:, h], n, X[:, h]), dtype)
+        assert_close_to_reference(out_t[:, h], ref_spmm_transposed(crow, col, val[:, h], n, G[:, h]), dtype)
+        assert_close_to_reference(out_s[:, h], ref_sddmm(crow, col, G[:, h], X[:, h]), dtype)
+
+
+def test_heads_pattern_is_block_diagonal_and_computed_once(device):
+    """Pattern.with_heads: row i*H + h holds head h of row i at columns col*H + h, in the
+    order ``order`` gives the flattened (nnz, H) values, ``position`` undoes it; computed once."""
+    from torch_sparserl import pattern as patterns
+
+    A = make_pattern("short and huge rows", seed=17)
+    crow, col, _ = to_parts(A, torch.float32, torch.int32, device)
+    heads = 3
+    entry = patterns.lookup(crow, col, A.shape[1])
+    entry.validate("test", crow, col)  # a validated pattern's derived forms are validated too
+    crow_h, col_h, order, position = entry.with_heads(crow, col, heads)
+    assert entry.with_heads(crow, col, heads)[0] is crow_h  # cached
+    assert crow_h.dtype == col_h.dtype == torch.int32
+    rows = torch.repeat_interleave(torch.arange(A.shape[0]), torch.from_numpy(A.indptr).diff())
+    dense = torch.zeros(A.shape[0] * heads, A.shape[1] * heads)
+    flat = torch.arange(1, A.nnz * heads + 1, dtype=torch.float32).view(A.nnz, heads)  # distinct values
+    for h in range(heads):
+        dense[rows * heads + h, torch.from_numpy(A.indices).long() * heads + h] = flat[:, h]
+    val_h = flat.reshape(-1).to(device).index_select(0, order)
+    ours = torch.sparse_csr_tensor(crow_h.long().cpu(), col_h.long().cpu(), val_h.cpu(), dense.shape).to_dense()
+    torch.testing.assert_close(ours, dense, rtol=0, atol=0)
+    assert torch.equal(val_h.index_select(0, position).view(A.nnz, heads).cpu(), flat)
+    assert bool((crow_h.diff() >= 0).all()) and patterns.validated(crow_h, col_h, A.shape[1] * heads) is not None
+
+
+def test_heads_errors_are_named():
+    A = make_pattern("random", seed=18)
+    crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
+    n = A.shape[1]
+    val, X = torch.randn(A.nnz, 2), torch.randn(n, 2, 4)
+    with pytest.raises(ValueError, match=r"sparserl.spmm_heads: val must be 2-D"):
+        ops.spmm_heads(crow, col, val[:, 0], n, X)
+    with pytest.raises(ValueError, match=r"sparserl.spmm_heads: val must have shape \(nnz, heads\)"):
+        ops.spmm_heads(crow, col, val[1:], n, X)
+    with pytest.raises(ValueError, match=r"sparserl.spmm_heads: X must have 2 heads"):
+        ops.spmm_heads(crow, col, val, n, torch.randn(n, 3, 4))
+    with pytest.raises(TypeError, match=r"sparserl.spmm_heads_transposed: G must have the dtype"):
+        ops.spmm_heads_transposed(crow, col, val, n, torch.randn(A.shape[0], 2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"sparserl.sddmm_heads: X must have 2 heads"):
+        ops.sddmm_heads(crow, col, torch.randn(A.shape[0], 2, 4), torch.randn(n, 1, 4))
+    many = torch.zeros(1).expand(A.nnz, 2**26)  # more heads than int32 indices can number
+    with pytest.raises(ValueError, match=r"sparserl.spmm_heads: 67108864 heads .* need indices beyond torch.int32"):
+        ops.spmm_heads(crow, col, many, n, torch.zeros(1).expand(n, 2**26, 1))
+
+
 def test_fresh_data_every_trial(device):
     """Same pattern, new values and operands each time: nothing is reused between calls."""
     A = make_pattern("random", seed=12)
@@ -133,3 +210,21 @@ def test_half_types_accumulate_in_float32(device):
         X = torch.ones(n, 2, dtype=dtype, device=device)
         out = ops.spmm(crow, col, val, n, X)
         assert out.float().tolist() == [[4096.0, 4096.0]]
+
+
+def test_decisions_name_the_heads_forms():
+    """Runtime.decisions lists the products on the block-diagonal forms of attention heads."""
+    from torch_sparserl import runtime as rt
+
+    A = make_pattern("random", seed=19)
+    crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
+    val, X = torch.randn(A.nnz, 2), torch.randn(A.shape[1], 2, 4)
+    ops.spmm_heads(crow, col, val, A.shape[1], X)
+    labels = rt.active().decisions(crow, col, A.shape[1])  # nothing decided on the CPU: no entries
+    assert all(label.startswith(("A ", "At ")) for label in labels)
+    from torch_sparserl import pattern as patterns
+    forms = patterns.lookup(crow, col, A.shape[1]).heads_forms()
+    assert [(heads, t) for heads, _, t in forms] == [(2, None)]
+    ops.spmm_heads_transposed(crow, col, val, A.shape[1], torch.randn(A.shape[0], 2, 4))
+    (heads, form, form_t), = patterns.lookup(crow, col, A.shape[1]).heads_forms()
+    assert heads == 2 and form.nrows == 2 * A.shape[0] and form_t is not None and form_t.nrows == 2 * A.shape[1]

@@ -8,13 +8,20 @@
 ``sparserl::sddmm(crow, col, Y, X)``                       out[k] = dot(Y[row(k)], X[col(k)])
 ``sparserl::spmm_epilogue(crow, col, val, ncols, X,``      relu(scale[:, None] * (A @ X) + bias),
 ``scale, bias, relu)``                                     each step optional (post-grad fusion)
+``sparserl::spmm_heads(crow, col, val, ncols, X)``         out[:, h] = A_h @ X[:, h], val (nnz, H),
+                                                           X (ncols, H, C): attention heads
+``sparserl::spmm_heads_transposed(crow, col, val,``        out[:, h] = A_hᵀ @ G[:, h]
+``ncols, G)``
+``sparserl::sddmm_heads(crow, col, Y, X)``                 out[k, h] = dot(Y[row(k), h], X[col(k), h])
 =========================================================  ==================================
 
 A is the CSR matrix ``(crow, col, val)`` with ``crow.numel() - 1`` rows and ``ncols``
 columns. The transposed operators run on the transposed *pattern*, which is computed once
 per pattern and cached (:mod:`torch_sparserl.pattern`); they are what the backward of the
-forward products calls, and SDDMM gives the gradient of the values. All five close under
-differentiation, so higher-order gradients work too.
+forward products calls, and SDDMM gives the gradient of the values. The ``_heads`` operators
+run one product per attention head as a single product on the pattern's block-diagonal form
+(computed once per pattern and number of heads). The products close under differentiation
+(the plain ones among themselves, the heads ones likewise), so higher-order gradients work too.
 
 Each has an implementation-only twin, ``sparserl_direct::<op>`` (:data:`DIRECT_OPS`): the same
 schema, checks, kernels and fake, registered without an autograd kernel. Compiled graphs call
@@ -34,7 +41,8 @@ from .kernels import vendor
 from .dtypes import VALUE_DTYPES
 from .validation import check_csr_meta, check_dense, check_tensor, require
 
-__all__ = ["spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm", "spmm_epilogue", "NAMESPACE"]
+__all__ = ["spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm", "spmm_epilogue", "spmm_heads",
+           "spmm_heads_transposed", "sddmm_heads", "NAMESPACE"]
 
 NAMESPACE = "sparserl"
 
@@ -286,6 +294,163 @@ def _sddmm_backward(ctx, grad):
 sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
 
 
+# -------------------------------------------------------------------------- heads
+#
+# A graph attention layer sums each head's messages with that head's attention as the
+# matrix's values: ``heads`` products on one pattern. These operators run them as one product
+# on the pattern's block-diagonal, node-major form (Pattern.with_heads, computed once), so a
+# layer launches one kernel, specialized to that form, instead of one per head, and reads its
+# features and writes its output as they lie.
+
+_INDEX_LIMIT = {torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
+
+
+def _check_heads_val(op: str, col: Tensor, val: Tensor) -> int:
+    """``val`` of a heads product: ``(nnz, heads)``, a value dtype, on the pattern's device;
+    returns ``heads``."""
+    check_tensor(op, "val", val, dim=2, dtypes=VALUE_DTYPES)
+    require(op, val.shape[0] == col.shape[0] and val.shape[1] >= 1,
+            f"val must have shape (nnz, heads) = ({col.shape[0]}, heads >= 1) (got {tuple(val.shape)})")
+    if val.device != col.device:
+        raise ValueError(f"{op}: val must be on the device of the sparse pattern, {col.device} (got {val.device})")
+    return val.shape[1]
+
+
+def _heads_pattern(op: str, crow: Tensor, col: Tensor, ncols: int, heads: int):
+    """The pattern's block-diagonal form for ``heads`` heads (:meth:`Pattern.with_heads`)."""
+    require(op, max(col.shape[0], ncols, crow.shape[0] - 1) * heads <= _INDEX_LIMIT[col.dtype],
+            f"{heads} heads of a pattern of shape ({crow.shape[0] - 1}, {ncols}) with {col.shape[0]} nonzeros need "
+            f"indices beyond {col.dtype}; use int64 indices")
+    return _pattern(op, crow, col, None, ncols).with_heads(crow, col, heads)
+
+
+def _check_heads_dense(op: str, name: str, t: Tensor, rows: int, rows_name: str, heads: int, like: Tensor) -> None:
+    check_dense(op, name, t, dim=3, rows=rows, rows_name=rows_name, like=like)
+    require(op, t.shape[1] == heads, f"{name} must have {heads} heads, shape ({rows}, {heads}, C) "
+            f"(got {tuple(t.shape)})")
+
+
+def _spmm_heads(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+    op = "sparserl.spmm_heads"
+    check_csr_meta(op, crow, col, None, ncols)
+    heads = _check_heads_val(op, col, val)
+    crow_h, col_h, order, _ = _heads_pattern(op, crow, col, ncols, heads)
+    _check_heads_dense(op, "X", X, ncols, "ncols", heads, val)
+    val_h = val.reshape(-1).index_select(0, order)
+    out = _spmm(crow_h, col_h, val_h, ncols * heads, X.reshape(ncols * heads, X.shape[2]))
+    return out.view(crow.shape[0] - 1, heads, X.shape[2])
+
+
+@torch.library.custom_op("sparserl::spmm_heads", mutates_args=())
+def spmm_heads(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+    """One product per head on one pattern: ``out[:, h] = A_h @ X[:, h]``, A_h the CSR matrix
+    ``(crow, col, val[:, h])``. val is (nnz, heads), X (ncols, heads, C), the result
+    (nrows, heads, C): a graph attention layer's message sum."""
+    return _spmm_heads(crow, col, val, ncols, X)
+
+
+@spmm_heads.register_fake
+def _spmm_heads_fake(crow, col, val, ncols, X):
+    op = "sparserl.spmm_heads"
+    check_csr_meta(op, crow, col, None, ncols)
+    _check_heads_dense(op, "X", X, ncols, "ncols", _check_heads_val(op, col, val), val)
+    return X.new_empty((crow.shape[0] - 1, val.shape[1], X.shape[2]))
+
+
+def _spmm_heads_backward(ctx, grad):
+    crow, col, val, X = ctx.saved_tensors
+    impl = _backward_impls(val, grad, X)
+    grad_val = impl["sddmm_heads"](crow, col, grad, X) if ctx.needs_input_grad[2] else None
+    grad_X = impl["spmm_heads_transposed"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    return None, None, grad_val, None, grad_X
+
+
+spmm_heads.register_autograd(_spmm_heads_backward, setup_context=_spmm_setup)
+
+
+def _spmm_heads_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
+    op = "sparserl.spmm_heads_transposed"
+    check_csr_meta(op, crow, col, None, ncols)
+    heads = _check_heads_val(op, col, val)
+    crow_h, col_h, order, _ = _heads_pattern(op, crow, col, ncols, heads)
+    _check_heads_dense(op, "G", G, crow.shape[0] - 1, "nrows", heads, val)
+    val_h = val.reshape(-1).index_select(0, order)
+    out = _spmm_transposed(crow_h, col_h, val_h, ncols * heads, G.reshape(-1, G.shape[2]))
+    return out.view(ncols, heads, G.shape[2])
+
+
+@torch.library.custom_op("sparserl::spmm_heads_transposed", mutates_args=())
+def spmm_heads_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
+    """``out[:, h] = A_hᵀ @ G[:, h]`` for each head h (see :func:`spmm_heads`): G is
+    (nrows, heads, C), the result (ncols, heads, C)."""
+    return _spmm_heads_transposed(crow, col, val, ncols, G)
+
+
+@spmm_heads_transposed.register_fake
+def _spmm_heads_transposed_fake(crow, col, val, ncols, G):
+    op = "sparserl.spmm_heads_transposed"
+    check_csr_meta(op, crow, col, None, ncols)
+    _check_heads_dense(op, "G", G, crow.shape[0] - 1, "nrows", _check_heads_val(op, col, val), val)
+    return G.new_empty((ncols, val.shape[1], G.shape[2]))
+
+
+def _spmm_heads_transposed_backward(ctx, grad):
+    crow, col, val, G = ctx.saved_tensors
+    impl = _backward_impls(val, grad, G)
+    grad_val = impl["sddmm_heads"](crow, col, G, grad) if ctx.needs_input_grad[2] else None
+    grad_G = impl["spmm_heads"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+    return None, None, grad_val, None, grad_G
+
+
+spmm_heads_transposed.register_autograd(_spmm_heads_transposed_backward, setup_context=_spmm_setup)
+
+
+def _check_sddmm_heads(op: str, crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> None:
+    check_tensor(op, "Y", Y, dim=3, dtypes=VALUE_DTYPES)
+    check_tensor(op, "X", X, dim=3, dtypes=VALUE_DTYPES)
+    check_csr_meta(op, crow, col, None, X.shape[0])
+    if crow.device != Y.device:
+        raise ValueError(f"{op}: Y must be on the device of the sparse pattern, {crow.device} (got {Y.device})")
+    _check_heads_dense(op, "Y", Y, crow.shape[0] - 1, "nrows", Y.shape[1], Y)
+    _check_heads_dense(op, "X", X, X.shape[0], "ncols", Y.shape[1], Y)
+    require(op, X.shape[2] == Y.shape[2],
+            f"Y and X must have the same number of columns C (got Y {tuple(Y.shape)}, X {tuple(X.shape)})")
+
+
+def _sddmm_heads(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
+    op = "sparserl.sddmm_heads"
+    _check_sddmm_heads(op, crow, col, Y, X)
+    heads, ncols = Y.shape[1], X.shape[0]
+    crow_h, col_h, _, position = _heads_pattern(op, crow, col, ncols, heads)
+    out = _sddmm(crow_h, col_h, Y.reshape(-1, Y.shape[2]), X.reshape(-1, X.shape[2]))
+    return out.index_select(0, position).view(col.shape[0], heads)
+
+
+@torch.library.custom_op("sparserl::sddmm_heads", mutates_args=())
+def sddmm_heads(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
+    """SDDMM per head: ``out[k, h] = dot(Y[row(k), h], X[col(k), h])``. Y is (nrows, heads, C),
+    X (ncols, heads, C), the result (nnz, heads): the gradient of :func:`spmm_heads`' values."""
+    return _sddmm_heads(crow, col, Y, X)
+
+
+@sddmm_heads.register_fake
+def _sddmm_heads_fake(crow, col, Y, X):
+    _check_sddmm_heads("sparserl.sddmm_heads", crow, col, Y, X)
+    return Y.new_empty((col.shape[0], Y.shape[1]))
+
+
+def _sddmm_heads_backward(ctx, grad):
+    crow, col, Y, X = ctx.saved_tensors
+    ncols = X.shape[0]
+    impl = _backward_impls(grad, Y, X)
+    grad_Y = impl["spmm_heads"](crow, col, grad, ncols, X) if ctx.needs_input_grad[2] else None
+    grad_X = impl["spmm_heads_transposed"](crow, col, grad, ncols, Y) if ctx.needs_input_grad[3] else None
+    return None, None, grad_Y, grad_X
+
+
+sddmm_heads.register_autograd(_sddmm_heads_backward, setup_context=_sddmm_setup)
+
+
 # ------------------------------------------------------------------ spmm_epilogue
 
 
@@ -364,9 +529,11 @@ def _spmm_epilogue_fake(crow, col, val, ncols, X, scale, bias, relu):
 
 _DIRECT_DEVICES = ("cuda", "cpu")  # not meta: fake tensors go through the operator's fake implementation
 _DIRECT = {"spmm": _spmm, "spmv": _spmv, "spmm_transposed": _spmm_transposed, "spmv_transposed": _spmv_transposed}
-_IMPLS = {**_DIRECT, "sddmm": _sddmm}
+_HEADS = {"spmm_heads": _spmm_heads, "spmm_heads_transposed": _spmm_heads_transposed, "sddmm_heads": _sddmm_heads}
+_IMPLS = {**_DIRECT, "sddmm": _sddmm, **_HEADS}
 _OPERATORS = {"spmm": spmm, "spmv": spmv, "spmm_transposed": spmm_transposed, "spmv_transposed": spmv_transposed,
-              "sddmm": sddmm}
+              "sddmm": sddmm, "spmm_heads": spmm_heads, "spmm_heads_transposed": spmm_heads_transposed,
+              "sddmm_heads": sddmm_heads}
 _BACKWARDS = {"spmm": _spmm_backward, "spmv": _spmv_backward, "spmm_transposed": _spmm_transposed_backward,
               "spmv_transposed": _spmv_transposed_backward}
 
@@ -429,7 +596,9 @@ def eager_product(op: str, crow: Tensor, col: Tensor, val: Tensor, ncols: int, X
 DIRECT_NAMESPACE = "sparserl_direct"
 _direct_library = torch.library.Library(DIRECT_NAMESPACE, "DEF")
 _FAKES = {"spmm": _spmm_fake, "spmv": _spmv_fake, "spmm_transposed": _spmm_transposed_fake,
-          "spmv_transposed": _spmv_transposed_fake, "sddmm": _sddmm_fake, "spmm_epilogue": _spmm_epilogue_fake}
+          "spmv_transposed": _spmv_transposed_fake, "sddmm": _sddmm_fake, "spmm_epilogue": _spmm_epilogue_fake,
+          "spmm_heads": _spmm_heads_fake, "spmm_heads_transposed": _spmm_heads_transposed_fake,
+          "sddmm_heads": _sddmm_heads_fake}
 
 
 def _define_twin(library: torch.library.Library, name: str, impl, *, autograd_fallthrough: bool = False) -> tuple:
@@ -459,7 +628,7 @@ def _recording(op: str, impl):
 
 
 _DISPATCHED = {**{op: _recording(op, impl) for op, impl in _DIRECT.items()}, "sddmm": _sddmm,
-               "spmm_epilogue": _spmm_epilogue}
+               "spmm_epilogue": _spmm_epilogue, **_HEADS}
 
 DIRECT_OPS: dict = dict(_define_twin(_direct_library, name, impl) for name, impl in _DISPATCHED.items())
 """``torch.ops.sparserl.<op>.default`` -> ``torch.ops.sparserl_direct.<op>.default``.

@@ -58,8 +58,8 @@ def find_sparse_sites(graph: torch.fx.Graph) -> list[SparseSite]:
             continue
         value = node.meta.get("val")
         n = None
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and isinstance(value.shape[1], int):
-            n = value.shape[1]
+        if isinstance(value, torch.Tensor) and value.dim() in (2, 3) and isinstance(value.shape[-1], int):
+            n = value.shape[-1]  # (rows, N), or (rows, heads, C) for the heads products
         dtype = str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else "?"
         consumers = tuple(_target_name(user) for user in node.users)
         sites.append(SparseSite(target._opname, n, dtype, consumers))

@@ -99,7 +99,7 @@ class Pattern:
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
-                 "_no_diagonal", "_values_t", "_lock", "fast_recorded", "__weakref__")
+                 "_no_diagonal", "_heads", "_values_t", "_lock", "fast_recorded", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -118,6 +118,7 @@ class Pattern:
         self._transpose: tuple[Pattern, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._diagonal: tuple | None = None
         self._no_diagonal: tuple | None = None
+        self._heads: dict[int, tuple] = {}  # heads -> with_heads(...)
         self._values_t: tuple | None = None  # (weakref to val, its version, val[perm] or None)
         self._lock = threading.Lock()
         self.fast_recorded: set = set()  # what fastpath.record gave the C++ registry
@@ -211,6 +212,55 @@ class Pattern:
                 self._no_diagonal = run_kept(col.device, _without_diagonal, self, crow, col)
                 _STATS["diagonals"] += 1
             return self._no_diagonal
+
+    def with_heads(self, crow: torch.Tensor, col: torch.Tensor, heads: int):
+        """``(crow_h, col_h, order, position)``: the pattern of ``heads`` products on this one
+        at once, as one block-diagonal matrix of ``heads * nrows`` rows and ``heads * ncols``
+        columns, node-major: its row ``i * heads + h`` holds head ``h`` of row ``i``, with
+        columns ``col[k] * heads + h``. Features of shape ``(ncols, heads, C)`` are then its
+        operand as they lie, ``(ncols * heads, C)``, and the product comes out as
+        ``(nrows, heads, C)``; attention values ``(nnz, heads)``, flattened, reach the new
+        order through ``order`` (``val_h = val.reshape(-1)[order]``), and values in the new
+        order go back through ``position`` (``val = val_h[position].view(nnz, heads)``).
+        Computed once per pattern and number of heads, registered and validated like the others.
+        """
+        with self._lock:
+            found = self._heads.get(heads)
+            if found is None:
+                found = self._heads[heads] = run_kept(col.device, _with_heads, self, crow, col, heads)
+            return found
+
+    def heads_forms(self) -> list[tuple[int, "Pattern", "Pattern | None"]]:
+        """``(heads, pattern, its transpose or None)`` of each block-diagonal form computed so
+        far (:meth:`with_heads`), the transpose where a backward has computed it."""
+        with self._lock:
+            found = sorted(self._heads.items())
+        forms = []
+        for heads, (crow_h, col_h, _, _) in found:
+            entry = lookup(crow_h, col_h, self.ncols * heads)
+            forms.append((heads, entry, entry._transpose[0] if entry._transpose is not None else None))
+        return forms
+
+
+def _with_heads(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, heads: int):
+    device, nnz = col.device, pattern.nnz
+    starts = crow.to(torch.int64)
+    rows = pattern.row_indices(crow)
+    lengths = starts[1:] - starts[:-1]
+    head = torch.arange(heads, device=device)
+    first = starts[:-1].unsqueeze(1) * heads + head * lengths.unsqueeze(1)  # (nrows, heads): where row (i, h) starts
+    crow_h = torch.full((pattern.nrows * heads + 1,), nnz * heads, dtype=torch.int64, device=device)
+    crow_h[:-1] = first.reshape(-1)
+    within = torch.arange(nnz, device=device) - starts.index_select(0, rows)
+    position = (first.index_select(0, rows) + within.unsqueeze(1)).reshape(-1)  # of entry (k, h), flat k * heads + h
+    order = torch.empty_like(position)
+    order[position] = torch.arange(nnz * heads, device=device)
+    col_h = torch.empty(nnz * heads, dtype=pattern.index_dtype, device=device)
+    col_h[position] = (col.to(torch.int64).unsqueeze(1) * heads + head).reshape(-1).to(pattern.index_dtype)
+    crow_h = crow_h.to(pattern.index_dtype)
+    entry = lookup(crow_h, col_h, pattern.ncols * heads)
+    entry.validated = pattern.validated
+    return crow_h, col_h, order, position
 
 
 def _without_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):

@@ -15,8 +15,9 @@ an ``edge_index``; the adapter teaches PyG these things, by replacing functions 
 modules (nothing in a model changes):
 
 * ``MessagePassing.propagate`` of every layer class, given a ``CSRMatrix``, runs the layer's
-  fused ``message_and_aggregate`` on it. ``GATConv``'s message and sum become one product per
-  head, the head's attention as the matrix's values (their gradient through SDDMM). The other
+  fused ``message_and_aggregate`` on it. ``GATConv``'s message and sum become one product for
+  all heads (``sparserl::spmm_heads``: the heads' attention as the values of the pattern's
+  block-diagonal form, their gradient through SDDMM). The other
   layers without a fused product (GATv2Conv, TransformerConv, ...) run PyG's own
   gather/scatter path on the same matrix converted to a torch sparse tensor; eager only;
 * ``MessagePassing.edge_updater`` (GATConv's attention) computes its per-edge inputs on the
@@ -239,10 +240,13 @@ def _edge_updater_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
 
 
 def _attention_product(module, A: CSRMatrix, kwargs: dict) -> Tensor | None:
-    """GATConv's message and sum, ``alpha.unsqueeze(-1) * x_j`` summed into each target, as one
-    sparse product per head: the matrix's pattern with that head's attention as its values,
-    times the head's source features. None for any other layer."""
+    """GATConv's message and sum, ``alpha.unsqueeze(-1) * x_j`` summed into each target, as
+    sparse products with the attention as the matrix's values: for several heads one
+    ``sparserl::spmm_heads`` (every head in one product on the pattern's block-diagonal form),
+    for one head a product on the matrix itself. None for any other layer."""
     from torch_geometric.nn.conv.gat_conv import GATConv
+
+    from .csr_matrix import _autocast
 
     if type(module).message is not GATConv.message or module.aggr != "add":
         return None
@@ -251,7 +255,13 @@ def _attention_product(module, A: CSRMatrix, kwargs: dict) -> Tensor | None:
     if not (isinstance(x_src, Tensor) and x_src.dim() == 3 and isinstance(alpha, Tensor)
             and alpha.shape == (A.nnz, x_src.shape[1])):
         return None
-    return torch.stack([A.with_values(alpha[:, h].contiguous()) @ x_src[:, h] for h in range(x_src.shape[1])], dim=1)
+    heads = x_src.shape[1]
+    if heads == 1:
+        return (A.with_values(alpha[:, 0]) @ x_src[:, 0]).unsqueeze(1)
+    if max(A.nnz, *A.shape) * heads > torch.iinfo(A.col.dtype).max:  # indices beyond int32: a product per head
+        return torch.stack([A.with_values(alpha[:, h].contiguous()) @ x_src[:, h] for h in range(heads)], dim=1)
+    alpha, x_src = _autocast(alpha, x_src)
+    return torch.ops.sparserl.spmm_heads(A.crow, A.col, alpha, A.shape[1], x_src)
 
 
 def _propagate_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:

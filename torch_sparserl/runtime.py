@@ -588,13 +588,17 @@ class Runtime:
         return self.describe(self.state(op, pattern, n, dtype))
 
     def decisions(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> dict[str, str]:
-        """What serves each product this runtime was asked for on the pattern (``A``) and on
-        its transpose (``At``, the backward): ``{"A spmm n=128 float32": "installed: ..."}``."""
+        """What serves each product this runtime was asked for on the pattern (``A``), on
+        its transpose (``At``, the backward), and on their block-diagonal forms for attention
+        heads (``A heads=4``, ``At heads=4``): ``{"A spmm n=128 float32": "installed: ..."}``."""
         from .pattern import lookup
 
         entry = lookup(crow, col, ncols)
         found = {}
-        for label, pattern in (("A", entry), ("At", entry.transpose(crow, col)[0])):
+        forms = [("A", entry), ("At", entry.transpose(crow, col)[0])]
+        for heads, form, form_t in entry.heads_forms():
+            forms += [(f"A heads={heads}", form)] + ([(f"At heads={heads}", form_t)] if form_t is not None else [])
+        for label, pattern in forms:
             for (generation, op, n, dtype), state in list(pattern.specializations.items()):
                 if generation == self._generation:
                     found[f"{label} {op} n={n} {str(dtype).replace('torch.', '')}"] = self.describe(state)
