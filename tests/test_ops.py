@@ -138,6 +138,13 @@ def test_heads_pattern_is_block_diagonal_and_computed_once(device):
     torch.testing.assert_close(ours, dense, rtol=0, atol=0)
     assert torch.equal(val_h.index_select(0, position).view(A.nnz, heads).cpu(), flat)
     assert bool((crow_h.diff() >= 0).all()) and patterns.validated(crow_h, col_h, A.shape[1] * heads) is not None
+    # its transpose, with the values' order composed into one gather
+    form_t, crow_t, col_t, order_t = entry.with_heads_transposed(crow, col, heads)
+    assert entry.with_heads_transposed(crow, col, heads)[3] is order_t  # cached
+    val_t = flat.reshape(-1).to(device).index_select(0, order_t)
+    ours_t = torch.sparse_csr_tensor(crow_t.long().cpu(), col_t.long().cpu(), val_t.cpu(), dense.T.shape).to_dense()
+    torch.testing.assert_close(ours_t, dense.T, rtol=0, atol=0)
+    assert [(h, t is form_t) for h, _, t in entry.heads_forms()] == [(heads, True)]
 
 
 def test_heads_errors_are_named():

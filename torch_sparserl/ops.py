@@ -316,12 +316,13 @@ def _check_heads_val(op: str, col: Tensor, val: Tensor) -> int:
     return val.shape[1]
 
 
-def _heads_pattern(op: str, crow: Tensor, col: Tensor, ncols: int, heads: int):
-    """The pattern's block-diagonal form for ``heads`` heads (:meth:`Pattern.with_heads`)."""
+def _heads_entry(op: str, crow: Tensor, col: Tensor, ncols: int, heads: int) -> patterns.Pattern:
+    """The pattern, checked, whose block-diagonal form for ``heads`` heads
+    (:meth:`Pattern.with_heads`) can be numbered with its index dtype."""
     require(op, max(col.shape[0], ncols, crow.shape[0] - 1) * heads <= _INDEX_LIMIT[col.dtype],
             f"{heads} heads of a pattern of shape ({crow.shape[0] - 1}, {ncols}) with {col.shape[0]} nonzeros need "
             f"indices beyond {col.dtype}; use int64 indices")
-    return _pattern(op, crow, col, None, ncols).with_heads(crow, col, heads)
+    return _pattern(op, crow, col, None, ncols)
 
 
 def _check_heads_dense(op: str, name: str, t: Tensor, rows: int, rows_name: str, heads: int, like: Tensor) -> None:
@@ -334,7 +335,7 @@ def _spmm_heads(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -
     op = "sparserl.spmm_heads"
     check_csr_meta(op, crow, col, None, ncols)
     heads = _check_heads_val(op, col, val)
-    crow_h, col_h, order, _ = _heads_pattern(op, crow, col, ncols, heads)
+    crow_h, col_h, order, _ = _heads_entry(op, crow, col, ncols, heads).with_heads(crow, col, heads)
     _check_heads_dense(op, "X", X, ncols, "ncols", heads, val)
     val_h = val.reshape(-1).index_select(0, order)
     out = _spmm(crow_h, col_h, val_h, ncols * heads, X.reshape(ncols * heads, X.shape[2]))
@@ -372,10 +373,11 @@ def _spmm_heads_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G
     op = "sparserl.spmm_heads_transposed"
     check_csr_meta(op, crow, col, None, ncols)
     heads = _check_heads_val(op, col, val)
-    crow_h, col_h, order, _ = _heads_pattern(op, crow, col, ncols, heads)
+    entry = _heads_entry(op, crow, col, ncols, heads)
     _check_heads_dense(op, "G", G, crow.shape[0] - 1, "nrows", heads, val)
-    val_h = val.reshape(-1).index_select(0, order)
-    out = _spmm_transposed(crow_h, col_h, val_h, ncols * heads, G.reshape(-1, G.shape[2]))
+    form_t, crow_t, col_t, order_t = entry.with_heads_transposed(crow, col, heads)
+    out = _product("spmm", form_t, crow_t, col_t, val.reshape(-1).index_select(0, order_t),
+                   G.reshape(-1, G.shape[2]))
     return out.view(ncols, heads, G.shape[2])
 
 
@@ -421,7 +423,7 @@ def _sddmm_heads(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
     op = "sparserl.sddmm_heads"
     _check_sddmm_heads(op, crow, col, Y, X)
     heads, ncols = Y.shape[1], X.shape[0]
-    crow_h, col_h, _, position = _heads_pattern(op, crow, col, ncols, heads)
+    crow_h, col_h, _, position = _heads_entry(op, crow, col, ncols, heads).with_heads(crow, col, heads)
     out = _sddmm(crow_h, col_h, Y.reshape(-1, Y.shape[2]), X.reshape(-1, X.shape[2]))
     return out.index_select(0, position).view(col.shape[0], heads)
 

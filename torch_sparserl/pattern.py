@@ -99,7 +99,7 @@ class Pattern:
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
-                 "_no_diagonal", "_heads", "_values_t", "_lock", "fast_recorded", "__weakref__")
+                 "_no_diagonal", "_heads", "_heads_t", "_values_t", "_lock", "fast_recorded", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -119,6 +119,7 @@ class Pattern:
         self._diagonal: tuple | None = None
         self._no_diagonal: tuple | None = None
         self._heads: dict[int, tuple] = {}  # heads -> with_heads(...)
+        self._heads_t: dict[int, tuple] = {}  # heads -> with_heads_transposed(...)
         self._values_t: tuple | None = None  # (weakref to val, its version, val[perm] or None)
         self._lock = threading.Lock()
         self.fast_recorded: set = set()  # what fastpath.record gave the C++ registry
@@ -229,6 +230,19 @@ class Pattern:
             if found is None:
                 found = self._heads[heads] = run_kept(col.device, _with_heads, self, crow, col, heads)
             return found
+
+    def with_heads_transposed(self, crow: torch.Tensor, col: torch.Tensor, heads: int):
+        """``(pattern_t, crow_t, col_t, order_t)``: the transpose of :meth:`with_heads`' form
+        (cached by that form), and where each of its nonzeros' values lies in the flattened
+        ``(nnz, heads)`` values: ``val_t = val.reshape(-1)[order_t]``, one gather where going
+        through the form's order and then the transpose's would take two."""
+        crow_h, col_h, order, _ = self.with_heads(crow, col, heads)
+        form_t, crow_t, col_t, perm = lookup(crow_h, col_h, self.ncols * heads).transpose(crow_h, col_h)
+        with self._lock:
+            order_t = self._heads_t.get(heads)
+            if order_t is None:
+                order_t = self._heads_t[heads] = run_kept(col.device, torch.index_select, order, 0, perm)
+        return form_t, crow_t, col_t, order_t
 
     def heads_forms(self) -> list[tuple[int, "Pattern", "Pattern | None"]]:
         """``(heads, pattern, its transpose or None)`` of each block-diagonal form computed so
