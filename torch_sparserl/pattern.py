@@ -274,7 +274,9 @@ def _with_heads(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, heads: 
     crow_h = crow_h.to(pattern.index_dtype)
     entry = lookup(crow_h, col_h, pattern.ncols * heads)
     entry.validated = pattern.validated
-    return crow_h, col_h, order, position
+    # gather indices in the pattern's index dtype: half the memory for int32 patterns, whose
+    # form's positions fit int32 by the operators' check
+    return crow_h, col_h, order.to(pattern.index_dtype), position.to(pattern.index_dtype)
 
 
 def _without_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
