@@ -339,7 +339,7 @@ def _spmm_heads(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -
     _check_heads_dense(op, "X", X, ncols, "ncols", heads, val)
     val_h = val.reshape(-1).index_select(0, order)
     out = _spmm(crow_h, col_h, val_h, ncols * heads, X.reshape(ncols * heads, X.shape[2]))
-    return out.view(crow.shape[0] - 1, heads, X.shape[2])
+    return out.reshape(crow.shape[0] - 1, heads, X.shape[2])
 
 
 @torch.library.custom_op("sparserl::spmm_heads", mutates_args=())
@@ -378,7 +378,7 @@ def _spmm_heads_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G
     form_t, crow_t, col_t, order_t = entry.with_heads_transposed(crow, col, heads)
     out = _product("spmm", form_t, crow_t, col_t, val.reshape(-1).index_select(0, order_t),
                    G.reshape(-1, G.shape[2]))
-    return out.view(ncols, heads, G.shape[2])
+    return out.reshape(ncols, heads, G.shape[2])
 
 
 @torch.library.custom_op("sparserl::spmm_heads_transposed", mutates_args=())
@@ -425,7 +425,7 @@ def _sddmm_heads(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
     heads, ncols = Y.shape[1], X.shape[0]
     crow_h, col_h, _, position = _heads_entry(op, crow, col, ncols, heads).with_heads(crow, col, heads)
     out = _sddmm(crow_h, col_h, Y.reshape(-1, Y.shape[2]), X.reshape(-1, X.shape[2]))
-    return out.index_select(0, position).view(col.shape[0], heads)
+    return out.index_select(0, position).reshape(col.shape[0], heads)
 
 
 @torch.library.custom_op("sparserl::sddmm_heads", mutates_args=())
