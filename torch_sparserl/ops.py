@@ -109,14 +109,45 @@ def _backward_impls(*tensors) -> dict:
     return _OPERATORS
 
 
-def _spmm_backward(ctx, grad):
-    crow, col, val, X = ctx.saved_tensors
-    impl = _backward_impls(val, grad, X)
-    grad_val = impl["sddmm"](crow, col, grad, X) if ctx.needs_input_grad[2] else None
-    grad_X = impl["spmm_transposed"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
-    return None, None, grad_val, None, grad_X
+def _spmm_backward_of(kind: str = ""):
+    """The backward of ``spmm<kind>`` (``""`` or ``"_heads"``): the values' gradient by
+    ``sddmm<kind>``, the features' by ``spmm<kind>_transposed``."""
+    def backward(ctx, grad):
+        crow, col, val, X = ctx.saved_tensors
+        impl = _backward_impls(val, grad, X)
+        grad_val = impl[f"sddmm{kind}"](crow, col, grad, X) if ctx.needs_input_grad[2] else None
+        grad_X = impl[f"spmm{kind}_transposed"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+        return None, None, grad_val, None, grad_X
+
+    return backward
 
 
+def _spmm_transposed_backward_of(kind: str = ""):
+    """The backward of ``spmm<kind>_transposed``: ``sddmm<kind>`` and ``spmm<kind>``."""
+    def backward(ctx, grad):
+        crow, col, val, G = ctx.saved_tensors
+        impl = _backward_impls(val, grad, G)
+        grad_val = impl[f"sddmm{kind}"](crow, col, G, grad) if ctx.needs_input_grad[2] else None
+        grad_G = impl[f"spmm{kind}"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
+        return None, None, grad_val, None, grad_G
+
+    return backward
+
+
+def _sddmm_backward_of(kind: str = ""):
+    """The backward of ``sddmm<kind>``: ``spmm<kind>`` and ``spmm<kind>_transposed``."""
+    def backward(ctx, grad):
+        crow, col, Y, X = ctx.saved_tensors
+        ncols = X.shape[0]
+        impl = _backward_impls(grad, Y, X)
+        grad_Y = impl[f"spmm{kind}"](crow, col, grad, ncols, X) if ctx.needs_input_grad[2] else None
+        grad_X = impl[f"spmm{kind}_transposed"](crow, col, grad, ncols, Y) if ctx.needs_input_grad[3] else None
+        return None, None, grad_Y, grad_X
+
+    return backward
+
+
+_spmm_backward = _spmm_backward_of()
 spmm.register_autograd(_spmm_backward, setup_context=_spmm_setup)
 
 
@@ -145,14 +176,7 @@ def _spmm_transposed_fake(crow, col, val, ncols, G):
     return G.new_empty((ncols, G.shape[1]))
 
 
-def _spmm_transposed_backward(ctx, grad):
-    crow, col, val, G = ctx.saved_tensors
-    impl = _backward_impls(val, grad, G)
-    grad_val = impl["sddmm"](crow, col, G, grad) if ctx.needs_input_grad[2] else None
-    grad_G = impl["spmm"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
-    return None, None, grad_val, None, grad_G
-
-
+_spmm_transposed_backward = _spmm_transposed_backward_of()
 spmm_transposed.register_autograd(_spmm_transposed_backward, setup_context=_spmm_setup)
 
 
@@ -282,16 +306,7 @@ def _sddmm_setup(ctx, inputs, output):
     ctx.save_for_backward(crow, col, Y, X)
 
 
-def _sddmm_backward(ctx, grad):
-    crow, col, Y, X = ctx.saved_tensors
-    ncols = X.shape[0]
-    impl = _backward_impls(grad, Y, X)
-    grad_Y = impl["spmm"](crow, col, grad, ncols, X) if ctx.needs_input_grad[2] else None
-    grad_X = impl["spmm_transposed"](crow, col, grad, ncols, Y) if ctx.needs_input_grad[3] else None
-    return None, None, grad_Y, grad_X
-
-
-sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
+sddmm.register_autograd(_sddmm_backward_of(), setup_context=_sddmm_setup)
 
 
 # -------------------------------------------------------------------------- heads
@@ -301,9 +316,6 @@ sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
 # on the pattern's block-diagonal, node-major form (Pattern.with_heads, computed once), so a
 # layer launches one kernel, specialized to that form, instead of one per head, and reads its
 # features and writes its output as they lie.
-
-_INDEX_LIMIT = {torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
-
 
 def _check_heads_val(op: str, col: Tensor, val: Tensor) -> int:
     """``val`` of a heads product: ``(nnz, heads)``, a value dtype, on the pattern's device;
@@ -316,13 +328,12 @@ def _check_heads_val(op: str, col: Tensor, val: Tensor) -> int:
     return val.shape[1]
 
 
-def _heads_entry(op: str, crow: Tensor, col: Tensor, ncols: int, heads: int) -> patterns.Pattern:
-    """The pattern, checked, whose block-diagonal form for ``heads`` heads
-    (:meth:`Pattern.with_heads`) can be numbered with its index dtype."""
-    require(op, max(col.shape[0], ncols, crow.shape[0] - 1) * heads <= _INDEX_LIMIT[col.dtype],
+def _check_heads_index(op: str, crow: Tensor, col: Tensor, ncols: int, heads: int) -> None:
+    """That the pattern's block-diagonal form for ``heads`` heads (:meth:`Pattern.with_heads`)
+    can be numbered with its index dtype."""
+    require(op, max(col.shape[0], ncols, crow.shape[0] - 1) * heads <= torch.iinfo(col.dtype).max,
             f"{heads} heads of a pattern of shape ({crow.shape[0] - 1}, {ncols}) with {col.shape[0]} nonzeros need "
             f"indices beyond {col.dtype}; use int64 indices")
-    return _pattern(op, crow, col, None, ncols)
 
 
 def _check_heads_dense(op: str, name: str, t: Tensor, rows: int, rows_name: str, heads: int, like: Tensor) -> None:
@@ -333,9 +344,10 @@ def _check_heads_dense(op: str, name: str, t: Tensor, rows: int, rows_name: str,
 
 def _spmm_heads(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
     op = "sparserl.spmm_heads"
-    check_csr_meta(op, crow, col, None, ncols)
+    entry = _pattern(op, crow, col, None, ncols)  # the pattern's checks, once per pattern
     heads = _check_heads_val(op, col, val)
-    crow_h, col_h, order, _ = _heads_entry(op, crow, col, ncols, heads).with_heads(crow, col, heads)
+    _check_heads_index(op, crow, col, ncols, heads)
+    crow_h, col_h, order, _ = entry.with_heads(crow, col, heads)
     _check_heads_dense(op, "X", X, ncols, "ncols", heads, val)
     val_h = val.reshape(-1).index_select(0, order)
     out = _spmm(crow_h, col_h, val_h, ncols * heads, X.reshape(ncols * heads, X.shape[2]))
@@ -358,22 +370,14 @@ def _spmm_heads_fake(crow, col, val, ncols, X):
     return X.new_empty((crow.shape[0] - 1, val.shape[1], X.shape[2]))
 
 
-def _spmm_heads_backward(ctx, grad):
-    crow, col, val, X = ctx.saved_tensors
-    impl = _backward_impls(val, grad, X)
-    grad_val = impl["sddmm_heads"](crow, col, grad, X) if ctx.needs_input_grad[2] else None
-    grad_X = impl["spmm_heads_transposed"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
-    return None, None, grad_val, None, grad_X
-
-
-spmm_heads.register_autograd(_spmm_heads_backward, setup_context=_spmm_setup)
+spmm_heads.register_autograd(_spmm_backward_of("_heads"), setup_context=_spmm_setup)
 
 
 def _spmm_heads_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
     op = "sparserl.spmm_heads_transposed"
-    check_csr_meta(op, crow, col, None, ncols)
+    entry = _pattern(op, crow, col, None, ncols)
     heads = _check_heads_val(op, col, val)
-    entry = _heads_entry(op, crow, col, ncols, heads)
+    _check_heads_index(op, crow, col, ncols, heads)
     _check_heads_dense(op, "G", G, crow.shape[0] - 1, "nrows", heads, val)
     form_t, crow_t, col_t, order_t = entry.with_heads_transposed(crow, col, heads)
     out = _product("spmm", form_t, crow_t, col_t, val.reshape(-1).index_select(0, order_t),
@@ -396,15 +400,7 @@ def _spmm_heads_transposed_fake(crow, col, val, ncols, G):
     return G.new_empty((ncols, val.shape[1], G.shape[2]))
 
 
-def _spmm_heads_transposed_backward(ctx, grad):
-    crow, col, val, G = ctx.saved_tensors
-    impl = _backward_impls(val, grad, G)
-    grad_val = impl["sddmm_heads"](crow, col, G, grad) if ctx.needs_input_grad[2] else None
-    grad_G = impl["spmm_heads"](crow, col, val, ctx.ncols, grad) if ctx.needs_input_grad[4] else None
-    return None, None, grad_val, None, grad_G
-
-
-spmm_heads_transposed.register_autograd(_spmm_heads_transposed_backward, setup_context=_spmm_setup)
+spmm_heads_transposed.register_autograd(_spmm_transposed_backward_of("_heads"), setup_context=_spmm_setup)
 
 
 def _check_sddmm_heads(op: str, crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> None:
@@ -423,7 +419,8 @@ def _sddmm_heads(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
     op = "sparserl.sddmm_heads"
     _check_sddmm_heads(op, crow, col, Y, X)
     heads, ncols = Y.shape[1], X.shape[0]
-    crow_h, col_h, _, position = _heads_entry(op, crow, col, ncols, heads).with_heads(crow, col, heads)
+    _check_heads_index(op, crow, col, ncols, heads)
+    crow_h, col_h, _, position = _pattern(op, crow, col, None, ncols).with_heads(crow, col, heads)
     out = _sddmm(crow_h, col_h, Y.reshape(-1, Y.shape[2]), X.reshape(-1, X.shape[2]))
     return out.index_select(0, position).reshape(col.shape[0], heads)
 
@@ -441,16 +438,7 @@ def _sddmm_heads_fake(crow, col, Y, X):
     return Y.new_empty((col.shape[0], Y.shape[1]))
 
 
-def _sddmm_heads_backward(ctx, grad):
-    crow, col, Y, X = ctx.saved_tensors
-    ncols = X.shape[0]
-    impl = _backward_impls(grad, Y, X)
-    grad_Y = impl["spmm_heads"](crow, col, grad, ncols, X) if ctx.needs_input_grad[2] else None
-    grad_X = impl["spmm_heads_transposed"](crow, col, grad, ncols, Y) if ctx.needs_input_grad[3] else None
-    return None, None, grad_Y, grad_X
-
-
-sddmm_heads.register_autograd(_sddmm_heads_backward, setup_context=_sddmm_setup)
+sddmm_heads.register_autograd(_sddmm_backward_of("_heads"), setup_context=_sddmm_setup)
 
 
 # ------------------------------------------------------------------ spmm_epilogue
