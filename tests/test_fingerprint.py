@@ -78,6 +78,45 @@ def test_hash_is_equal_on_cpu_and_gpu():
     assert pattern_hash(crow, col, A.shape[1]) == pattern_hash(crow.cuda(), col.cuda(), A.shape[1])
 
 
+def test_cpu_indices_are_their_own_host_copy_and_never_kept():
+    A, crow, col = _parts()
+    entry = pattern_cache.lookup(crow, col, A.shape[1])
+    host = pattern_cache.host_indices(crow, col, A.shape[1])
+    assert host[0] is crow and host[1] is col and entry._host is None  # no strong reference to the user's tensors
+    fingerprint(entry, crow, col)
+    assert entry._host is None
+
+
+def test_the_transposed_pattern_is_what_a_lookup_of_its_tensors_finds():
+    A, crow, col = _parts()
+    entry = pattern_cache.lookup(crow, col, A.shape[1])
+    pattern_t, crow_t, col_t, _ = entry.transpose(crow, col)
+    assert pattern_cache.lookup(crow_t, col_t, A.shape[0]) is pattern_t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kept_max", [None, 0], ids=["small: hashed on the host", "large: hashed on the GPU"])
+def test_cuda_patterns_hash_as_on_the_cpu_and_small_ones_share_one_host_copy(monkeypatch, kept_max):
+    from torch_sparserl.runtime import RuntimeSettings, autotune_specializer
+
+    if kept_max is not None:
+        monkeypatch.setattr(pattern_cache, "HOST_KEPT_MAX", kept_max)
+    A, crow, col = _parts(device="cuda")
+    expected = pattern_hash(crow.cpu(), col.cpu(), A.shape[1])
+    entry = pattern_cache.lookup(crow, col, A.shape[1])
+    assert fingerprint(entry, crow, col) == expected
+    key = SpecializationKey(pattern=expected, op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
+    (host_crow, host_col, shape), _ = autotune_specializer(RuntimeSettings())._problem(key, crow, col, A.shape[1])
+    assert shape == A.shape and host_crow.device.type == host_col.device.type == "cpu"
+    assert torch.equal(host_crow, crow.cpu()) and torch.equal(host_col, col.cpu())
+    if kept_max is None:  # the search reads the copy the fingerprint was computed from
+        assert entry._host is not None and host_crow is entry._host[0] and host_col is entry._host[1]
+    else:
+        assert entry._host is None
+    pattern_t, crow_t, col_t, _ = entry.transpose(crow, col)
+    assert fingerprint(pattern_t, crow_t, col_t) == pattern_hash(crow_t.cpu(), col_t.cpu(), A.shape[0])
+
+
 def test_fingerprint_is_computed_once_per_pattern_and_redone_after_an_in_place_change(monkeypatch):
     A, crow, col = _parts()
     from torch_sparserl import fingerprint as fp

@@ -63,9 +63,7 @@ def run_kept(device: torch.device, fn, *args):
     with _KEEPER_LOCK:
         if _KEEPER_POOL is None:
             _KEEPER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-pattern")
-        side = _SIDE_STREAMS.get(index)
-        if side is None:
-            side = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    side = _side_stream(index)
 
     def work():
         _KEEPER.active = True
@@ -81,6 +79,34 @@ def run_kept(device: torch.device, fn, *args):
     # first waits for the caller's stream, so their memory is not reused under a pending read.
     caller.wait_stream(side)
     return out
+
+
+def _side_stream(index: int) -> torch.cuda.Stream:
+    with _KEEPER_LOCK:
+        side = _SIDE_STREAMS.get(index)
+        if side is None:
+            side = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+        return side
+
+
+HOST_KEPT_MAX = 1 << 21
+"""Index elements (``nrows + 1 + nnz``) up to which a CUDA pattern keeps its host copy
+(:meth:`Pattern.host_indices`) and is fingerprinted from it (:mod:`~torch_sparserl.fingerprint`):
+8 MiB of int32 indices at most."""
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` (``t`` itself when on the CPU). A CUDA tensor is copied on the
+    device's side stream, ordered after the caller's current stream: the caller's stream does
+    not queue behind the copy, so a background thread's copy holds up a training loop's
+    kernels less."""
+    if t.device.type != "cuda":
+        return t
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    side = _side_stream(index)
+    side.wait_stream(torch.cuda.current_stream(index))
+    with torch.cuda.stream(side):
+        return t.cpu()
 
 
 def _version(t: torch.Tensor) -> int:
@@ -99,7 +125,7 @@ class Pattern:
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
-                 "_no_diagonal", "_heads", "_heads_t", "_values_t", "_lock", "fast_recorded", "__weakref__")
+                 "_no_diagonal", "_heads", "_heads_t", "_values_t", "_host", "_lock", "fast_recorded", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -121,6 +147,7 @@ class Pattern:
         self._heads: dict[int, tuple] = {}  # heads -> with_heads(...)
         self._heads_t: dict[int, tuple] = {}  # heads -> with_heads_transposed(...)
         self._values_t: tuple | None = None  # (weakref to val, its version, val[perm] or None)
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None  # host_indices(), small CUDA patterns
         self._lock = threading.Lock()
         self.fast_recorded: set = set()  # what fastpath.record gave the C++ registry
 
@@ -132,6 +159,20 @@ class Pattern:
         if not self.validated:
             check_csr_values(op, crow, col, self.ncols)
             self.validated = True
+
+    def host_indices(self, crow: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(crow, col)`` on the host (:func:`to_host`). A CUDA pattern of at most
+        :data:`HOST_KEPT_MAX` index elements keeps its copy, so that its fingerprint and the
+        specializer's searches (one per op and width) share one device-to-host copy; CPU
+        indices are returned as they are and never kept (the cache holds no strong reference
+        to a user's tensors)."""
+        kept = self._host
+        if kept is not None:
+            return kept
+        host = (to_host(crow), to_host(col))
+        if crow.is_cuda and crow.numel() + col.numel() <= HOST_KEPT_MAX:
+            self._host = host
+        return host
 
     def row_indices(self, crow: torch.Tensor) -> torch.Tensor:
         """The row of each nonzero, shape (nnz,), int64."""
@@ -183,10 +224,10 @@ class Pattern:
         counts = torch.bincount(col.to(torch.int64), minlength=self.ncols)
         crow_t = torch.zeros(self.ncols + 1, dtype=self.index_dtype, device=col.device)
         crow_t[1:] = counts.cumsum(0)
-        pattern_t = Pattern(crow_t, col_t, self.nrows)
+        # In the identity cache too (it holds weak references only), so that what reaches the
+        # transposed tensors by lookup (the specializer's host copy) meets this entry.
+        pattern_t = lookup(crow_t, col_t, self.nrows)
         pattern_t.validated = self.validated
-        # The transposed tensors are owned here, so the transposed Pattern needs no
-        # identity cache of its own: it is reached only through this one.
         return pattern_t, crow_t, col_t, perm
 
     def with_diagonal(self, crow: torch.Tensor, col: torch.Tensor):
@@ -353,6 +394,11 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
             entry = Pattern(crow, col, ncols, key=id(crow))
             _CACHE[id(crow)] = entry
         return entry
+
+
+def host_indices(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(crow, col)`` on the host, shared with the pattern's entry (:meth:`Pattern.host_indices`)."""
+    return lookup(crow, col, ncols).host_indices(crow, col)
 
 
 def validated(crow, col, ncols) -> Pattern | None:

@@ -51,7 +51,7 @@ from . import fastpath
 from .abi import DTYPES
 from .cache import CacheEntry, KernelCache
 from .fingerprint import SpecializationKey, fingerprint
-from .pattern import Pattern, run_kept
+from .pattern import Pattern, host_indices, run_kept
 
 log = logging.getLogger("torch_sparserl.runtime")
 
@@ -700,7 +700,7 @@ class autotune_specializer:  # noqa: N801 - used like a function
         """What a tuner takes for ``key``'s pattern: the matrix on the host, and the keyword
         arguments naming it (its fingerprint, for the sandbox) and its features once known, so
         that the keys of one pattern (A and its n's) do not recompute them."""
-        matrix = (crow.cpu(), col.cpu(), (crow.numel() - 1, ncols))
+        matrix = (*host_indices(crow, col, ncols), (crow.numel() - 1, ncols))
         if key.pattern not in self._features:
             from .features import structural_features
 
