@@ -3,13 +3,14 @@
 The pattern hash is computed with integer torch ops where the indices are given. The
 runtime's :func:`fingerprint` hashes a small CUDA pattern (at most
 :data:`~torch_sparserl.pattern.HOST_KEPT_MAX` index elements) on the host, from the copy that
-the specializer's search reads too (:meth:`~torch_sparserl.pattern.Pattern.host_indices`):
-it runs in the background thread while a training loop runs, and four dozen small GPU
-kernels launched from that thread delayed the loop's epochs by about 2 ms on the H100
-(the first time in a process, while CUDA loads those kernels, by about 50 ms), where the
-copy and the host arithmetic delayed them by under 1 ms. Larger patterns are hashed on the
-GPU, where only two 64-bit sums cross to the host (their copy would hold the loop up for
-about 10 ms at 3 M nonzeros, and a cache hit needs no copy). The hash is cached on the
+the specializer's search reads too (:meth:`~torch_sparserl.pattern.Pattern.host_indices`).
+It runs in the background thread while a training loop runs: on the H100, the four dozen
+small GPU kernels of the hash delayed a loop's epochs by about 2 ms (about 50 ms the first
+time in a process), a side-stream copy of pubmed's indices by about 1 ms, and the host
+arithmetic by nothing measurable. A copy grows with the pattern (about 9 ms for
+fb100_Cornell5's 6.4 MB, 7-12 ms for uk-2007-05_100000's 12.6 MB), so larger patterns are
+hashed on the GPU, where only two 64-bit sums cross to the host
+(``benchmarks/results/fingerprint-stall-h100-2026-11-23.md``). The hash is cached on the
 pattern's entry, keyed by tensor identity and version counter, so repeated calls on the same
 adjacency pay a dictionary lookup.
 

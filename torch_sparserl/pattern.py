@@ -89,10 +89,10 @@ def _side_stream(index: int) -> torch.cuda.Stream:
         return side
 
 
-HOST_KEPT_MAX = 1 << 21
+HOST_KEPT_MAX = 1 << 18
 """Index elements (``nrows + 1 + nnz``) up to which a CUDA pattern keeps its host copy
 (:meth:`Pattern.host_indices`) and is fingerprinted from it (:mod:`~torch_sparserl.fingerprint`):
-8 MiB of int32 indices at most."""
+1 MiB of int32 indices at most."""
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
