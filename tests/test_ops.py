@@ -152,6 +152,11 @@ def test_heads_errors_are_named():
     crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
     n = A.shape[1]
     val, X = torch.randn(A.nnz, 2), torch.randn(n, 2, 4)
+    # valid calls first: the pattern is validated and its form for 2 heads exists, so what
+    # follows meets the operators' attribute-only fast checks before their full checks
+    ops.spmm_heads(crow, col, val, n, X)
+    ops.spmm_heads_transposed(crow, col, val, n, torch.randn(A.shape[0], 2, 4))
+    ops.sddmm_heads(crow, col, torch.randn(A.shape[0], 2, 4), X)
     with pytest.raises(ValueError, match=r"sparserl.spmm_heads: val must be 2-D"):
         ops.spmm_heads(crow, col, val[:, 0], n, X)
     with pytest.raises(ValueError, match=r"sparserl.spmm_heads: val must have shape \(nnz, heads\)"):
@@ -162,6 +167,16 @@ def test_heads_errors_are_named():
         ops.spmm_heads_transposed(crow, col, val, n, torch.randn(A.shape[0], 2, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"sparserl.sddmm_heads: X must have 2 heads"):
         ops.sddmm_heads(crow, col, torch.randn(A.shape[0], 2, 4), torch.randn(n, 1, 4))
+    with pytest.raises(TypeError, match=r"sparserl.spmm_heads: X must have the dtype"):
+        ops.spmm_heads(crow, col, val, n, X.double())
+    with pytest.raises(ValueError, match=r"sparserl.spmm_heads: X must have 2 heads"):
+        ops.spmm_heads(crow, col, val, n, X[:, :1])
+    with pytest.raises(ValueError, match=r"sparserl.spmm_heads_transposed: G must have"):
+        ops.spmm_heads_transposed(crow, col, val, n, torch.randn(A.shape[0] + 1, 2, 4))
+    with pytest.raises(ValueError, match=r"sparserl.sddmm_heads: Y and X must have the same number of columns C"):
+        ops.sddmm_heads(crow, col, torch.randn(A.shape[0], 2, 4), torch.randn(n, 2, 5))
+    with pytest.raises(ValueError, match=r"sparserl.spmm_heads: val must be on the device"):
+        ops.spmm_heads(crow, col, val.to("meta"), n, X)
     many = torch.zeros(1).expand(A.nnz, 2**26)  # more heads than int32 indices can number
     with pytest.raises(ValueError, match=r"sparserl.spmm_heads: 67108864 heads .* need indices beyond torch.int32"):
         ops.spmm_heads(crow, col, many, n, torch.zeros(1).expand(n, 2**26, 1))

@@ -342,15 +342,44 @@ def _check_heads_dense(op: str, name: str, t: Tensor, rows: int, rows_name: str,
             f"(got {tuple(t.shape)})")
 
 
-def _spmm_heads(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
-    op = "sparserl.spmm_heads"
+def _heads_fit(entry: patterns.Pattern | None, heads: int, like: Tensor, *dense: tuple[Tensor, int]) -> bool:
+    """Whether a heads operator's operands on a validated pattern pass every check its
+    ``_check_heads_*`` calls make, read from attributes alone (the path of every call after
+    the first): ``like`` (the values, or Y) and each ``(tensor, rows)`` of ``dense`` are
+    strided tensors of one value dtype on the pattern's device, ``dense`` of shape
+    ``(rows, heads, C)``, and the pattern's form for ``heads`` exists (its index check passed)."""
+    if (entry is None or type(like) is not Tensor or like.layout != torch.strided or like.device != entry.device
+            or like.dtype not in VALUE_DTYPES or heads not in entry._heads):
+        return False
+    for t, rows in dense:
+        if not (type(t) is Tensor and t.dim() == 3 and t.layout == torch.strided and t.dtype == like.dtype
+                and t.device == like.device and t.shape[0] == rows and t.shape[1] == heads):
+            return False
+    return True
+
+
+def _heads_pattern(op: str, crow: Tensor, col: Tensor, val: Tensor, ncols: int, name: str, dense: Tensor,
+                   rows: int, rows_name: str):
+    """``(pattern, heads)`` of ``spmm_heads`` or ``spmm_heads_transposed`` after their checks
+    (skipped where :func:`_heads_fit` vouches for the operands)."""
+    entry = patterns.validated(crow, col, ncols)
+    heads = val.shape[1] if type(val) is Tensor and val.dim() == 2 else -1
+    if (heads >= 1 and entry is not None and val.shape[0] == entry.nnz
+            and _heads_fit(entry, heads, val, (dense, rows))):
+        return entry, heads
     entry = _pattern(op, crow, col, None, ncols)  # the pattern's checks, once per pattern
     heads = _check_heads_val(op, col, val)
     _check_heads_index(op, crow, col, ncols, heads)
+    _check_heads_dense(op, name, dense, rows, rows_name, heads, val)
+    return entry, heads
+
+
+def _spmm_heads(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+    entry, heads = _heads_pattern("sparserl.spmm_heads", crow, col, val, ncols, "X", X, ncols, "ncols")
     crow_h, col_h, order, _ = entry.with_heads(crow, col, heads)
-    _check_heads_dense(op, "X", X, ncols, "ncols", heads, val)
-    val_h = val.reshape(-1).index_select(0, order)
-    out = _spmm(crow_h, col_h, val_h, ncols * heads, X.reshape(ncols * heads, X.shape[2]))
+    form = patterns.lookup(crow_h, col_h, ncols * heads)  # validated with the pattern (Pattern.with_heads)
+    out = _product("spmm", form, crow_h, col_h, val.reshape(-1).index_select(0, order),
+                   X.reshape(ncols * heads, X.shape[2]))
     return out.reshape(crow.shape[0] - 1, heads, X.shape[2])
 
 
@@ -374,11 +403,8 @@ spmm_heads.register_autograd(_spmm_backward_of("_heads"), setup_context=_spmm_se
 
 
 def _spmm_heads_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
-    op = "sparserl.spmm_heads_transposed"
-    entry = _pattern(op, crow, col, None, ncols)
-    heads = _check_heads_val(op, col, val)
-    _check_heads_index(op, crow, col, ncols, heads)
-    _check_heads_dense(op, "G", G, crow.shape[0] - 1, "nrows", heads, val)
+    entry, heads = _heads_pattern("sparserl.spmm_heads_transposed", crow, col, val, ncols, "G", G,
+                                  crow.shape[0] - 1, "nrows")
     form_t, crow_t, col_t, order_t = entry.with_heads_transposed(crow, col, heads)
     out = _product("spmm", form_t, crow_t, col_t, val.reshape(-1).index_select(0, order_t),
                    G.reshape(-1, G.shape[2]))
@@ -417,10 +443,14 @@ def _check_sddmm_heads(op: str, crow: Tensor, col: Tensor, Y: Tensor, X: Tensor)
 
 def _sddmm_heads(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
     op = "sparserl.sddmm_heads"
-    _check_sddmm_heads(op, crow, col, Y, X)
-    heads, ncols = Y.shape[1], X.shape[0]
-    _check_heads_index(op, crow, col, ncols, heads)
-    crow_h, col_h, _, position = _pattern(op, crow, col, None, ncols).with_heads(crow, col, heads)
+    entry = patterns.validated(crow, col, X.shape[0]) if type(X) is Tensor and X.dim() == 3 else None
+    if not (entry is not None and type(Y) is Tensor and Y.dim() == 3 and X.shape[2] == Y.shape[2]
+            and _heads_fit(entry, Y.shape[1], Y, (Y, entry.nrows), (X, entry.ncols))):
+        _check_sddmm_heads(op, crow, col, Y, X)
+        _check_heads_index(op, crow, col, X.shape[0], Y.shape[1])
+        entry = _pattern(op, crow, col, None, X.shape[0])
+    heads = Y.shape[1]
+    crow_h, col_h, _, position = entry.with_heads(crow, col, heads)
     out = _sddmm(crow_h, col_h, Y.reshape(-1, Y.shape[2]), X.reshape(-1, X.shape[2]))
     return out.index_select(0, position).reshape(col.shape[0], heads)
 
