@@ -92,6 +92,7 @@ def test_the_transposed_pattern_is_what_a_lookup_of_its_tensors_finds():
     entry = pattern_cache.lookup(crow, col, A.shape[1])
     pattern_t, crow_t, col_t, _ = entry.transpose(crow, col)
     assert pattern_cache.lookup(crow_t, col_t, A.shape[0]) is pattern_t
+    assert pattern_t.is_transpose and not entry.is_transpose  # Runtime.fusable skips transposes
 
 
 @pytest.mark.gpu

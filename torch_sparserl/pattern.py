@@ -125,7 +125,8 @@ class Pattern:
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
-                 "_no_diagonal", "_heads", "_heads_t", "_values_t", "_host", "_lock", "fast_recorded", "__weakref__")
+                 "_no_diagonal", "_heads", "_heads_t", "_values_t", "_host", "_lock", "fast_recorded", "is_transpose",
+                 "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -150,6 +151,7 @@ class Pattern:
         self._host: tuple[torch.Tensor, torch.Tensor] | None = None  # host_indices(), small CUDA patterns
         self._lock = threading.Lock()
         self.fast_recorded: set = set()  # what fastpath.record gave the C++ registry
+        self.is_transpose = False  # the transpose of another pattern (Pattern.transpose)
 
     def matches(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> bool:
         return (self._crow_ref() is crow and self._col_ref() is col and self.ncols == ncols
@@ -228,6 +230,7 @@ class Pattern:
         # transposed tensors by lookup (the specializer's host copy) meets this entry.
         pattern_t = lookup(crow_t, col_t, self.nrows)
         pattern_t.validated = self.validated
+        pattern_t.is_transpose = True
         return pattern_t, crow_t, col_t, perm
 
     def with_diagonal(self, crow: torch.Tensor, col: torch.Tensor):

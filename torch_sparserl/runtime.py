@@ -312,7 +312,8 @@ class Runtime:
         from .pattern import live_patterns
 
         for pattern in live_patterns():
-            if (pattern.nrows, pattern.nnz, pattern.ncols) != (nrows, nnz, ncols):
+            # a forward product's epilogue: transposes (the backward's products) do not count
+            if pattern.is_transpose or (pattern.nrows, pattern.nnz, pattern.ncols) != (nrows, nnz, ncols):
                 continue
             state = pattern.specializations.get((self._generation, "spmm", n, dtype))
             if state.__class__ is Installed and state.entry is not None and state.entry.family in EPILOGUE_FAMILIES:
