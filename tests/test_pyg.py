@@ -311,3 +311,60 @@ def test_other_inputs_reach_pyg_unchanged():
     out_edge_index = layer(x, edge_index)
     out_sparse = layer(x, _torch_adj_t(edge_index, x.shape[0]))
     torch.testing.assert_close(out_edge_index, out_sparse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_attention_products_are_specialized_at_compile_time(tmp_path, heads):
+    """GATConv calls the operators on the matrix's index tensors, which Dynamo hands the backend
+    as inputs: their products (the heads' block-diagonal form for several heads), their
+    backward on the transpose and the SDDMM of the attention are planned and decided before
+    the first step (CPU, a fake specializer)."""
+    from test_runtime import Fakes
+
+    from torch_sparserl import prespecialize
+    from torch_sparserl import runtime as rt
+    from torch_sparserl.cache import CacheEntry, KernelCache
+
+    edge_index, x = _graph("cpu")
+    A = tpyg.adjacency(edge_index, x.shape[0])
+    layer = GATConv(6, 4, heads=heads, add_self_loops=False)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x, A: layer(x, A), backend=capture, fullgraph=True)(x.float(), A)
+    (gm, inputs), = graphs
+    planned = {(p.op, p.n, p.transposed, p.heads) for p in prespecialize.plan_graph(gm, inputs, devices=("cpu",))}
+    form = heads if heads > 1 else 0
+    assert planned == {("spmm", 4, False, form), ("spmm", 4, True, form), ("sddmm", 4, False, form)}
+    assert prespecialize.plan_graph(gm, inputs) == []  # CUDA only by default
+
+    class SpmmFakes(Fakes):  # the fake installer runs products: the SDDMM stays with cuSPARSE
+        def specializer(self, key, crow, col, ncols):
+            if key.op != "sddmm":
+                return super().specializer(key, crow, col, ncols)
+            self.specialized.append(key)
+            return CacheEntry(key, None, family="fake", params={}, reason="none beat cuSPARSE")
+
+    fakes = SpmmFakes()
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path),
+                         specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
+    previous = rt.set_active(runtime)
+    try:
+        started = {(item.op, item.transposed): state for item, state in prespecialize.prespecialize_graph(gm, inputs)}
+        assert len(started) == 3 and isinstance(started["sddmm", False], rt.Fallback), started
+        assert isinstance(started["spmm", False], rt.Installed) and isinstance(started["spmm", True], rt.Installed)
+        label = f" heads={heads}" if heads > 1 else ""
+        decided = runtime.decisions(A.crow, A.col, A.shape[1])
+        assert decided[f"A{label} spmm n=4 float32"].startswith("installed"), decided
+        assert decided[f"At{label} spmm n=4 float32"].startswith("installed"), decided
+        assert f"A{label} sddmm n=4 float32" in decided, decided
+        searched = len(fakes.specialized)
+        out = layer(x.float(), A)  # the products find their decisions taken
+        out.square().sum().backward()
+        assert len(fakes.specialized) == searched
+    finally:
+        rt.set_active(previous)

@@ -6,8 +6,13 @@ one of its inputs — a module buffer, a constant, or an argument — as a real
 takes part in is a node whose other operand has a known shape. :func:`plan_graph` reads
 those products (``A @ X``, ``X @ A``, ``torch.mm``, ``torch.sparse.mm``, ``torch.addmm``,
 ``torch.mv``, ...) and, when the dense operand requires grad, the product its backward will
-run on the transposed pattern. :func:`prespecialize_graph` hands them to the runtime, so
-specialization starts while the graph is being compiled (in a background thread, or before
+run on the transposed pattern, and those of the matrix with other values
+(``A.with_values(w) @ X``). Code that calls the operators on the matrix's index tensors
+itself (the PyG adapter's attention layers: ``sparserl::spmm_heads`` on ``A.crow``,
+``A.col``) hands Dynamo those tensors as inputs instead: the operators' nodes on them are
+read too, a heads product as the product on its block-diagonal form
+(:meth:`~torch_sparserl.pattern.Pattern.with_heads`). :func:`prespecialize_graph` hands them
+to the runtime, so specialization starts while the graph is being compiled (in a background thread, or before
 compilation returns in ``sync`` mode) instead of at the first training step.
 """
 
@@ -30,11 +35,17 @@ _PRODUCTS = {"matmul", "mm", "mv", "_sparse_mm", "addmm", "addmv", "__matmul__",
 class Planned:
     """One product to specialize: ``op`` on A's pattern or, ``transposed``, on Aᵀ's."""
 
-    input_index: int  # which example input is the matrix
+    input_index: int  # which example input is the matrix (or its crow)
     op: str           # spmm, spmv, or sddmm (the gradient of the values)
     n: int
     transposed: bool
     why: str          # the graph node that asks for it
+    # an operator node on the matrix's index tensors: which input is col, the columns, and
+    # the number of heads of a heads product (0: a plain product)
+    col_index: int | None = None
+    ncols: int = 0
+    dtype: torch.dtype | None = None  # of the values (None: the matrix input's)
+    heads: int = 0
 
 
 def _name(target) -> str:
@@ -48,44 +59,104 @@ def _shape(node) -> tuple | None:
     return tuple(value.shape), value.requires_grad
 
 
+def _operator(target) -> str | None:
+    """``spmm`` for ``torch.ops.sparserl.spmm`` (the packet or an overload), else None."""
+    name = getattr(target, "_qualified_op_name", None)
+    if name is None and isinstance(target, torch._ops.OpOverload):
+        name = target.name()
+    return name.removeprefix("sparserl::") if name is not None and name.startswith("sparserl::") else None
+
+
+_FORWARD_OPERATORS = {"spmm": "spmm", "spmv": "spmv", "spmm_heads": "spmm"}  # forward operators -> the product run
+
+
+def _plan_operators(gm, placeholders, example_inputs, devices, planned: dict) -> None:
+    """The forward operators' nodes whose ``crow`` and ``col`` are inputs of the graph."""
+    index_of = {node: i for i, node in enumerate(placeholders)}
+    for node in gm.graph.nodes:
+        name = _operator(node.target) if node.op == "call_function" else None
+        if name not in _FORWARD_OPERATORS or len(node.args) < 5 or node.kwargs:
+            continue
+        crow, col, val, ncols, dense = node.args[:5]
+        i, j = index_of.get(crow), index_of.get(col)
+        if i is None or j is None or not isinstance(ncols, int):
+            continue
+        crow_value, col_value = example_inputs[i], example_inputs[j]
+        if not (type(crow_value) is torch.Tensor and type(col_value) is torch.Tensor
+                and col_value.device.type in devices):
+            continue
+        values, operand = _shape(val), _shape(dense)
+        if values is None or operand is None:
+            continue
+        (val_shape, val_grad), (shape, needs_grad) = values, operand
+        heads = val_shape[1] if name == "spmm_heads" and len(val_shape) == 2 else 0
+        n = shape[-1] if name != "spmv" else 1
+        why = f"{node.name} = sparserl.{name}(...)"
+        dtype = val.meta["example_value"].dtype
+        common = dict(col_index=j, ncols=ncols, dtype=dtype, heads=heads)
+        op = _FORWARD_OPERATORS[name]
+        planned.setdefault((i, op, n, False, heads), Planned(i, op, n, False, why, **common))
+        if needs_grad:
+            planned.setdefault((i, op, n, True, heads), Planned(i, op, n, True, f"backward of {why}", **common))
+        if val_grad:
+            planned.setdefault((i, "sddmm", n, False, heads),
+                               Planned(i, "sddmm", n, False, f"gradient of the values of {why}", **common))
+
+
 def plan_graph(gm: torch.fx.GraphModule, example_inputs, devices=("cuda",)) -> list[Planned]:
-    """The products of each CSRMatrix input of ``gm`` on ``devices``, with their backward."""
+    """The products of each CSRMatrix input of ``gm`` on ``devices``, with their backward,
+    and those of the operators' nodes on index tensors that are inputs of ``gm``."""
     from .csr_matrix import CSRMatrix
 
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     planned: dict[tuple, Planned] = {}
-    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+    _plan_operators(gm, placeholders, example_inputs, devices, planned)
+    for index, (placeholder, value) in enumerate(zip(placeholders, example_inputs)):
         if not isinstance(value, CSRMatrix) or value.device.type not in devices:
             continue
-        for user in node.users:
-            if user.op not in ("call_function", "call_method") or _name(user.target) not in _PRODUCTS:
-                continue
-            args = list(user.args)
-            where = args.index(node) if node in args else -1
-            if where < 0:
-                continue
-            after = _shape(args[where + 1]) if where + 1 < len(args) else None
-            before = _shape(args[where - 1]) if where >= 1 and after is None else None
-            found = after or before
-            if found is None:
-                continue
-            shape, needs_grad = found
-            transposed = after is None  # dense @ A
-            if len(shape) == 2:
-                op, n = "spmm", shape[0] if transposed else shape[1]
-            elif len(shape) == 1:
-                op, n = "spmv", 1
-            else:
-                continue
-            why = f"{user.name} = {_name(user.target)}(...)"
-            planned.setdefault((index, op, n, transposed), Planned(index, op, n, transposed, why))
-            if needs_grad:  # the gradient of the dense operand runs on the other pattern
-                planned.setdefault((index, op, n, not transposed),
-                                   Planned(index, op, n, not transposed, f"backward of {why}"))
-            if value.requires_grad:  # the gradient of the values: an SDDMM on A's own pattern
-                planned.setdefault((index, "sddmm", n, False),
-                                   Planned(index, "sddmm", n, False, f"gradient of the values of {why}"))
+        # the matrix, and the matrix with other values (A.with_values(alpha): a one-head
+        # attention layer), with whether the values need a gradient and their dtype
+        matrices = [(placeholder, value.requires_grad, None)]
+        for user in placeholder.users:
+            if user.op == "call_method" and user.target == "with_values" and user.args[:1] == (placeholder,):
+                values = user.args[1].meta.get("example_value") if len(user.args) > 1 else None
+                if isinstance(values, torch.Tensor):
+                    matrices.append((user, values.requires_grad, values.dtype))
+        for node, values_grad, dtype in matrices:
+            _plan_products(index, node, values_grad, dtype, planned)
     return list(planned.values())
+
+
+def _plan_products(index: int, node, values_grad: bool, dtype, planned: dict) -> None:
+    """The products of the matrix ``node`` (input ``index``), with their backward."""
+    for user in node.users:
+        if user.op not in ("call_function", "call_method") or _name(user.target) not in _PRODUCTS:
+            continue
+        args = list(user.args)
+        where = args.index(node) if node in args else -1
+        if where < 0:
+            continue
+        after = _shape(args[where + 1]) if where + 1 < len(args) else None
+        before = _shape(args[where - 1]) if where >= 1 and after is None else None
+        found = after or before
+        if found is None:
+            continue
+        shape, needs_grad = found
+        transposed = after is None  # dense @ A
+        if len(shape) == 2:
+            op, n = "spmm", shape[0] if transposed else shape[1]
+        elif len(shape) == 1:
+            op, n = "spmv", 1
+        else:
+            continue
+        why = f"{user.name} = {_name(user.target)}(...)"
+        planned.setdefault((index, op, n, transposed, dtype), Planned(index, op, n, transposed, why, dtype=dtype))
+        if needs_grad:  # the gradient of the dense operand runs on the other pattern
+            planned.setdefault((index, op, n, not transposed, dtype),
+                               Planned(index, op, n, not transposed, f"backward of {why}", dtype=dtype))
+        if values_grad:  # the gradient of the values: an SDDMM on A's own pattern
+            planned.setdefault((index, "sddmm", n, False, dtype),
+                               Planned(index, "sddmm", n, False, f"gradient of the values of {why}", dtype=dtype))
 
 
 def specialize(A, op: str = "spmm", n: int = 1, *, transposed: bool = False, runtime: rt.Runtime | None = None):
@@ -105,14 +176,31 @@ def specialize(A, op: str = "spmm", n: int = 1, *, transposed: bool = False, run
         raise ValueError(f"specialize: op='spmv' has n=1 (got n={n})")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"specialize: n must be a positive int (got {n!r})")
-    runtime = runtime or rt.active()
-    crow, col, ncols = A.crow, A.col, A.shape[1]
-    check_csr_meta("specialize", crow, col, A.val, ncols)
+    check_csr_meta("specialize", A.crow, A.col, A.val, A.shape[1])
+    return _on_pattern(runtime or rt.active(), A.crow, A.col, A.shape[1], op, n, transposed, A.dtype)
+
+
+def _on_pattern(runtime: rt.Runtime, crow, col, ncols: int, op: str, n: int, transposed: bool, dtype,
+                heads: int = 0):
+    """The runtime's state for ``op`` on the pattern, its transpose, or (``heads``) the
+    block-diagonal form of a heads product or the form's transpose."""
+    from .validation import check_csr_meta
+
+    check_csr_meta("specialize", crow, col, None, ncols)
     entry = patterns.lookup(crow, col, ncols)
     entry.validate("specialize", crow, col)
-    if transposed:
+    if heads:
+        from .ops import _check_heads_index
+
+        _check_heads_index("specialize", crow, col, ncols, heads)  # the form's indices fit their dtype
+        if transposed:
+            entry, crow, col, _ = entry.with_heads_transposed(crow, col, heads)
+        else:
+            crow, col, _, _ = entry.with_heads(crow, col, heads)
+            entry = patterns.lookup(crow, col, ncols * heads)
+    elif transposed:
         entry, crow, col, _ = entry.transpose(crow, col)
-    return runtime.prespecialize(op, entry, crow, col, n, A.dtype)
+    return runtime.prespecialize(op, entry, crow, col, n, dtype)
 
 
 def prespecialize_graph(gm: torch.fx.GraphModule, example_inputs, *, wait: bool = False) -> list[tuple[Planned, object]]:
@@ -129,7 +217,8 @@ def prespecialize_graph(gm: torch.fx.GraphModule, example_inputs, *, wait: bool 
         started = [(item, _start(runtime, item, example_inputs)) for item, _ in started]  # now decided
     for item, state in started:
         verdict = state if isinstance(state, str) else runtime.describe(state)
-        log.info("sparserl: compile-time specialization of %s%s n=%d (%s): %s", item.op,
+        log.info("sparserl: compile-time specialization of %s%s%s n=%d (%s): %s", item.op,
+                 f" on the {item.heads}-head form" if item.heads else "",
                  " on the transpose" if item.transposed else "", item.n, item.why, verdict)
     return started
 
@@ -137,8 +226,12 @@ def prespecialize_graph(gm: torch.fx.GraphModule, example_inputs, *, wait: bool 
 def _start(runtime: rt.Runtime, item: Planned, example_inputs):
     """The runtime's state for one planned product (asking for it starts it), or why not."""
     try:
-        return specialize(example_inputs[item.input_index], item.op, item.n, transposed=item.transposed,
-                          runtime=runtime)
+        value = example_inputs[item.input_index]
+        if item.col_index is not None:  # an operator's node on index tensors
+            return _on_pattern(runtime, value, example_inputs[item.col_index], item.ncols, item.op, item.n,
+                               item.transposed, item.dtype, item.heads)
+        return _on_pattern(runtime, value.crow, value.col, value.shape[1], item.op, item.n, item.transposed,
+                           item.dtype or value.dtype)
     except rt.SpecializationError:
         raise
     except Exception as exc:  # noqa: BLE001 - a product that will fail says so when it runs
