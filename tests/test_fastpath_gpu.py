@@ -90,6 +90,34 @@ def test_after_one_python_call_cxx_serves_the_same_call(runtime, poison_uninitia
     assert stats["installed_calls" if kernel else "fallback_calls"] == 4  # C++'s calls folded in
 
 
+@pytest.mark.parametrize("c", [KERNEL_N, 16])
+def test_heads_products_run_through_cxx_after_the_first_call(runtime, poison_uninitialized, c):
+    """spmm_heads and spmm_heads_transposed run their product on the block-diagonal form (and
+    its transpose) through sparserl_fast::spmm: Python serves and records the first call, C++
+    the later ones, with the form's kernel (C = KERNEL_N) or cuSPARSE (decided, C = 16)."""
+    A = make_pattern("random", seed=5)  # 60 x 45
+    crow, col, _ = to_parts(A, torch.float32, torch.int32, "cuda")
+    heads = 3
+    g = torch.Generator().manual_seed(7)
+    for seed in range(3):
+        val = torch.rand(A.nnz, heads, generator=g).cuda()
+        X = torch.randn(A.shape[1], heads, c, generator=g).cuda()
+        G = torch.randn(A.shape[0], heads, c, generator=g).cuda()
+        before = _counts()
+        out = torch.ops.sparserl.spmm_heads(crow, col, val, A.shape[1], X)
+        out_t = torch.ops.sparserl.spmm_heads_transposed(crow, col, val, A.shape[1], G)
+        torch.cuda.synchronize()
+        served = tuple(a - b for a, b in zip(_counts(), before))
+        assert served == ((0, 0) if seed == 0 else ((2, 0) if c == KERNEL_N else (0, 2))), (seed, served)
+        for h in range(heads):
+            A_h = sp.csr_matrix((val[:, h].double().cpu().numpy(), A.indices, A.indptr), shape=A.shape)
+            assert_close_to_reference(out[:, h], torch.from_numpy(np.asarray(A_h @ X[:, h].double().cpu().numpy())),
+                                      torch.float32)
+            assert_close_to_reference(out_t[:, h],
+                                      torch.from_numpy(np.asarray(A_h.T @ G[:, h].double().cpu().numpy())), torch.float32)
+    assert fastpath.entries() == 2  # the form and its transpose
+
+
 def test_what_changed_goes_back_to_python(runtime, poison_uninitialized):
     A = make_pattern("random", seed=5)
     crow, col, val = to_parts(A, torch.float32, torch.int32, "cuda")
