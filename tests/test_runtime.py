@@ -114,19 +114,34 @@ def test_the_keys_of_one_pattern_share_its_features_and_sandbox(monkeypatch):
     from torch_sparserl.fingerprint import SpecializationKey
     from torch_sparserl.runtime import autotune_specializer
 
-    computed = []
+    from torch_sparserl import runtime as runtime_module
+
+    computed, copied = [], []
     monkeypatch.setattr(features_module, "structural_features",
                         lambda rowptr, col, shape: computed.append(shape) or {"rows": shape[0]})
+    real_copy = runtime_module.host_indices
+    monkeypatch.setattr(runtime_module, "host_indices", lambda *a: copied.append(1) or real_copy(*a))
     specializer = autotune_specializer(RuntimeSettings())
     A = make_pattern("cora (real)")
     crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
+
+    def ask(pattern, n):
+        key = SpecializationKey(pattern=pattern * 32, op="spmm", n=n, dtype="f32", arch="sm_90", policy="autotune")
+        return specializer._problem(key, crow, col, A.shape[1])
+
     asked = []
     for n in (16, 128):
-        key = SpecializationKey(pattern="p" * 32, op="spmm", n=n, dtype="f32", arch="sm_90", policy="autotune")
-        matrix, known = specializer._problem(key, crow, col, A.shape[1])
+        matrix, known = ask("p", n)
         asked.append(known)
     assert computed == [A.shape] and matrix[2] == A.shape
     assert asked[0]["sandbox"] is asked[1]["sandbox"] and asked[1]["matrix_key"] == "p" * 32
+    assert len(copied) == 1 and ask("p", 32)[0] is matrix  # one host copy for the pattern's keys
+    ask("q", 16)
+    assert len(copied) == 2  # another pattern: copied
+    specializer.close()  # the worker stopped: the kept copy goes with it
+    assert specializer._matrix is None
+    ask("q", 16)
+    assert len(copied) == 3
     specializer.close()
 
 

@@ -696,12 +696,21 @@ class autotune_specializer:  # noqa: N801 - used like a function
         self.settings = settings
         self._sandbox = None
         self._features: dict[str, dict] = {}  # pattern hash -> structural features
+        # (pattern hash, host indices) of the last search: the keys of one pattern (its widths)
+        # come one after another, and a large pattern's copy holds a training loop up (about
+        # 10 ms for 3 M nonzeros); dropped when the worker stops (close)
+        self._matrix: tuple[str, tuple] | None = None
 
     def _problem(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int):
         """What a tuner takes for ``key``'s pattern: the matrix on the host, and the keyword
         arguments naming it (its fingerprint, for the sandbox) and its features once known, so
-        that the keys of one pattern (A and its n's) do not recompute them."""
-        matrix = (*host_indices(crow, col, ncols), (crow.numel() - 1, ncols))
+        that the keys of one pattern (A and its n's) do not copy or recompute them."""
+        kept = self._matrix
+        if kept is not None and kept[0] == key.pattern:
+            matrix = kept[1]
+        else:
+            matrix = (*host_indices(crow, col, ncols), (crow.numel() - 1, ncols))
+            self._matrix = (key.pattern, matrix)
         if key.pattern not in self._features:
             from .features import structural_features
 
@@ -772,6 +781,7 @@ class autotune_specializer:  # noqa: N801 - used like a function
                           record=best.to_dict(), reason=f"{best.speedup:.2f}x cuSPARSE ({searched})")
 
     def close(self) -> None:
+        self._matrix = None
         if self._sandbox is not None:
             self._sandbox.close()
             self._sandbox = None
