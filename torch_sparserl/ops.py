@@ -374,21 +374,23 @@ def _heads_pattern(op: str, crow: Tensor, col: Tensor, val: Tensor, ncols: int, 
     return entry, heads
 
 
-def _form_product(form: patterns.Pattern, crow_f: Tensor, col_f: Tensor, val_f: Tensor, X: Tensor) -> Tensor:
+def _form_product(crow_f: Tensor, col_f: Tensor, ncols_f: int, val_f: Tensor, X: Tensor,
+                  form: patterns.Pattern | None = None) -> Tensor:
     """The heads operators' product on a block-diagonal form or its transpose (validated with
-    their pattern). The form's tensors are the same on every call, so where the C++ fast path
-    is loaded a CUDA product goes through ``sparserl_fast::spmm``: served from its registry
-    without Python once the Python implementation has served (and recorded) the same call."""
+    their pattern; ``form``: its entry, else looked up when needed). The form's tensors are the
+    same on every call, so where the C++ fast path is loaded a CUDA product goes through
+    ``sparserl_fast::spmm``: served from its registry without Python once the Python
+    implementation has served (and recorded) the same call."""
     if fastpath.loaded and X.is_cuda:
-        return torch.ops.sparserl_fast.spmm.default(crow_f, col_f, val_f, form.ncols, X)
+        return torch.ops.sparserl_fast.spmm.default(crow_f, col_f, val_f, ncols_f, X)
+    form = form if form is not None else patterns.lookup(crow_f, col_f, ncols_f)
     return _product("spmm", form, crow_f, col_f, val_f, X)
 
 
 def _spmm_heads(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
     entry, heads = _heads_pattern("sparserl.spmm_heads", crow, col, val, ncols, "X", X, ncols, "ncols")
     crow_h, col_h, order, _ = entry.with_heads(crow, col, heads)
-    form = patterns.lookup(crow_h, col_h, ncols * heads)
-    out = _form_product(form, crow_h, col_h, val.reshape(-1).index_select(0, order),
+    out = _form_product(crow_h, col_h, ncols * heads, val.reshape(-1).index_select(0, order),
                         X.reshape(ncols * heads, X.shape[2]))
     return out.reshape(crow.shape[0] - 1, heads, X.shape[2])
 
@@ -416,7 +418,8 @@ def _spmm_heads_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G
     entry, heads = _heads_pattern("sparserl.spmm_heads_transposed", crow, col, val, ncols, "G", G,
                                   crow.shape[0] - 1, "nrows")
     form_t, crow_t, col_t, order_t = entry.with_heads_transposed(crow, col, heads)
-    out = _form_product(form_t, crow_t, col_t, val.reshape(-1).index_select(0, order_t), G.reshape(-1, G.shape[2]))
+    out = _form_product(crow_t, col_t, form_t.ncols, val.reshape(-1).index_select(0, order_t),
+                        G.reshape(-1, G.shape[2]), form_t)
     return out.reshape(ncols, heads, G.shape[2])
 
 

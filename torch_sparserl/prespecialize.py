@@ -168,25 +168,22 @@ def specialize(A, op: str = "spmm", n: int = 1, *, transposed: bool = False, run
     Returns the runtime's state: Installed, Fallback, Pending (background mode) or None
     (runtime off, or A not on a GPU). ``runtime.explain`` says why.
     """
-    from .validation import check_csr_meta
-
     if op not in rt.OPS:
         raise ValueError(f"specialize: op must be one of {rt.OPS} (got {op!r})")
     if op == "spmv" and n != 1:
         raise ValueError(f"specialize: op='spmv' has n=1 (got n={n})")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"specialize: n must be a positive int (got {n!r})")
-    check_csr_meta("specialize", A.crow, A.col, A.val, A.shape[1])
-    return _on_pattern(runtime or rt.active(), A.crow, A.col, A.shape[1], op, n, transposed, A.dtype)
+    return _on_pattern(runtime or rt.active(), A.crow, A.col, A.shape[1], op, n, transposed, A.dtype, val=A.val)
 
 
 def _on_pattern(runtime: rt.Runtime, crow, col, ncols: int, op: str, n: int, transposed: bool, dtype,
-                heads: int = 0):
-    """The runtime's state for ``op`` on the pattern, its transpose, or (``heads``) the
-    block-diagonal form of a heads product or the form's transpose."""
+                heads: int = 0, val=None):
+    """The runtime's state for ``op`` on the pattern (checked, with ``val`` if given), its
+    transpose, or (``heads``) the block-diagonal form of a heads product or the form's transpose."""
     from .validation import check_csr_meta
 
-    check_csr_meta("specialize", crow, col, None, ncols)
+    check_csr_meta("specialize", crow, col, val, ncols)
     entry = patterns.lookup(crow, col, ncols)
     entry.validate("specialize", crow, col)
     if heads:
