@@ -1,12 +1,13 @@
 """Fingerprints: a stable hash of a sparsity pattern, and the key a specialization is cached by.
 
-The pattern hash is computed with integer torch ops where the indices are given. The
-runtime's :func:`fingerprint` hashes a small CUDA pattern (at most
+The pattern hash is computed where the indices are: with integer torch ops on a GPU, with
+numpy on the host (the same arithmetic, on the calling thread). The runtime's
+:func:`fingerprint` hashes a small CUDA pattern (at most
 :data:`~torch_sparserl.pattern.HOST_KEPT_MAX` index elements) on the host, from the copy that
 the specializer's search reads too (:meth:`~torch_sparserl.pattern.Pattern.host_indices`).
 It runs in the background thread while a training loop runs: on the H100, the four dozen
 small GPU kernels of the hash delayed a loop's epochs by about 2 ms (about 50 ms the first
-time in a process), a side-stream copy of pubmed's indices by about 1 ms, and the host
+time in a process), a side-stream copy of pubmed's indices by about 1 ms, and numpy's host
 arithmetic by nothing measurable. A copy grows with the pattern (about 9 ms for
 fb100_Cornell5's 6.4 MB, 7-12 ms for uk-2007-05_100000's 12.6 MB), so larger patterns are
 hashed on the GPU, where only two 64-bit sums cross to the host
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from . import pattern as patterns
@@ -71,9 +73,36 @@ def _lane_sums(values: torch.Tensor, salt: int) -> list[int]:
     return sums
 
 
+def _host_lane_sums(values: torch.Tensor, salt: int) -> list[int]:
+    """:func:`_lane_sums` of host indices, in numpy's wrapping uint64 arithmetic (the same
+    bits), on the calling thread. torch's CPU ops spread each step over every core, beside the
+    training or compiling loop this runs next to; they took 2.7 ms for pubmed-sized indices
+    where numpy takes 0.6 ms (CI's 2 cores), and on an H100 host, from the runtime's background
+    thread during a compile, 69-339 ms of wall time
+    (``benchmarks/results/first-waits-h100-2026-11-24-side-stream.log``)."""
+    array = values.numpy()
+    sums = [0] * len(_SEEDS)
+    with np.errstate(over="ignore"):
+        for start in range(0, array.size, _CHUNK):
+            part = array[start:start + _CHUNK].astype(np.int64).view(np.uint64)
+            position = np.arange(start, start + part.size, dtype=np.uint64)
+            for lane, seed in enumerate(_SEEDS):
+                x = part * np.uint64(_GOLDEN) + position * np.uint64((seed ^ salt) & _MASK64) + np.uint64(seed)
+                x ^= x >> np.uint64(30)
+                x *= np.uint64(_MIX1)
+                x ^= x >> np.uint64(27)
+                x *= np.uint64(_MIX2)
+                x ^= x >> np.uint64(31)
+                sums[lane] = (sums[lane] + int(x.sum(dtype=np.uint64))) & _MASK64
+    return sums
+
+
 def pattern_hash(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> str:
     """A 128-bit hex hash of ``(crow, col, shape, index dtype)``; equal on every device."""
-    lanes = torch.stack(_lane_sums(crow, 1) + _lane_sums(col, 2)).cpu().tolist()  # one host sync
+    if crow.device.type == "cpu" and col.device.type == "cpu":
+        lanes = _host_lane_sums(crow, 1) + _host_lane_sums(col, 2)
+    else:
+        lanes = torch.stack(_lane_sums(crow, 1) + _lane_sums(col, 2)).cpu().tolist()  # one host sync
     h = hashlib.sha256()
     h.update(f"csr:{crow.numel() - 1}x{int(ncols)}:nnz={col.numel()}:{crow.dtype}:{col.dtype}".encode())
     for lane in lanes:
