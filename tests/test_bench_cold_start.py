@@ -62,6 +62,40 @@ def test_compare_lines_up_the_rows_of_repeated_runs(tmp_path):
     assert "| b | gcn | 128 | 0.67× | 2.00× |" in text  # during the JIT, eager 2 ms over 3 ms / 1 ms
 
 
+def test_slow_runs_are_found_with_their_excess_and_the_decisions_beside_them():
+    cold = load_benchmark("bench_cold_start")
+    epochs = [2.0] * 10 + [9.0, 5.0, 3.0, 2.0] + [2.0] * 10 + [6.0] + [2.0] * 5
+    pending = [2] * 24 + [1] * 7  # a decision landed at index 24, next to the second run
+    runs = cold.slow_runs(epochs, pending)
+    assert [(r["epoch"], r["epochs"]) for r in runs] == [(10, 3), (24, 1)]
+    assert runs[0]["excess_ms"] == pytest.approx(7 + 3 + 1) and runs[0]["at_s"] == pytest.approx(0.020)
+    assert [r["decision"] for r in runs] == [False, True]
+    assert cold.slow_runs([2.0] * 5) == [] and cold.slow_runs([]) == []
+
+
+def test_break_even_against_eager_measured_over_the_run():
+    cold = load_benchmark("bench_cold_start")
+    # eager 2 ms a step; the cold run 1 ms, stalled 100 ms at its epoch 50 (a host's stall), and
+    # eager's second run stalled as long at its epoch 11, the 41st of the two end to end
+    before = {"epoch_ms": 2.0, "epochs_ms": [2.0] * 30, "losses": [1.0]}
+    after = {"epoch_ms": 2.0, "epochs_ms": [2.0] * 10 + [102.0] + [2.0] * 130}
+    run = {"epochs_ms": [1.0] * 49 + [101.0] + [1.0] * 100, "decided_after_epochs": 10, "steady_ms": 1.0,
+           "waited_s": 0.0, "losses": [1.0], "all_decided": True, "decided_after_s": 0.01, "first_epoch_s": 5.0,
+           "kernels": {"A spmm n=128 float32": "installed: fake"}}
+    row = {"graph": "g", "model": "gcn", "hidden": 128, "eager": before, "cold": run, "eager_after": after}
+    assert cold.row_metrics(row)["breakeven_epochs"] == 100  # j + 100 <= 2 j: behind from 50 to 99
+    assert cold.row_metrics(row)["breakeven_measured_epochs"] is None  # rows before eager_span
+    row["eager_span"] = True
+    assert cold.row_metrics(row)["breakeven_measured_epochs"] == 1  # eager met its stall first
+    run["epochs_ms"][20] += 100.0  # a second stall of the cold run: j + 200 <= 2 j + 100 from 100
+    assert cold.row_metrics(row)["breakeven_measured_epochs"] == 100
+    run["epochs_ms"][20] -= 100.0
+    doc = {"env": {"gpu": "fake"}, "rows": [row], "runs": []}
+    text = cold.markdown(doc)
+    assert "| vs eager measured over the run |" in text and "| 100 | 1 |" in text
+    assert "Repaid within 10 epochs: 0 of 1 rows (1 of 1 against eager's epochs measured" in text
+
+
 class SlowSpecializer:
     """Decides a key once ``ready()`` says so (polled, as a specializer waits on its sandbox),
     with a kernel that computes the product densely."""
