@@ -77,9 +77,9 @@ def _host_lane_sums(values: torch.Tensor, salt: int) -> list[int]:
     """:func:`_lane_sums` of host indices, in numpy's wrapping uint64 arithmetic (the same
     bits), on the calling thread. torch's CPU ops spread each step over every core, beside the
     training or compiling loop this runs next to; they took 2.7 ms for pubmed-sized indices
-    where numpy takes 0.6 ms (CI's 2 cores), and on an H100 host, from the runtime's background
-    thread during a compile, 69-339 ms of wall time
-    (``benchmarks/results/first-waits-h100-2026-11-24-side-stream.log``)."""
+    where numpy takes 0.6 ms (CI's 2 cores), and on an H100 host the runtime's fingerprint of
+    pubmed (its host copy, then this hash with torch's ops) took 69-339 ms of wall time in the
+    background thread during a compile (``benchmarks/results/first-waits-h100-2026-11-24-*.log``)."""
     array = values.numpy()
     sums = [0] * len(_SEEDS)
     with np.errstate(over="ignore"):
