@@ -94,8 +94,12 @@ def main(argv=None) -> int:
         if variant not in VARIANTS:
             parser.error(f"--variants: expected some of {', '.join(VARIANTS)}, got {variant!r}")
 
+    import torch
+
     import bench_cold_start as cold
 
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (it times the runtime's first decisions beside a training loop on one)")
     fast = cold._fast_path_library("cuda")  # built once per machine, as after a user's first run
     lines = []
     for row in args.rows.split(","):

@@ -211,3 +211,14 @@ def test_the_epoch_profile_runs_every_way_on_the_cpu(tmp_path):
     assert list(doc["ways"]) == ["eager", "inductor", "pyg", "sparserl", "sparserl_off"]
     for way in doc["ways"].values():
         assert way["synced_ms"] > 0 and way["chunked_ms"] > 0 and way["cpu_top"]
+
+
+def test_profile_first_waits_names_a_bad_variant_and_a_missing_gpu(capsys, monkeypatch):
+    waits = load_benchmark("profile_first_waits")
+    with pytest.raises(SystemExit):
+        waits.main(["--variants", "default,fastest"])
+    assert "expected some of default, gpu-hash, got 'fastest'" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        waits.main(["--variants", "gpu-hash"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err
