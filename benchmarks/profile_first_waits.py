@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -108,8 +107,7 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory(prefix="sparserl-waits-") as tmp:
                 if fast is not None:
                     shutil.copytree(fast, Path(tmp) / "cache" / "build" / fast.name)
-                env = dict(os.environ, SPARSERL_CACHE_DIR=str(Path(tmp) / "cache"),
-                           TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", PYTHONUNBUFFERED="1")
+                env = cold._child_env(str(Path(tmp) / "cache"))  # as bench_cold_start's rows
                 done = subprocess.run([sys.executable, __file__, "--child", graph, model, variant, "--after",
                                        str(args.after), "--max-s", str(args.max_s)],
                                       env=env, capture_output=True, text=True, timeout=300)
