@@ -35,6 +35,8 @@ os.environ.setdefault("SPARSERL_CACHE_DIR", tempfile.mkdtemp(prefix="sparserl-fi
 import bench_cold_start as cold  # noqa: E402
 import bench_gnn as bench  # noqa: E402
 
+INSTALL_STEPS = ("_bind_spec", "inline.build", "dlopen", "cudaFuncGetAttributes", "prepare", "cuda.synchronize",
+                 "Kernel.bind", "fastpath.forget")
 INTERVALS: list[tuple[str, str, float, float]] = []
 EPOCHS: list[tuple[float, float]] = []
 
@@ -53,6 +55,8 @@ def _record(name, fn):
 
 
 def instrument() -> None:
+    import torch
+
     from torch_sparserl import runtime as rt
     from torch_sparserl.build import inline
 
@@ -71,6 +75,25 @@ def instrument() -> None:
     rt.run_kept = _record("run_kept", rt.run_kept)
     rt._bind_spec = _record("_bind_spec", rt._bind_spec)
     inline.build = _record("inline.build", inline.build)
+    # the install's steps, to split its stall (the library's dlopen, the first query of a kernel,
+    # which loads its module under CUDA's lazy loading, the plan data, the synchronize after it)
+    inline._load = _record("dlopen", inline._load)
+    inline._bind = _record("cudaFuncGetAttributes", inline._bind)
+    from torch_sparserl import fastpath
+    from torch_sparserl import prepare as prep
+    from torch_sparserl.build import kernel as kmod
+
+    prep.prepare = _record("prepare", prep.prepare)
+    kmod.Kernel.bind = _record("Kernel.bind", kmod.Kernel.bind)
+    fastpath.record = _record("fastpath.record", fastpath.record)
+    fastpath.forget = _record("fastpath.forget", fastpath.forget)
+    synchronize = torch.cuda.synchronize
+
+    def background_synchronize(*args, **kwargs):  # the training loop's own are not intervals
+        if threading.current_thread() is threading.main_thread():
+            return synchronize(*args, **kwargs)
+        return _record("cuda.synchronize", synchronize)(*args, **kwargs)
+    torch.cuda.synchronize = background_synchronize
     started = {}
 
     def on_gc(phase, info):
@@ -125,6 +148,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="fb100_Cornell5:gcn:128,uk-2007-05_100000:sage:128")
     parser.add_argument("--after", type=int, default=40)
     parser.add_argument("--max-s", type=float, default=40.0)
+    parser.add_argument("--eager-epochs", type=int, default=200,
+                        help="eager's epochs before each cold run; its runs of slow epochs are reported too "
+                             "(thousands of them tell the host's own stalls from the runtime's)")
     args = parser.parse_args(argv)
     import torch
 
@@ -139,13 +165,17 @@ def main(argv=None) -> int:
     for spec in args.rows.split(","):
         name, model, hidden = spec.split(":")
         graph = bench.prepare_graph(name, device)
-        eager = cold.run_eager(model, int(hidden), graph, device, 200)
+        eager = cold.run_eager(model, int(hidden), graph, device, args.eager_epochs)
+        eager_slow = cold.slow_runs(eager["epochs_ms"])
+        print(f"{spec}: eager, {len(eager['epochs_ms'])} epochs over {sum(eager['epochs_ms']) / 1e3:.1f} s: "
+              f"{len(eager_slow)} runs of slow epochs, {sum(r['excess_ms'] for r in eager_slow):.0f} ms over the "
+              f"median; at s: {[round(r['at_s'], 2) for r in eager_slow]}", flush=True)
         EPOCHS.clear()
         INTERVALS.clear()
         run = cold.run_cold(model, int(hidden), graph, device, jit="background", after=args.after, max_s=args.max_s)
         epochs = EPOCHS[1:1 + len(run["epochs_ms"])]  # the first is the compile
         t0 = epochs[0][0]
-        row = {"row": spec, "eager_ms": eager["epoch_ms"], "decided_after_epochs": run["decided_after_epochs"],
+        row = {"row": spec, "eager_ms": eager["epoch_ms"], "eager_slow_runs": eager_slow, "decided_after_epochs": run["decided_after_epochs"],
                "decided_after_s": run["decided_after_s"], "steady_ms": run["steady_ms"],
                "stalls": stalls(epochs, INTERVALS), "by_phase": by_phase(epochs, INTERVALS),
                "intervals": [(n, th, round((a - t0) * 1e3, 2), round((b - a) * 1e3, 2)) for n, th, a, b in INTERVALS],
@@ -156,6 +186,13 @@ def main(argv=None) -> int:
               flush=True)
         for label, ms in list(s["excess_ms_by_overlapping_interval"].items())[:12]:
             print(f"    {ms:9.1f} ms  {label}", flush=True)
+        for name, thread, at, ms in row["intervals"]:
+            if name in INSTALL_STEPS:
+                stalled = [e for e in s["stalled"] if e["epoch"] < len(row["epochs"])
+                           and row["epochs"][e["epoch"]][0] < at + ms and row["epochs"][e["epoch"]][0] + e["ms"] > at]
+                print(f"    install step {name} [{thread}] at {at:.1f} ms: {ms:.2f} ms"
+                      + (f"; overlaps stalled epochs {[(e['epoch'], e['ms']) for e in stalled]}" if stalled else ""),
+                      flush=True)
         for label, what in row["by_phase"].items():
             print(f"    while {label}: {what['epochs']} epochs, median {what['median_ms']} ms", flush=True)
         result["rows"].append(row)

@@ -222,3 +222,23 @@ def test_profile_first_waits_names_a_bad_variant_and_a_missing_gpu(capsys, monke
     with pytest.raises(SystemExit):
         waits.main(["--variants", "gpu-hash"])
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_profile_first_run_wraps_every_step_it_names():
+    """The profile replaces runtime functions by name: a rename must fail here, not on the device.
+    Run in a child: the wrappers stay for the life of the process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys; sys.path.insert(0, 'benchmarks'); import profile_first_run as p; p.instrument()\n"
+              "from torch_sparserl import fastpath, prepare, runtime\n"
+              "from torch_sparserl.build import inline, kernel\n"
+              "wrapped = [inline._load, inline._bind, inline.build, prepare.prepare, kernel.Kernel.bind,\n"
+              "           fastpath.record, fastpath.forget, runtime._bind_spec, runtime.run_kept]\n"
+              "assert all(hasattr(f, '__wrapped__') for f in wrapped), wrapped\n"
+              "print(sorted(p.INSTALL_STEPS))\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "cudaFuncGetAttributes" in done.stdout

@@ -167,5 +167,11 @@ def build(specs: list[KernelSpec], arch: str | None = None, *, directory: Path |
                 raise CompileError(f"inline build of {len(specs)} kernel(s) as {name} failed "
                                    f"(build files in {build_dir})", log=str(exc)) from exc
             done.write_text("\n".join(s.key for s in specs))
-    lib = ctypes.CDLL(str(library), mode=os.RTLD_LOCAL)
+    lib = _load(library)
     return {spec.key: _bind(lib, spec) for spec in specs}
+
+
+def _load(library: Path) -> ctypes.CDLL:
+    """dlopen the built library (its fatbinary is registered here; with CUDA's lazy loading the
+    module itself is loaded by the first call that needs a kernel: ``_bind``'s attribute query)."""
+    return ctypes.CDLL(str(library), mode=os.RTLD_LOCAL)
