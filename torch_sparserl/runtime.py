@@ -926,18 +926,29 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) 
 
     kernel = inline.build([spec])[spec.key]
     rows = crow.numel() - 1
+    # What the kernel reads besides the operands (plan data, int32 copies of int64 indices) is
+    # computed on the host, from the copy the fingerprint and the specializer read
+    # (Pattern.host_indices), then copied over. On the device, prepare() would launch torch
+    # kernels (a sort, a scan, repeat_interleave) that a training process has mostly never
+    # launched, and CUDA's lazy module loading holds every launch in the process while it loads
+    # them: the training step beside the background install of fb100_Cornell5's first kernel
+    # took 40-50 ms on an H100 (2.3 ms and no stall with CUDA_MODULE_LOADING=EAGER;
+    # benchmarks/results/first-run-h100-2026-11-24-lazy-loading.md). On the host it is a few
+    # milliseconds for the benchmarks' graphs (up to 3 M nonzeros), the interpreter lock released.
+    host_crow, host_col = host_indices(crow, col, ncols)
+    prepared = prepare(spec.plan, host_crow, host_col, (rows, ncols), n)
+    if prepared.aux is not None:
+        prepared = dataclasses.replace(prepared, aux=prepared.aux.to(col.device))
     # int64 patterns get int32 copies, owned here; int32 ones are used as passed, never
     # held, so an installed kernel does not keep the user's adjacency alive.
     copies = None
     if crow.dtype != torch.int32 or col.dtype != torch.int32:
-        copies = (crow.to(torch.int32).contiguous(), col.to(torch.int32).contiguous())
-    rowptr32, col32 = copies or (crow.contiguous(), col.contiguous())
-    prepared = prepare(spec.plan, rowptr32, col32, (rows, ncols), n)
-    # prepare() ran on this thread's stream (maybe a background thread's): finish it before
-    # any stream uses the plan data.
+        copies = tuple(t.to(torch.int32).contiguous().to(col.device) for t in (host_crow, host_col))
+    del host_crow, host_col
+    # The copies ran on this thread's stream (maybe a background thread's): finish them before
+    # any stream uses their data.
     torch.cuda.synchronize(col.device)
     bound = kernel.bind(prepared)
-    del rowptr32, col32
     shape = operand_shapes(spec.plan.op, rows, ncols, col.numel(), n)["y"]
     device_index = col.device.index if col.device.index is not None else torch.cuda.current_device()
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
