@@ -139,6 +139,7 @@ def row_metrics(row: dict) -> dict:
            "breakeven_measured_epochs": (breakeven(cold["waited_s"], cold["epochs_ms"],
                                                    eager["epochs_ms"] + row["eager_after"]["epochs_ms"], reference)
                                          if row.get("eager_span") else None),
+           "eager_span": bool(row.get("eager_span")),
            "eager_ms": reference,
            "steady_speedup_vs_eager": reference / steady if steady else None,
            "closed_speedup_vs_eager": reference / cold["closed_ms"] if cold.get("closed_ms") else None,
@@ -175,13 +176,16 @@ def compare(paths: list[Path]) -> str:
                                       ("during_jit_vs_eager", "During JIT vs eager", ".2f", "×"),
                                       ("steady_speedup_vs_eager", "Steady vs eager", ".2f", "×")):
         lines += [f"## {title}", "", f"| graph | model | hidden | {runs} |", "|---|---|---:|" + "---:|" * len(docs)]
+        # rows of older runs did not time eager over the cold run's span: nothing to show there
+        timed = (lambda m: m["eager_span"]) if metric == "breakeven_measured_epochs" else (lambda m: True)
         for k in keys:
-            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | "
-                         + " | ".join(_fmt(r[k].get(metric), spec, unit) for r in keyed) + " |")
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(
+                _fmt(r[k].get(metric), spec, unit) if timed(r[k]) else "not timed" for r in keyed) + " |")
         if metric.startswith("breakeven"):
-            repaid = [sum(1 for k in keys if (r[k][metric] or TARGET_EPOCHS + 1) <= TARGET_EPOCHS) for r in keyed]
-            lines.append(f"| **repaid within {TARGET_EPOCHS}** | | | " + " | ".join(f"{n} of {len(keys)}" for n in repaid)
-                         + " |")
+            repaid = [f"{sum(1 for k in keys if (r[k][metric] or TARGET_EPOCHS + 1) <= TARGET_EPOCHS)} of "
+                      f"{sum(1 for k in keys if timed(r[k]))}" if any(timed(r[k]) for k in keys) else "not timed"
+                      for r in keyed]
+            lines.append(f"| **repaid within {TARGET_EPOCHS}** | | | " + " | ".join(repaid) + " |")
         else:
             lines.append("| **geometric mean** | | | " + " | ".join(
                 _fmt(geomean(r[k].get(metric) for k in keys), spec, unit) for r in keyed) + " |")

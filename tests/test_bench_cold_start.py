@@ -60,6 +60,17 @@ def test_compare_lines_up_the_rows_of_repeated_runs(tmp_path):
     assert "| a | gcn | 128 | 1 | 1 |" in text and "| b | gcn | 128 | — | 1 |" in text
     assert "| **repaid within 10** | | | 1 of 2 | 2 of 2 |" in text
     assert "| b | gcn | 128 | 0.67× | 2.00× |" in text  # during the JIT, eager 2 ms over 3 ms / 1 ms
+    assert "against eager measured over the run" not in text  # neither run timed eager over its span
+
+    # a later run that timed eager over the cold run's span: the older one's cells say so, not "never"
+    rows = [row("a", 1.0), row("b", 3.0)]
+    for r in rows:
+        r["eager_span"], r["eager_after"] = True, {"epochs_ms": [2.0] * 30}
+    paths[1].write_text(json.dumps({"env": {"gpu": "fake"}, "rows": rows}))
+    text = cold.compare(paths)
+    measured = text.split("## Break-even epochs against eager measured over the run")[1].split("##")[0]
+    assert "| a | gcn | 128 | not timed | 1 |" in measured and "| b | gcn | 128 | not timed | — |" in measured
+    assert "| **repaid within 10** | | | not timed | 1 of 2 |" in measured
 
 
 def test_slow_runs_are_found_with_their_excess_and_the_decisions_beside_them():
