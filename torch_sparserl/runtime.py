@@ -933,8 +933,9 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) 
     # launched, and CUDA's lazy module loading holds every launch in the process while it loads
     # them: the training step beside the background install of fb100_Cornell5's first kernel
     # took 40-50 ms on an H100 (2.3 ms and no stall with CUDA_MODULE_LOADING=EAGER;
-    # benchmarks/results/first-run-h100-2026-11-24-lazy-loading.md). On the host it is a few
-    # milliseconds for the benchmarks' graphs (up to 3 M nonzeros), the interpreter lock released.
+    # benchmarks/results/first-run-h100-2026-11-24-lazy-loading.md). On the host it takes
+    # 0.3-20 ms for the benchmarks' graphs (up to 3 M nonzeros, 2 CPU cores), mostly in torch
+    # ops that release the interpreter lock.
     host_crow, host_col = host_indices(crow, col, ncols)
     prepared = prepare(spec.plan, host_crow, host_col, (rows, ncols), n)
     if prepared.aux is not None:
