@@ -11,7 +11,8 @@ median) is listed with the intervals that overlap it. Epochs are also grouped by
 background steps they overlap (the worker's start, its tasks by name): the median epoch while
 each runs. Writes ``$OUT/first-run.json``.
 ``SPARSERL_EVAL_BURST_REPS=0`` runs the candidates' timing loops back to back, as before the
-runtime's evaluations were timed in bursts (``autotune.RUNTIME_BURST_REPS``).
+runtime's evaluations were timed in bursts (``autotune.RUNTIME_BURST_REPS``);
+``SPARSERL_POLICY_DEVICE=cpu`` samples the policy on the worker's CPU instead of the GPU.
 
     OUT=/tmp python benchmarks/profile_first_run.py --rows fb100_Cornell5:gcn:128,uk-2007-05_100000:sage:128
 """
@@ -181,6 +182,10 @@ def main(argv=None) -> int:
                "intervals": [(n, th, round((a - t0) * 1e3, 2), round((b - a) * 1e3, 2)) for n, th, a, b in INTERVALS],
                "epochs": [(round((a - t0) * 1e3, 2), ms) for a, ms in epochs]}
         s = row["stalls"]
+        during = run["epochs_ms"][:run["decided_after_epochs"]]
+        print(f"{spec}: decided after {run['decided_after_epochs']} epochs ({run['decided_after_s']} s), median "
+              f"epoch while deciding {statistics.median(during) if during else None} ms, steady {run['steady_ms']} ms; "
+              f"kernels: {run['kernels']}", flush=True)
         print(f"{spec}: eager {eager['epoch_ms']:.2f} ms, median cold epoch {s['median_ms']} ms, "
               f"{s['count']} stalled epochs, {s['excess_ms_total']} ms over the median; by overlapping interval:",
               flush=True)

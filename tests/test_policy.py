@@ -366,3 +366,18 @@ def test_runtime_settings_read_the_policy_from_the_environment():
 
     s = RuntimeSettings.from_env({"SPARSERL_JIT_POLICY": "autotune", "SPARSERL_JIT_K": "8"})
     assert s.policy == "autotune" and s.k == 8
+
+
+def test_the_worker_samples_where_the_switch_says(monkeypatch):
+    from torch_sparserl.policy.propose import worker_policy_device
+
+    monkeypatch.delenv("SPARSERL_POLICY_DEVICE", raising=False)
+    assert worker_policy_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("SPARSERL_POLICY_DEVICE", " CPU ")
+    assert worker_policy_device() == "cpu"
+    monkeypatch.setenv("SPARSERL_POLICY_DEVICE", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker_policy_device() == "cpu"  # no GPU: the host, whatever the switch asks
+    monkeypatch.setenv("SPARSERL_POLICY_DEVICE", "tpu")
+    with pytest.raises(ValueError, match=r"SPARSERL_POLICY_DEVICE: expected one of \('cuda', 'cpu'\) \(got 'tpu'\)"):
+        worker_policy_device()

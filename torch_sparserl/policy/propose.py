@@ -14,6 +14,7 @@ trials, determinism, cuSPARSE timed in the same run), like the autotuner's final
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -120,10 +121,30 @@ class SandboxedPolicy:
         return [Sample(**fields) for fields in found]
 
 
+POLICY_DEVICES = ("cuda", "cpu")
+
+
+def worker_policy_device() -> str:
+    """Where the sandbox's worker samples the policy: the GPU when there is one, unless
+    ``SPARSERL_POLICY_DEVICE=cpu`` (an experiment switch: the policy's small kernels then stay
+    off the GPU that a training loop uses while its kernels are decided;
+    ``benchmarks/profile_first_run.py`` compares). A named error for anything else."""
+    text = os.environ.get("SPARSERL_POLICY_DEVICE", "").strip().lower()
+    if text and text not in POLICY_DEVICES:
+        raise ValueError(f"SPARSERL_POLICY_DEVICE: expected one of {POLICY_DEVICES} (got {text!r})")
+    if text == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return "cuda"
+
+
 def _worker_policy(checkpoint: str) -> KernelPolicy:
     from . import load_default
 
-    return load_default("cuda" if torch.cuda.is_available() else "cpu", checkpoint)
+    device = worker_policy_device()
+    if device == "cpu" and torch.cuda.is_available():
+        # The worker shares the host with a training process: a few threads, not every core.
+        torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))
+    return load_default(device, checkpoint)
 
 
 def load_task(checkpoint: str) -> dict:
