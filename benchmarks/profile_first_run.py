@@ -176,8 +176,8 @@ def main(argv=None) -> int:
         run = cold.run_cold(model, int(hidden), graph, device, jit="background", after=args.after, max_s=args.max_s)
         epochs = EPOCHS[1:1 + len(run["epochs_ms"])]  # the first is the compile
         t0 = epochs[0][0]
-        row = {"row": spec, "eager_ms": eager["epoch_ms"], "eager_slow_runs": eager_slow, "decided_after_epochs": run["decided_after_epochs"],
-               "decided_after_s": run["decided_after_s"], "steady_ms": run["steady_ms"],
+        row = {"row": spec, "eager_ms": eager["epoch_ms"], "eager_slow_runs": eager_slow,
+               "decided_after_epochs": run["decided_after_epochs"], "decided_after_s": run["decided_after_s"], "steady_ms": run["steady_ms"],
                "stalls": stalls(epochs, INTERVALS), "by_phase": by_phase(epochs, INTERVALS),
                "intervals": [(n, th, round((a - t0) * 1e3, 2), round((b - a) * 1e3, 2)) for n, th, a, b in INTERVALS],
                "epochs": [(round((a - t0) * 1e3, 2), ms) for a, ms in epochs]}
