@@ -95,8 +95,8 @@ def breakeven(waited_s: float, epochs_ms: list[float], eager_epochs_ms: list[flo
     return found
 
 
-def slow_runs(epochs_ms: list[float], pending: list[int] | None = None, start_over: float = 2.5,
-              last_over: float = 1.3, near: int = 3) -> list[dict]:
+def slow_runs(epochs_ms: list[float], pending: list[int] | None = None, start_over: float = SLOW_START,
+              last_over: float = SLOW_LAST, near: int = 3) -> list[dict]:
     """Runs of slow epochs: one starts at an epoch over ``start_over`` times the median and lasts
     while epochs stay over ``last_over`` times it. Each: ``epoch`` (index into ``epochs_ms``),
     ``epochs``, ``excess_ms`` (over the median, summed), ``at_s`` (seconds of epochs before it)
@@ -171,7 +171,7 @@ def compare(paths: list[Path]) -> str:
              + f". Rows present in every run: {len(keys)}. Break-even in epochs (target: {TARGET_EPOCHS}; — : "
              "never within the run), speedups over eager from the same run.", ""]
     measured = [("breakeven_measured_epochs", "Break-even epochs against eager measured over the run", "d", "")
-                if any(r[k]["breakeven_measured_epochs"] is not None for r in keyed for k in keys) else None]
+                if any(r[k]["eager_span"] for r in keyed for k in keys) else None]
     for metric, title, spec, unit in (("breakeven_epochs", "Break-even epochs", "d", ""), *filter(None, measured),
                                       ("during_jit_vs_eager", "During JIT vs eager", ".2f", "×"),
                                       ("steady_speedup_vs_eager", "Steady vs eager", ".2f", "×")):
@@ -378,7 +378,7 @@ def markdown(doc: dict) -> str:
                   "at epoch k (the compile's is epoch 1), seconds into the timed epochs; † a decision landed within 3 "
                   "epochs):", ""]
         for row in rows:
-            runs = slow_runs(row["cold"]["epochs_ms"], row["cold"].get("pending"), SLOW_START, SLOW_LAST)
+            runs = slow_runs(row["cold"]["epochs_ms"], row["cold"].get("pending"))
             shown = sorted(sorted(runs, key=lambda r: -r["excess_ms"])[:SLOW_SHOWN], key=lambda r: r["epoch"])
             lines.append(f"- {row['graph']} {row['model']} {row['hidden']}: {len(runs)} runs, "
                          f"{sum(r['excess_ms'] for r in runs):.0f} ms in all"
