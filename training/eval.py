@@ -255,10 +255,8 @@ def _json_default(v):
 
 def _environment() -> dict:
     import torch
-    import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "host": platform.node()}
+    env = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env

@@ -9,8 +9,10 @@ The request is the start of the plan line (``// sparserl: op=spmm dtype=f32 n=32
 the caller; the policy writes the rest: the plan, the family and its parameters, the kernel.
 A checkpoint is a folder with ``config.json`` (this module's :class:`PolicyConfig` plus
 metadata), ``model.safetensors`` (float16 weights, the tied LM head left out) and
-``tokenizer.json``: loaded by building the model from the config, so it does not depend on
-``transformers``' serialisation format and loads under any 5.x.
+``tokenizer.json``: loaded by building the model from the config. The model is
+:mod:`.decoder`'s plain-torch Llama, which names its parameters as ``transformers``' Llama
+does and computes the same (tested against it), so loading neither imports ``transformers``
+nor depends on its version.
 """
 
 from __future__ import annotations
@@ -45,20 +47,12 @@ class PolicyConfig:
     max_new_tokens: int = 320   # longest completion sampled
 
 
-def _llama(config: PolicyConfig, ids: dict[str, int]):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _decoder(config: PolicyConfig, ids: dict[str, int]):
+    from .decoder import Decoder, DecoderConfig
 
-    cfg = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden,
-                      intermediate_size=config.intermediate, num_hidden_layers=config.layers,
-                      num_attention_heads=config.heads, num_key_value_heads=config.heads,
-                      max_position_embeddings=config.max_positions, tie_word_embeddings=True,
-                      pad_token_id=ids[PAD], bos_token_id=ids[BOS], eos_token_id=ids[EOS],
-                      rms_norm_eps=1e-5)
-    try:
-        cfg._attn_implementation = "sdpa"
-    except Exception:  # pragma: no cover - attribute moved in some release
-        pass
-    return LlamaForCausalLM(cfg)
+    return Decoder(DecoderConfig(vocab_size=config.vocab_size, hidden=config.hidden, layers=config.layers,
+                                 heads=config.heads, intermediate=config.intermediate, pad_token_id=ids[PAD],
+                                 eps=1e-5))
 
 
 @dataclass
@@ -91,7 +85,7 @@ class KernelPolicy(nn.Module):
         if tokenizer.get_vocab_size() > config.vocab_size:
             raise ValueError(f"policy: the tokenizer has {tokenizer.get_vocab_size()} tokens, "
                              f"more than vocab_size={config.vocab_size}")
-        self.lm = _llama(config, self.ids)
+        self.lm = _decoder(config, self.ids)
         self.encoder = PatternEncoder(config.hidden, config.pe_dim, config.coords)
         self.meta: dict = {}
 
@@ -309,8 +303,7 @@ class KernelPolicy(nn.Module):
                 # keep in the cache what was fed and accepted; the last token is fed next round
                 base += 1 + accepted
                 if accepted < len(draft):
-                    # a negative count removes tokens from the end in every transformers 4.4x/5.x
-                    cache.crop(-(cache.get_seq_length() - base))
+                    cache.crop(base)
             finished = tokens[-1] == eos
             body = tokens[:-1] if finished else tokens
             samples.append(Sample(text=self.decode(body), tokens=tokens, logprob=float(sum(lps)),
@@ -349,17 +342,13 @@ class KernelPolicy(nn.Module):
             raise ValueError(f"policy: checkpoint {folder} does not match the model "
                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
         policy.lm.tie_weights()
-        if policy.lm.lm_head.weight.data_ptr() != policy.lm.model.embed_tokens.weight.data_ptr():
-            policy.lm.lm_head.weight = policy.lm.model.embed_tokens.weight
         policy.meta = info.get("meta", {})
         return policy.to(device).eval()
 
 
 def _copy_cache(cache):
     """An independent copy of a KV cache (each sampled row extends its own)."""
-    import copy
-
-    return copy.deepcopy(cache)
+    return cache.copy()
 
 
 def build(tokenizer, **overrides) -> KernelPolicy:
