@@ -10,10 +10,9 @@ Three ways in, one runtime:
   :func:`compile`, which also converts sparse arguments and buffers to :class:`CSRMatrix`.
 """
 
+from importlib import import_module
+
 from . import ops  # registers the torch.ops.sparserl operators
-from .convert import compile
-from .csr_matrix import CSRMatrix, csr
-from .datasets import list_matrices, load_matrix
 from .intercept import intercept_sparse
 from .settings import Settings
 
@@ -21,3 +20,21 @@ __version__ = "0.1.0"
 
 __all__ = ["CSRMatrix", "Settings", "compile", "csr", "intercept_sparse", "list_matrices",
            "load_matrix", "ops"]
+
+# Loaded on first use: the tensor subclass imports torch._dynamo (seconds on some hosts), which
+# the sandbox's worker, a process of this package that never compiles, should not wait for.
+_LAZY = {"CSRMatrix": "csr_matrix", "csr": "csr_matrix", "compile": "convert", "list_matrices": "datasets",
+         "load_matrix": "datasets"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_sparserl' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
