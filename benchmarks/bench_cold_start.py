@@ -141,6 +141,8 @@ def row_metrics(row: dict) -> dict:
                                          if row.get("eager_span") else None),
            "eager_span": bool(row.get("eager_span")),
            "eager_ms": reference,
+           # seconds of timed epochs (after the compile) until every product was decided
+           "decided_after_s": cold.get("decided_after_s") if cold.get("all_decided", True) else None,
            "steady_speedup_vs_eager": reference / steady if steady else None,
            "closed_speedup_vs_eager": reference / cold["closed_ms"] if cold.get("closed_ms") else None,
            "first_epochs_ms": {"eager": sum(eager["epochs_ms"][:FIRST_EPOCHS]),
@@ -173,6 +175,8 @@ def compare(paths: list[Path]) -> str:
     measured = [("breakeven_measured_epochs", "Break-even epochs against eager measured over the run", "d", "")
                 if any(r[k]["eager_span"] for r in keyed for k in keys) else None]
     for metric, title, spec, unit in (("breakeven_epochs", "Break-even epochs", "d", ""), *filter(None, measured),
+                                      ("decided_after_s", "Decided after (seconds of epochs after the compile; "
+                                                          "0: during it)", ".1f", " s"),
                                       ("during_jit_vs_eager", "During JIT vs eager", ".2f", "×"),
                                       ("steady_speedup_vs_eager", "Steady vs eager", ".2f", "×")):
         lines += [f"## {title}", "", f"| graph | model | hidden | {runs} |", "|---|---|---:|" + "---:|" * len(docs)]
@@ -186,6 +190,10 @@ def compare(paths: list[Path]) -> str:
                       f"{sum(1 for k in keys if timed(r[k]))}" if any(timed(r[k]) for k in keys) else "not timed"
                       for r in keyed]
             lines.append(f"| **repaid within {TARGET_EPOCHS}** | | | " + " | ".join(repaid) + " |")
+        elif metric == "decided_after_s":
+            lines.append("| **median** | | | " + " | ".join(
+                _fmt(statistics.median(v) if (v := [r[k][metric] for k in keys if r[k].get(metric) is not None])
+                     else None, spec, unit) for r in keyed) + " |")
         else:
             lines.append("| **geometric mean** | | | " + " | ".join(
                 _fmt(geomean(r[k].get(metric) for k in keys), spec, unit) for r in keyed) + " |")

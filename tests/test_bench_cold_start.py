@@ -47,8 +47,8 @@ def test_compare_lines_up_the_rows_of_repeated_runs(tmp_path):
 
     def row(graph, cold_ms):  # eager 2 ms; the cold run at cold_ms per epoch, losses equal
         eager = {"epoch_ms": 2.0, "epochs_ms": [2.0] * 30, "losses": [1.0]}
-        run = {"epochs_ms": [cold_ms] * 30, "decided_after_epochs": 10, "steady_ms": cold_ms, "waited_s": 0.0,
-               "losses": [1.0]}
+        run = {"epochs_ms": [cold_ms] * 30, "decided_after_epochs": 10, "decided_after_s": cold_ms,
+               "steady_ms": cold_ms, "waited_s": 0.0, "losses": [1.0]}
         return {"graph": graph, "model": "gcn", "hidden": 128, "eager": eager, "cold": run}
 
     paths = []
@@ -61,6 +61,8 @@ def test_compare_lines_up_the_rows_of_repeated_runs(tmp_path):
     assert "| **repaid within 10** | | | 1 of 2 | 2 of 2 |" in text
     assert "| b | gcn | 128 | 0.67× | 2.00× |" in text  # during the JIT, eager 2 ms over 3 ms / 1 ms
     assert "against eager measured over the run" not in text  # neither run timed eager over its span
+    decided = text.split("## Decided after")[1].split("##")[0]
+    assert "| b | gcn | 128 | 3.0 s | 1.0 s |" in decided and "| **median** | | | 2.0 s | 1.0 s |" in decided
 
     # a later run that timed eager over the cold run's span: the older one's cells say so, not "never"
     rows = [row("a", 1.0), row("b", 3.0)]
