@@ -223,8 +223,12 @@ def test_edge_weights_that_change_every_step_get_gradients(device):
             out.square().sum().backward()
         assert {"sddmm", "spmm"} <= set(seen.ops), seen.ops
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+        # The attention biases' gradients are sums that cancel to nearly 0 (softmax): two summation
+        # orders differ there by the rounding of the terms, so the absolute tolerance follows the
+        # gradients' scale (on the H100 one kernel choice gave 1.7e-12 where the largest gradient is about 57).
+        scale = max(float(g.abs().max()) for g in grads_ref)
         for ours, theirs in zip(_grads(layer), grads_ref):
-            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10 * scale)
         with torch.no_grad():
             for p in layer.parameters():
                 p -= 0.1 * p.grad
