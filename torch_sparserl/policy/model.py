@@ -208,8 +208,10 @@ class KernelPolicy(nn.Module):
             from .corpus import completion_text, kernel_documents
 
             docs, index = [], {}
-            for op, dtype, n, _, _, text in kernel_documents():
-                ids = self.encode(completion_text(text, op, dtype, n)) + [self.ids[EOS]]
+            # one batch: the tokenizer encodes it on every core (the first sample waits for this)
+            texts = [completion_text(text, op, dtype, n) for op, dtype, n, _, _, text in kernel_documents()]
+            for encoding in self.tokenizer.encode_batch(texts):
+                ids = encoding.ids + [self.ids[EOS]]
                 d = len(docs)
                 docs.append(ids)
                 for i in range(len(ids) - 3):
