@@ -590,3 +590,32 @@ def test_a_negative_answer_reached_while_the_device_had_no_memory_is_no_decision
     entry = decide(key, _tuned(wrong, hang, wrong), "3 searched", "candidate")
     assert entry.spec_source is None  # a verdict: cached, and it says what the candidates did
     assert entry.reason == "no correct candidate (3 searched; failed: timeout 1, wrong 2)"
+
+
+def test_one_cpu_thread_narrows_only_the_calling_thread():
+    """The install's host work runs on one core; the training thread keeps its CPU threads."""
+    from torch_sparserl import runtime as rt
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's intra-op thread count is per thread only under OpenMP")
+    main = torch.get_num_threads()
+    if main == 1:
+        pytest.skip("one CPU thread already")
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def background():
+        with rt.one_cpu_thread():
+            seen["inside"] = torch.get_num_threads()
+            seen["sum"] = float(torch.arange(1 << 20, dtype=torch.float64).sum())  # a parallel operator
+            inside.set()
+            leave.wait(10)
+        seen["after"] = torch.get_num_threads()
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    assert inside.wait(10)
+    assert torch.get_num_threads() == main  # the caller's thread meanwhile
+    leave.set()
+    thread.join(10)
+    assert seen == {"inside": 1, "sum": float((1 << 20) * ((1 << 20) - 1) // 2), "after": main}
+    assert torch.get_num_threads() == main

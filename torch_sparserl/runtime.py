@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -919,6 +920,33 @@ def check_fused(launch: Callable, pattern: Pattern, crow, col, n: int, dtype: to
         raise SpecializationError(f"the fused kernel differs from the float64 reference: {why}")
 
 
+@functools.lru_cache(maxsize=None)
+def _openmp() -> bool:
+    return "OpenMP" in torch.__config__.parallel_info()
+
+
+@contextlib.contextmanager
+def one_cpu_thread():
+    """torch's CPU operators called from this thread use one core inside the block.
+
+    For the runtime's background threads: their host work on a large pattern, parallel over
+    every core, takes the cores that the training loop's thread needs to launch its next step.
+    torch's intra-op thread count is per thread under OpenMP (the training thread keeps its
+    own); the process-wide default it also sets, read by threads that start their first
+    parallel operator meanwhile, is restored on leaving. Under another threading backend the
+    count is the process's, so nothing is changed there.
+    """
+    previous = torch.get_num_threads()
+    if previous == 1 or not _openmp():
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) -> Callable:
     from .abi import operand_shapes
     from .build import inline
@@ -935,17 +963,20 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) 
     # took 40-50 ms on an H100 (2.3 ms and no stall with CUDA_MODULE_LOADING=EAGER;
     # benchmarks/results/first-run-h100-2026-11-24-lazy-loading.md). On the host it takes
     # 0.3-20 ms for the benchmarks' graphs (up to 3 M nonzeros, 2 CPU cores), mostly in torch
-    # ops that release the interpreter lock.
-    host_crow, host_col = host_indices(crow, col, ncols)
-    prepared = prepare(spec.plan, host_crow, host_col, (rows, ncols), n)
-    if prepared.aux is not None:
-        prepared = dataclasses.replace(prepared, aux=prepared.aux.to(col.device))
-    # int64 patterns get int32 copies, owned here; int32 ones are used as passed, never
-    # held, so an installed kernel does not keep the user's adjacency alive.
-    copies = None
-    if crow.dtype != torch.int32 or col.dtype != torch.int32:
-        copies = tuple(t.to(torch.int32).contiguous().to(col.device) for t in (host_crow, host_col))
-    del host_crow, host_col
+    # ops that release the interpreter lock. They run on one core (one_cpu_thread): on every core,
+    # uk-2007's prepares (76-292 ms on the H100 host) went with training steps of 11-23 ms
+    # instead of 2.6 (benchmarks/results/first-run-h100-2026-11-24-uk-stalls.log).
+    with one_cpu_thread():
+        host_crow, host_col = host_indices(crow, col, ncols)
+        prepared = prepare(spec.plan, host_crow, host_col, (rows, ncols), n)
+        if prepared.aux is not None:
+            prepared = dataclasses.replace(prepared, aux=prepared.aux.to(col.device))
+        # int64 patterns get int32 copies, owned here; int32 ones are used as passed, never
+        # held, so an installed kernel does not keep the user's adjacency alive.
+        copies = None
+        if crow.dtype != torch.int32 or col.dtype != torch.int32:
+            copies = tuple(t.to(torch.int32).contiguous().to(col.device) for t in (host_crow, host_col))
+        del host_crow, host_col
     # The copies ran on this thread's stream (maybe a background thread's): finish them before
     # any stream uses their data.
     torch.cuda.synchronize(col.device)
