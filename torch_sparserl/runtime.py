@@ -963,9 +963,10 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) 
     # took 40-50 ms on an H100 (2.3 ms and no stall with CUDA_MODULE_LOADING=EAGER;
     # benchmarks/results/first-run-h100-2026-11-24-lazy-loading.md). On the host it takes
     # 0.3-20 ms for the benchmarks' graphs (up to 3 M nonzeros, 2 CPU cores), mostly in torch
-    # ops that release the interpreter lock. They run on one core (one_cpu_thread): on every core,
-    # uk-2007's prepares (76-292 ms on the H100 host) went with training steps of 11-23 ms
-    # instead of 2.6 (benchmarks/results/first-run-h100-2026-11-24-uk-stalls.log).
+    # ops that release the interpreter lock. They run on one core (one_cpu_thread): on all 16
+    # cores of the H100 host, uk-2007's prepares took 76-292 ms beside training steps of 11-23
+    # ms (2.6 ms median); on one core they took 3-23 ms
+    # (benchmarks/results/first-run-h100-2026-11-24-uk-{stalls,one-thread}.log).
     with one_cpu_thread():
         host_crow, host_col = host_indices(crow, col, ncols)
         prepared = prepare(spec.plan, host_crow, host_col, (rows, ncols), n)
