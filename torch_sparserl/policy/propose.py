@@ -89,10 +89,10 @@ class SandboxedPolicy:
     """The policy run in a sandbox's worker process instead of the caller's.
 
     The runtime specializes in a background thread of the user's process, next to a training
-    loop. Loading the policy (transformers, the weights) and decoding (a Python loop of small
-    GPU steps) there would take the interpreter lock from the loop for seconds; in the
-    sandbox's worker, which already holds a CUDA context on the same GPU, the thread only
-    waits on a pipe. The caller's process never imports transformers. Samples are those of
+    loop. Loading the policy (the weights, the draft index) and decoding (a Python loop of
+    small GPU steps) there would take the interpreter lock from the loop; in the sandbox's
+    worker, which already holds a CUDA context on the same GPU, the thread only waits on a
+    pipe. Samples are those of
     :meth:`KernelPolicy.sample_speculative` on the worker's device with the same seed.
     """
 

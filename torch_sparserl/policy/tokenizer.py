@@ -18,8 +18,8 @@ SPECIALS = (PAD, BOS, EOS)
 def _require():
     try:
         import tokenizers  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - transformers depends on it
-        raise ImportError("torch_sparserl.policy needs the 'tokenizers' package (installed with transformers)") from exc
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise ImportError("torch_sparserl.policy needs the 'tokenizers' package (pip install tokenizers)") from exc
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2):
