@@ -11,6 +11,7 @@ Three ways in, one runtime:
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from . import ops  # registers the torch.ops.sparserl operators
 from .intercept import intercept_sparse
@@ -25,6 +26,12 @@ __all__ = ["CSRMatrix", "Settings", "compile", "csr", "intercept_sparse", "list_
 # the sandbox's worker, a process of this package that never compiles, should not wait for.
 _LAZY = {"CSRMatrix": "csr_matrix", "csr": "csr_matrix", "compile": "convert", "list_matrices": "datasets",
          "load_matrix": "datasets"}
+
+
+if TYPE_CHECKING:  # the lazy names, for type checkers and editors
+    from .convert import compile
+    from .csr_matrix import CSRMatrix, csr
+    from .datasets import list_matrices, load_matrix
 
 
 def __getattr__(name: str):
