@@ -546,7 +546,7 @@ class Runtime:
 
     def prewarm(self, device=None, *, background: bool = False) -> float | None:
         """Start now what the first specialization of a process waits for: the sandbox's
-        worker and the learned policy (about 10 s on an H100). In ``background``, a training
+        worker and the learned policy (4-6 s on the H100 machines). In ``background``, a training
         script overlaps it with loading its data; specializations queue behind it. Returns the
         seconds it took (None in background, or without CUDA). Failures are logged: the first
         specialization then tries again and falls back as usual."""
