@@ -25,22 +25,34 @@ def _cases():
                     yield name, op, dtype, n
 
 
-SPLIT_FAMILIES = ("nnz_split", "merge_path")  # a row's pieces summed atomically into y: float32 only
+SPLIT_FAMILIES = ("nnz_split", "merge_path")  # a row's pieces summed atomically into y
+
+
+def float32_only(name: str, op: str) -> bool:
+    """Whether a family's ``op`` kernels take float32 only: a split family's spmv sums a row's
+    pieces atomically into y. The spmm of nnz_split (and rowchunks everywhere) sums a
+    half-precision row's pieces in a float32 workspace instead; sddmm has no pieces."""
+    return name in SPLIT_FAMILIES and op == "spmv"
 
 
 def test_half_precision_plans_sum_no_pieces_into_y():
     """A split spmm/spmv plan of a half dtype is refused by the ABI's plan check (and so is a
     policy-written kernel with one), since atomics into y would round every partial sum of a
-    row; rowchunks with a float32 workspace for its hubs is the exception."""
+    row; rowchunks, and nnz for spmm, with a float32 workspace for their hubs are the exception."""
     for op, dtype, split in (("spmm", "bf16", "rowchunks(64)"), ("spmv", "f16", "rowchunks(64)"),
                              ("spmm", "f16", "nnz(64)"), ("spmv", "bf16", "merge(16)")):
         line = f"// sparserl: op={op} dtype={dtype} n={32 if op == 'spmm' else 1} split={split} block=256 " \
                f"grid=ceil(parts/8) init=zero"
         with pytest.raises(PlanError, match=f"split for op={op} dtype={dtype} must be none, or rowchunks"):
             parse_plan(line)
-    with pytest.raises(PlanError, match="must be none, or rowchunks"):  # a workspace is not enough
-        parse_plan("// sparserl: op=spmm dtype=f16 n=32 split=nnz(64) block=256 grid=ceil(parts/8) init=zero "
+    with pytest.raises(PlanError, match=r"must be none, or rowchunks\(T\) with a float32"):  # spmv: no nnz hubs
+        parse_plan("// sparserl: op=spmv dtype=f16 n=1 split=nnz(64) block=256 grid=ceil(parts/8) init=zero "
+                   "work=hubs*2")
+    with pytest.raises(PlanError, match=r"must be none, or rowchunks\(T\) or nnz\(T\)"):  # a workspace, not hubs
+        parse_plan("// sparserl: op=spmm dtype=f16 n=32 split=merge(64) block=256 grid=ceil(parts/8) init=zero "
                    "work=hubs*36")
+    parse_plan("// sparserl: op=spmm dtype=f16 n=32 split=nnz(64) block=256 grid=ceil(parts/8) init=zero "
+               "work=hubs*36")
     parse_plan("// sparserl: op=spmm dtype=bf16 n=32 split=rowchunks(64) block=256 grid=ceil(parts/8) init=zero "
                "work=hubs*36")
     parse_plan("// sparserl: op=sddmm dtype=bf16 n=32 split=rowchunks(64) block=256 grid=ceil(parts/8)")
@@ -50,14 +62,15 @@ def test_half_precision_plans_sum_no_pieces_into_y():
 
 
 def _default_params(name: str, op: str, dtype: str, n: int) -> dict:
-    """The family's first candidate for this shape (defaults may not fit every n, e.g. vec=4, n=7)."""
-    grid = F.FAMILIES[name].grid(op, dtype, n, {})
+    """The family's first candidate for this shape (defaults may not fit every n, e.g. vec=4,
+    n=7), else float32's (nnz_split's half spmm is not screened, but renders)."""
+    grid = F.FAMILIES[name].grid(op, dtype, n, {}) or F.FAMILIES[name].grid(op, "f32", n, {})
     return grid[0] if grid else {}
 
 
 @pytest.mark.parametrize("name,op,dtype,n", list(_cases()))
 def test_renders_a_valid_abi_source(name, op, dtype, n):
-    if name in SPLIT_FAMILIES and op != "sddmm" and dtype != "f32":
+    if float32_only(name, op) and dtype != "f32":
         with pytest.raises(ValueError, match=f"family {name}: parameter 'dtype' expected f32 for op={op}"):
             F.render(name, _default_params(name, op, "f32", n), op=op, dtype=dtype, n=n)
         return
@@ -153,7 +166,8 @@ def test_space_is_sized_renderable_and_pruned(op, n, dtype, features):
     feats = FEATURES.get(features) if features else None
     candidates = F.space(op, dtype, n, feats)
     # spmm with n=1 is a matrix-vector product in disguise: only the lane-per-row shapes fit;
-    # half-precision spmm/spmv have no split families (float32 accumulation)
+    # half-precision spmm/spmv screen no split family but rowchunks (float32 accumulation;
+    # nnz_split's half spmm renders, but never won: families._grid_nnz_split)
     fewest = 3 if (op, n) == ("spmm", 1) else 8
     if dtype != "f32" and op != "sddmm":
         fewest -= 1 if (op, n) == ("spmm", 1) else 2
@@ -206,7 +220,7 @@ def _compile_subset() -> list[tuple[str, str, str, int, dict]]:
     for name, fam in F.FAMILIES.items():
         for op in sorted(fam.ops):
             for dtype in DTYPES:
-                if name in SPLIT_FAMILIES and op != "sddmm" and dtype != "f32":
+                if float32_only(name, op) and dtype != "f32":
                     continue  # not in the space (float32 accumulation)
                 if op == "spmv":
                     shapes = [(1, {})]

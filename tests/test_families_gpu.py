@@ -83,11 +83,12 @@ def _vec(dtype: str, n: int, widest: int = 8) -> int:
 
 
 SPLIT_FAMILIES = ("nnz_split", "merge_path")
-"""They sum a row's pieces atomically into y: float32 only for spmv/spmm (the ABI refuses half
+"""Their spmv kernels sum a row's pieces atomically into y: float32 only (the ABI refuses half
 dtypes there: 16-bit atomics rounded every partial sum, and this test caught a bf16 arrow row
 summed to -12.75 for -13.70 by rowchunks with 200-nonzero pieces, the atomics' order deciding).
-rowchunks' half kernels sum a hub row's pieces in a float32 workspace instead, and are tested
-with the same small pieces as f32 (the arrow row in up to 5000 pieces)."""
+The half kernels of rowchunks and of nnz_split's spmm sum a hub row's pieces in a float32
+workspace instead, and are tested with the same small pieces as f32 (the arrow row in up to 5000
+pieces, chunks of 7 nonzeros)."""
 
 
 def _spmv_params(name: str, dtype: str) -> list[dict]:
@@ -151,8 +152,6 @@ def _sddmm_cases():
 def _spmm_cases():
     for name in ("group_row", "warp_row_staged", "nnz_split", "rowchunks"):
         for dtype in TORCH_DTYPES:
-            if name in SPLIT_FAMILIES and dtype != "f32":
-                continue
             for n in (1, 5, 32, 64, 130):
                 for i, params in enumerate(_spmm_params(name, dtype, n)):
                     yield pytest.param(name, params, dtype, n, id=f"spmm-{name}-{i}-{dtype}-n{n}")
@@ -213,12 +212,13 @@ def test_sddmm_family_matches_reference(name, params, dtype, n, patterns):
     _check(name, params, "sddmm", dtype, n, patterns)
 
 
-@pytest.mark.parametrize("op,n", [("spmv", 1), ("spmm", 32), ("sddmm", 64)])
-def test_space_candidates_match_reference_on_power_law(op, n, patterns):
+@pytest.mark.parametrize("op,n,dtype", [("spmv", 1, "f32"), ("spmm", 32, "f32"), ("spmm", 32, "bf16"),
+                                        ("sddmm", 64, "f32")])
+def test_space_candidates_match_reference_on_power_law(op, n, dtype, patterns):
     """Every candidate of the default space for one shape (what the autotuner screens)."""
     A = {"power law": patterns["power law"]}
-    for name, params in F.space(op, "f32", n):
-        _check(name, params, op, "f32", n, A)
+    for name, params in F.space(op, dtype, n):
+        _check(name, params, op, dtype, n, A)
 
 
 @pytest.mark.parametrize("family", F.EPILOGUE_FAMILIES)

@@ -169,7 +169,14 @@ def _expected_aux(plan: Plan, A, n):
         chunk = plan.split_arg
         parts = -(-nnz // chunk)
         part_row = [next(r for r in range(rows) if rowptr[r] <= p * chunk < rowptr[r + 1]) for p in range(parts)]
-        return part_row + [rows], parts
+        if "hubs" not in plan.work.text:
+            return part_row + [rows], parts
+        row_hub, hubs = [], 0
+        for r in range(rows):  # a row whose nonzeros meet more than one chunk: a hub, numbered in row order
+            chunks_met = {k // chunk for k in range(rowptr[r], rowptr[r + 1])}
+            row_hub.append(hubs if len(chunks_met) > 1 else -1)
+            hubs += len(chunks_met) > 1
+        return part_row + [rows] + row_hub, parts
     if plan.split == "merge":
         chunk = plan.split_arg
         parts = -(-(rows + nnz) // chunk)
@@ -208,14 +215,27 @@ PLANS = [
     "split=merge(9) grid=parts init=zero",
     "split=merge(1) grid=parts init=zero",
     "split=rowchunks(3) grid=parts init=zero",
+    "dtype=f16 split=rowchunks(3) grid=parts init=zero work=hubs*8",
+    "dtype=bf16 split=nnz(7) grid=parts init=zero work=hubs*8",
+    "dtype=f16 split=nnz(1) grid=parts init=zero work=hubs*8",
 ]
+
+
+def _hubs(plan, A) -> int:
+    """The rows a split plan stores in more than one piece."""
+    spans = [range(A.indptr[r], A.indptr[r + 1]) for r in range(A.shape[0])]
+    if plan.split == "rowchunks":
+        return sum(len(span) > plan.split_arg for span in spans)
+    if plan.split == "nnz":
+        return sum(len({k // plan.split_arg for k in span}) > 1 for span in spans)
+    return 0
 
 
 @pytest.mark.parametrize("pattern", [p for p in PATTERNS if p != "cora (real)"])
 @pytest.mark.parametrize("plan_text", PLANS)
 def test_prepare_builds_the_documented_layout(device, pattern, plan_text):
     A = make_pattern(pattern)
-    plan = parse_plan(f"op=spmm dtype=f32 block=64 {plan_text}")
+    plan = parse_plan(f"op=spmm block=64 {plan_text}" + ("" if "dtype=" in plan_text else " dtype=f32"))
     rowptr = torch.from_numpy(A.indptr.astype(np.int32)).to(device)
     col = torch.from_numpy(A.indices.astype(np.int32)).to(device)
     prep = prepare(plan, rowptr, col, A.shape, n=3)
@@ -228,6 +248,8 @@ def test_prepare_builds_the_documented_layout(device, pattern, plan_text):
         assert prep.aux.tolist() == [int(v) for v in expected]
     assert prep.grid == plan.grid.evaluate(prep.env)
     assert prep.init_zero == (plan.init == "zero")
+    assert prep.hubs == _hubs(plan, A)
+    assert prep.work_numel == plan.work.evaluate(prep.env)
 
 
 def test_prepare_rejects_what_the_pattern_cannot_take():

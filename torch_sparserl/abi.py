@@ -27,12 +27,15 @@ DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "b
 HALF_DTYPES = ("f16", "bf16")  # their kernels round y once, from float32 sums: no atomics into y
 ROW_ORDERS = ("natural", "sorted_desc", "binned", "sell")
 SPLITS = ("none", "nnz", "merge", "rowchunks")
+HUB_SPLITS = {"spmm": ("rowchunks", "nnz"), "spmv": ("rowchunks",)}
+"""The splits whose half-precision kernels (op=spmm, spmv) sum a row's pieces in a float32
+workspace (``work=...hubs...``), and so the only splits the ABI takes for those dtypes."""
 INITS = ("none", "zero")
 # What a kernel may apply to a finished row of y before storing it, in this order:
 # y = relu(scale[row] * (A @ X)[row] + bias). A plan names a '+'-joined subset, e.g. bias+relu.
 EPILOGUE_STEPS = ("scale", "bias", "relu")
 EPILOGUE_BITS = {"scale": 1, "bias": 2, "relu": 4}
-EXPR_NAMES = ("rows", "cols", "nnz", "n", "parts", "hubs")  # hubs: rows of more than one rowchunks segment
+EXPR_NAMES = ("rows", "cols", "nnz", "n", "parts", "hubs")  # hubs: rows a split stores in more than one piece
 
 MAX_BLOCK = 1024
 MAX_SMEM_BYTES = 227 * 1024  # sm_90 opt-in limit per block
@@ -222,8 +225,9 @@ class Plan:
                 bad("epilogue", "none unless op=spmm with split=none and init=none (each row of y stored once)",
                     self.epilogue)
         if self.dtype in HALF_DTYPES and self.op != "sddmm" and self.split != "none" and not (
-                self.split == "rowchunks" and "hubs" in self.work.text):
-            bad(f"split for op={self.op} dtype={self.dtype}", "none, or rowchunks(T) with a float32 workspace "
+                self.split in HUB_SPLITS[self.op] and "hubs" in self.work.text):
+            allowed = " or ".join(f"{split}(T)" for split in HUB_SPLITS[self.op])
+            bad(f"split for op={self.op} dtype={self.dtype}", f"none, or {allowed} with a float32 workspace "
                 "for its hubs (work=...hubs...): a split sums a row's pieces, and atomics into a half-precision "
                 "y would round every partial sum, where the ABI accumulates in float32",
                 f"{self.split}({self.split_arg})" + ("" if self.work.text == "0" else f" with work={self.work}"))

@@ -35,9 +35,10 @@ warp_row_staged           spmm   coalesced (col,val) batches broadcast by shfl o
 ========================  =====  ==============================================================
 
 The split families sum a row's pieces through atomics. Into a half-precision ``y`` that would
-round every partial sum, where the ABI accumulates in float32: for spmm and spmv, nnz_split and
-merge_path take float32 only, and rowchunks' half kernels add a hub row's pieces in float32 to
-a workspace slot (``work=hubs*...``), the group adding the last piece storing the row once.
+round every partial sum, where the ABI accumulates in float32: merge_path and nnz_split's spmv
+take float32 only, and the half kernels of rowchunks and of nnz_split's spmm add the pieces of a
+row stored in pieces (a hub) in float32 to a workspace slot (``work=hubs*...``), the group adding
+the last piece storing the row once.
 
 ``sddmm`` (``y[k] = dot(D[row(k)], X[col(k)])``, the gradient of the values) reuses the SpMM
 work partitions: a group of lanes keeps its row of D in registers and computes one dot
@@ -183,13 +184,23 @@ def _vector_row(op, dtype, n, params) -> _Rendered:
 
 
 def _summed_in_pieces(family: str, op: str, dtype: str) -> None:
-    """nnz_split and merge_path sum a row's pieces atomically into y: for spmm/spmv that is
-    float32 only, since half-precision atomics would round every partial sum (the ABI's plan
-    check). rowchunks sums its half-precision hubs in a float32 workspace instead."""
+    """merge_path, and nnz_split's spmv, sum a row's pieces atomically into y: float32 only,
+    since half-precision atomics would round every partial sum (the ABI's plan check).
+    rowchunks, and nnz_split's spmm, sum a half-precision row's pieces in a float32 workspace
+    instead (:func:`_hub_work`)."""
     if op != "sddmm" and dtype in HALF_DTYPES:
         raise ValueError(f"family {family}: parameter 'dtype' expected f32 for op={op} (a row's pieces are "
                          f"summed through atomics into y, which for a half dtype would not accumulate in "
                          f"float32), got {dtype!r}")
+
+
+def _hub_work(op: str, dtype: str, n: int) -> dict[str, str]:
+    """The plan's float32 workspace where a half-precision row stored in pieces (a hub) meets:
+    per hub, the sums (spmm: n, padded to 16 bytes) and a counter (the kernels' SR_HUB layout).
+    Nothing for float32 (its pieces are added atomically into y) and for sddmm (no pieces)."""
+    if dtype not in HALF_DTYPES or op == "sddmm":
+        return {}
+    return {"work": "hubs*2" if op == "spmv" else f"hubs*{(n + 3) // 4 * 4 + 4}"}
 
 
 def _atomic_init(op: str) -> dict[str, str]:
@@ -199,8 +210,8 @@ def _atomic_init(op: str) -> dict[str, str]:
 
 
 def _nnz_split(op, dtype, n, params) -> _Rendered:
-    _summed_in_pieces("nnz_split", op, dtype)
     if op == "spmv":
+        _summed_in_pieces("nnz_split", op, dtype)
         c = _Checker("nnz_split", params, {"chunk": 256, "block": 256})
         chunk = c.multiple("chunk", 32, 32, MAX_CHUNK)
         block = _block(c)
@@ -215,7 +226,7 @@ def _nnz_split(op, dtype, n, params) -> _Rendered:
     unroll = c.one_of("unroll", UNROLLS)
     return _Rendered(
         plan={"rows": "natural", "split": f"nnz({chunk})", "block": str(block),
-              "grid": f"ceil(parts/{block // geo['SR_LANES']})", **_atomic_init(op)},
+              "grid": f"ceil(parts/{block // geo['SR_LANES']})", **_atomic_init(op), **_hub_work(op, dtype, n)},
         defines={"SR_BLOCK": block, **geo, "SR_UNROLL": unroll, "SR_CHUNK": chunk}, params=c.p)
 
 
@@ -288,11 +299,7 @@ def _rowchunks(op, dtype, n, params) -> _Rendered:
     block = _block(c)
     unroll = c.one_of("unroll", UNROLLS)
     plan = {"rows": "natural", "split": f"rowchunks({seg})", "block": str(block),
-            "grid": f"ceil(parts/{block // lanes})", **_atomic_init(op)}
-    if dtype in HALF_DTYPES and op != "sddmm":
-        # a hub row's pieces meet in float32: per hub, the sums (spmm: n, padded to 16 bytes) and
-        # a counter (the kernels' SR_HUB layout)
-        plan["work"] = "hubs*2" if op == "spmv" else f"hubs*{(n + 3) // 4 * 4 + 4}"
+            "grid": f"ceil(parts/{block // lanes})", **_atomic_init(op), **_hub_work(op, dtype, n)}
     return _Rendered(plan=plan, defines={"SR_BLOCK": block, **geo, "SR_UNROLL": unroll, "SR_SEG": seg},
                      params=c.p)
 
@@ -404,6 +411,13 @@ def _grid_nnz_split(op, dtype, n, features):
         if dtype != "f32":  # shared rows are summed with 16-bit atomics: keep the pieces few
             chunks_v = tuple(sorted({max(ch, 256) for ch in chunks_v} | {2048}))
         return [{"chunk": ch, "block": 256} for ch in chunks_v]
+    if op == "spmm" and dtype in HALF_DTYPES:
+        # Its half kernels (float32 hubs) render and are correct, but lost every half-precision
+        # cell of the five real matrices, by 1.2-2.2x, to rowchunks or group_row
+        # (kernels-h100-80gb-hbm3-2026-11-24-nnz-split-half.md): nearly every chunk shares its
+        # first and last rows, and each shared row pays the workspace's fence, counter and
+        # re-read. The screened space leaves them out; a policy may still write one.
+        return []
     return [{"lanes": lanes, "vec": vec, "chunk": ch, "block": 256, "unroll": 2}
             for lanes, vec in _spmm_shapes(dtype, n, limit=2) for ch in chunks_m]
 

@@ -35,7 +35,7 @@ class Prepared:
     cols: int
     nnz: int
     n: int
-    hubs: int = 0  # rows of more than one segment (split=rowchunks)
+    hubs: int = 0  # rows stored in more than one piece (split=rowchunks, nnz)
 
     @property
     def env(self) -> dict[str, int]:
@@ -95,13 +95,21 @@ def _sell(rowptr: torch.Tensor, col: torch.Tensor, lengths: torch.Tensor, chunk:
     return torch.cat([slice_ptr, perm, sell_col, nz]), slices
 
 
-def _nnz_split(rowptr: torch.Tensor, nnz: int, chunk: int) -> tuple[torch.Tensor, int]:
+def _nnz_split(rowptr: torch.Tensor, nnz: int, chunk: int, hub_slots: bool) -> tuple[torch.Tensor, int, int]:
     parts = _ceil_div(nnz, chunk)
     rows = rowptr.numel() - 1
     starts = torch.arange(parts, device=rowptr.device, dtype=torch.int64) * chunk
     part_row = torch.searchsorted(rowptr.long(), starts, right=True) - 1
     tail = torch.full((1,), rows, dtype=torch.int64, device=rowptr.device)
-    return torch.cat([part_row, tail]), parts
+    # hubs: the non-empty rows whose nonzeros meet more than one chunk, numbered in row order
+    # (a half-precision kernel sums their pieces in a float32 workspace slot); -1 for the others
+    begin, end = rowptr[:-1].long(), rowptr[1:].long()
+    hub = (end > begin) & (torch.div(end - 1, chunk, rounding_mode="floor") != torch.div(begin, chunk, rounding_mode="floor"))
+    hubs = int(hub.sum())
+    if not hub_slots:
+        return torch.cat([part_row, tail]), parts, hubs
+    row_hub = torch.where(hub, hub.long().cumsum(0) - 1, torch.full_like(begin, -1))
+    return torch.cat([part_row, tail, row_hub]), parts, hubs
 
 
 def _merge_split(rowptr: torch.Tensor, nnz: int, chunk: int) -> tuple[torch.Tensor, int]:
@@ -152,7 +160,7 @@ def prepare(plan: Plan, rowptr: torch.Tensor, col: torch.Tensor, shape: tuple[in
     elif plan.rows == "sell":
         aux, parts = _sell(rowptr, col, lengths, *plan.rows_args)
     elif plan.split == "nnz":
-        aux, parts = _nnz_split(rowptr, nnz, plan.split_arg)
+        aux, parts, hubs = _nnz_split(rowptr, nnz, plan.split_arg, hub_slots="hubs" in plan.work.text)
     elif plan.split == "merge":
         aux, parts = _merge_split(rowptr, nnz, plan.split_arg)
     elif plan.split == "rowchunks":

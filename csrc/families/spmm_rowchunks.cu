@@ -6,7 +6,6 @@
 // Why fast: group_row speed on the ordinary rows, while a hub row is spread over len/SR_SEG
 // groups instead of serializing one warp (power-law graphs, arrow matrices).
 // Needs: SR_BLOCK, SR_N, SR_LANES, SR_VEC, SR_TB, SR_PASSES, SR_UNROLL, SR_SEG.
-#define SR_HUB (((SR_N + 3) / 4) * 4 + 4)  // floats per hub slot (16-byte aligned; counter last)
 extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int* __restrict__ rowptr, const int* __restrict__ col, const T* __restrict__ val,
     const T* __restrict__ x, T* __restrict__ y, const int* __restrict__ aux,
@@ -31,30 +30,14 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
         sr_row_accumulate(acc, col, val, x, start, end, col0);
 #if SR_DTYPE != 0
         if (!whole) {
-#pragma unroll
-            for (int t = 0; t < SR_TB; ++t) {
-                const int cc = col0 + t * SR_W;
-                if (SR_EXACT || cc < SR_N) sr_atomicv_f32<SR_VEC>(hub + cc, acc[t]);
-            }
+            sr_hub_add(hub, col0, acc);
             continue;
         }
 #endif
         sr_flush(y, row, col0, acc, !whole);
     }
 #if SR_DTYPE != 0
-    if (!whole && sr_hub_last<SR_LANES>(reinterpret_cast<int*>(hub + SR_HUB - 4), (rend - rbeg + SR_SEG - 1) / SR_SEG)) {
-#pragma unroll 1
-        for (int pass = 0; pass < SR_PASSES; ++pass) {
-            const int col0 = pass * SR_TB * SR_W + gl * SR_VEC;
-            float acc[SR_TB][SR_VEC];
-#pragma unroll
-            for (int t = 0; t < SR_TB; ++t) {
-                const int cc = col0 + t * SR_W;
-#pragma unroll
-                for (int i = 0; i < SR_VEC; ++i) acc[t][i] = (SR_EXACT || cc < SR_N) ? __ldcg(hub + cc + i) : 0.f;
-            }
-            sr_flush(y, row, col0, acc, false);
-        }
-    }
+    if (!whole && sr_hub_last<SR_LANES>(reinterpret_cast<int*>(hub + SR_HUB - 4), (rend - rbeg + SR_SEG - 1) / SR_SEG))
+        sr_store_hub(y, row, gl, hub);
 #endif
 }
