@@ -6,7 +6,8 @@ over pipelined epochs (no synchronization inside the loop: on these small graphs
 the bound, so a phase's CPU time is its cost). ``bound_inductor`` is the model compiled with
 the product taken out; ``sparserl_off`` the sparserl model with the runtime off (cuSPARSE in
 the compiled graph); ``sparserl_python`` the sparserl model with the C++ fast path off. Beside each, the GPU's busy time per epoch (``gpu``: is the epoch waiting
-on the CPU or on the GPU?). Then, on pubmed with its kernel installed, the CPU microseconds of one
+on the CPU or on the GPU?), and the synchronizing CUDA calls of one epoch (``syncs``, torch's
+sync debug mode). Then, on pubmed with its kernel installed, the CPU microseconds of one
 ``A @ X`` (N=128) at each layer of the call: the C++ fast path's operator, the direct operator, its implementation, the
 runtime's call, the installed launch, the bound kernel alone; and beside them an allocation
 with and without its zero-fill, cuSPARSE and a dense ``X @ W``. Last, ``--profile`` writes
@@ -74,7 +75,30 @@ def phases(task, k=200, reps=5) -> dict:
         for p in PHASES:
             per[p].append(acc[p] / k * 1e6)
     return {"epoch_us": round(statistics.median(total), 1), **{p: round(statistics.median(v), 1) for p, v in per.items()},
-            "gpu": gpu_time(task, opt)}
+            "gpu": gpu_time(task, opt), "syncs": synchronizing_calls(task, opt)}
+
+
+def synchronizing_calls(task, opt) -> int:
+    """CUDA calls that wait for the GPU in one epoch, as torch's sync debug mode sees them (not
+    every kind): one in a CPU-bound epoch stops the CPU queueing kernels while the GPU drains."""
+    import warnings
+
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.zero_grad(set_to_none=True)
+            loss = task()
+            loss.backward()
+            opt.step()
+            loss.detach().clone()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchronizing" in str(w.message) for w in caught)
 
 
 def gpu_time(task, opt, k=50) -> dict:
