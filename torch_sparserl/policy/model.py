@@ -254,7 +254,7 @@ class KernelPolicy(nn.Module):
         samples = []
         for row in range(k):
             greedy = temperature <= 0 or (greedy_first and row == 0)
-            cache = first.past_key_values if row == k - 1 else _copy_cache(first.past_key_values)
+            cache = first.past_key_values if row == k - 1 else first.past_key_values.copy()  # each row extends its own
             base = embeds.shape[1]
             dist = first.logits[0, -1].float()
             tokens, lps = [], []
@@ -346,11 +346,6 @@ class KernelPolicy(nn.Module):
         policy.lm.tie_weights()
         policy.meta = info.get("meta", {})
         return policy.to(device).eval()
-
-
-def _copy_cache(cache):
-    """An independent copy of a KV cache (each sampled row extends its own)."""
-    return cache.copy()
 
 
 def build(tokenizer, **overrides) -> KernelPolicy:
