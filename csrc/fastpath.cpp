@@ -9,7 +9,9 @@
 //
 //   hit   the same crow and col tensors (identity, alive, unmodified: version counters), the
 //         same op, ncols, N and dtype, operands of the recorded sizes  -> the installed kernel is
-//         launched from here (or cuSPARSE, where the runtime decided no kernel beats it);
+//         launched from here, through its library's C launcher or, for a kernel the runtime
+//         serves from its NVRTC build while that library is built, through the driver's
+//         cuLaunchKernel (or cuSPARSE, where the runtime decided no kernel beats it);
 //   miss  anything else  -> `sparserl_direct::<op>`, the Python implementation, which checks,
 //         raises the operators' errors, decides, and records what served the call.
 //
@@ -17,8 +19,8 @@
 // for the same operands. The registry is emptied whenever the runtime changes.
 //
 // Built by torch.utils.cpp_extension (C++ against the CUDA runtime API: kernels are launched
-// through the C launchers of the libraries torch_sparserl.build.inline builds; no CUDA code is
-// compiled here).
+// through the C launchers of the libraries torch_sparserl.build.inline builds, or as driver
+// functions (CUfunction) of NVRTC builds; no CUDA code is compiled here).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -45,6 +47,9 @@
 namespace {
 
 using LaunchFn = int (*)(unsigned grid, unsigned block, unsigned smem, void* stream, void** params);
+// cuLaunchKernel's signature (cuda.h), with CUfunction and CUstream as the pointers they are
+using DriverLaunchFn = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                               unsigned bz, unsigned smem, void* stream, void** params, void** extra);
 using ImplPtr = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 enum Op : int64_t { SPMM = 0, SPMV = 1, SPMM_T = 2, SPMV_T = 3 };
@@ -64,6 +69,7 @@ struct Entry {
   bool vendor = false;        // cuSPARSE through at::addmm / at::addmv
   int64_t vendor_cols = 0;    // columns of the matrix cuSPARSE multiplies
   LaunchFn launch = nullptr;
+  void* function = nullptr;  // a CUfunction, launched with cuLaunchKernel, where launch is null
   unsigned grid = 0, block = 0, smem = 0;
   at::Tensor aux;
   int ints[5] = {0, 0, 0, 0, 0};  // rows cols n nnz parts, as the kernel ABI passes them
@@ -81,6 +87,22 @@ std::vector<std::shared_ptr<Entry>> registry;
 at::Tensor counters;  // int64 (2,), CPU: calls served by a kernel, by cuSPARSE (read by Python)
 
 ImplPtr weak_of(const at::Tensor& t) { return ImplPtr(t.getIntrusivePtr()); }
+
+// The driver's cuLaunchKernel, looked up once through the runtime (no link against libcuda);
+// null where this CUDA runtime cannot say.
+DriverLaunchFn driver_launch() {
+  static const DriverLaunchFn fn = [] {
+    void* found = nullptr;
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12050
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuLaunchKernel", &found, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      found = nullptr;
+#endif
+    return reinterpret_cast<DriverLaunchFn>(found);
+  }();
+  return fn;
+}
 
 bool is_alive(const std::optional<ImplPtr>& p) { return p.has_value() && !p->expired(); }
 
@@ -180,9 +202,15 @@ at::Tensor serve(const Entry& e, const at::Tensor& crow, const at::Tensor& col, 
   void* params[12];
   for (int i = 0; i < 7; ++i) params[i] = &pointers[i];
   for (int i = 0; i < 5; ++i) params[7 + i] = &ints[i];
-  const int err = e.launch(e.grid, e.block, e.smem, stream, params);
-  TORCH_CHECK(err == 0, "sparserl kernel launch: cudaLaunchKernel failed with cudaError ", err, " (grid=", e.grid,
-              ", block=", e.block, ", smem=", e.smem, ")");
+  if (e.launch != nullptr) {
+    const int err = e.launch(e.grid, e.block, e.smem, stream, params);
+    TORCH_CHECK(err == 0, "sparserl kernel launch: cudaLaunchKernel failed with cudaError ", err, " (grid=", e.grid,
+                ", block=", e.block, ", smem=", e.smem, ")");
+  } else {
+    const int err = driver_launch()(e.function, e.grid, 1, 1, e.block, 1, 1, e.smem, stream, params, nullptr);
+    TORCH_CHECK(err == 0, "sparserl kernel launch: cuLaunchKernel failed with CUresult ", err, " (grid=", e.grid,
+                ", block=", e.block, ", smem=", e.smem, ")");
+  }
   return y;
 }
 
@@ -215,7 +243,7 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
              const c10::optional<at::Tensor>& rowptr, const c10::optional<at::Tensor>& colidx,
              const c10::optional<at::Tensor>& perm, int64_t launcher, at::IntArrayRef geometry,
              const c10::optional<at::Tensor>& aux, at::IntArrayRef ints, bool init_zero, int64_t work_numel,
-             int64_t vendor_cols) {
+             int64_t vendor_cols, int64_t function) {
   TORCH_CHECK(op >= SPMM && op <= SPMV_T, "sparserl_fastpath.install: op must be 0..3 (got ", op, ")");
   TORCH_CHECK(crow.is_cuda() && col.is_cuda() && !crow.is_inference() && !col.is_inference(),
               "sparserl_fastpath.install: crow and col must be CUDA tensors with version counters");
@@ -223,6 +251,10 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
               "sparserl_fastpath.install: geometry is (grid, block, smem) and ints (rows, cols, n, nnz, parts)");
   TORCH_CHECK((op == SPMM_T || op == SPMV_T) == (perm.has_value() && perm->defined()),
               "sparserl_fastpath.install: the transposed ops, and only they, take perm");
+  TORCH_CHECK(launcher == 0 || function == 0, "sparserl_fastpath.install: a kernel has a C launcher or a driver "
+              "function, not both");
+  TORCH_CHECK(function == 0 || driver_launch() != nullptr, "sparserl_fastpath.install: this CUDA runtime cannot "
+              "look up cuLaunchKernel (CUDA 12.5 or later is needed), so a driver function cannot be served");
   auto e = std::make_shared<Entry>();
   e->crow = weak_of(crow);
   e->col = weak_of(col);
@@ -240,9 +272,10 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   if (rowptr.has_value()) e->rowptr = *rowptr;
   if (colidx.has_value()) e->colidx = *colidx;
   if (perm.has_value()) e->perm = *perm;
-  e->vendor = launcher == 0;
+  e->vendor = launcher == 0 && function == 0;
   e->vendor_cols = vendor_cols;
   e->launch = reinterpret_cast<LaunchFn>(static_cast<std::uintptr_t>(launcher));
+  e->function = reinterpret_cast<void*>(static_cast<std::uintptr_t>(function));
   e->grid = static_cast<unsigned>(geometry[0]);
   e->block = static_cast<unsigned>(geometry[1]);
   e->smem = static_cast<unsigned>(geometry[2]);
@@ -288,10 +321,11 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
   m.def(
       "install(Tensor crow, Tensor col, int ncols, int op, int n, ScalarType dtype, int nnz, int in_rows, "
       "int out_rows, Tensor? rowptr, Tensor? colidx, Tensor? perm, int launcher, int[] geometry, Tensor? aux, "
-      "int[] ints, bool init_zero, int work_numel, int vendor_cols) -> ()",
+      "int[] ints, bool init_zero, int work_numel, int vendor_cols, int function=0) -> ()",
       &install);
   m.def("forget() -> ()", &forget);
   m.def("entries() -> int", &entries);
+  m.def("driver_functions() -> bool", [] { return driver_launch() != nullptr; });
   m.def("bind_counters(Tensor counters) -> ()", &bind_counters);
 }
 

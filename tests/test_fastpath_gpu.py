@@ -15,6 +15,7 @@ import torch
 
 import torch_sparserl as ts
 from torch_sparserl import families, fastpath
+from torch_sparserl import pattern as patterns
 from torch_sparserl import runtime as rt
 from torch_sparserl.cache import CacheEntry, KernelCache
 from torch_sparserl.dtypes import assert_close_to_reference
@@ -207,6 +208,63 @@ def test_cxx_serves_cusparse_while_pending_then_the_decision(tmp_path, poison_un
         assert call(3) == (0, 0)  # Python again: it sees the installed kernel and records it
         assert call(4) == (1, 0) and call(5) == (1, 0)
         assert runtime.stats["installs"] >= 1
+    finally:
+        gate.set()
+        rt.set_active(previous)
+        runtime.close()
+
+
+@pytest.mark.parametrize("op", ["spmm", "spmm_transposed"])
+def test_cxx_serves_the_nvrtc_build_while_the_library_is_built(tmp_path, monkeypatch, poison_uninitialized, op):
+    """While the worker builds the decided kernel's library, the runtime installs the kernel's
+    NVRTC build, and C++ launches its CUfunction; once the library is built its kernel replaces
+    it, served by C++ through its C launcher. Results match float64 throughout."""
+    import threading
+
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))  # no library on disk yet
+    building, gate = threading.Event(), threading.Event()
+
+    class Specializer:
+        def __call__(self, key, crow, col, ncols):
+            return _specializer(key, crow, col, ncols)
+
+        def prebuild(self, entry, arch):
+            building.set()
+            assert gate.wait(60)
+
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path / "kernels"),
+                         specializer=Specializer())
+    previous = rt.set_active(runtime)
+    try:
+        A = make_pattern("random", seed=13)
+        crow, col, val = to_parts(A, torch.float32, torch.int32, "cuda")
+        entry = patterns.lookup(crow, col, A.shape[1])
+        served = entry.transpose(crow, col)[0] if op.endswith("_transposed") else entry
+
+        def call(seed):
+            X = _operand(op, A, KERNEL_N, seed)
+            before = _counts()
+            got = getattr(FAST, op)(crow, col, val, A.shape[1], X)
+            torch.cuda.synchronize()
+            assert_close_to_reference(got, _want(op, crow, col, val, A.shape[1], X), torch.float32)
+            return tuple(a - b for a, b in zip(_counts(), before))
+
+        def kernel():
+            return runtime.state("spmm", served, KERNEL_N, torch.float32).launch.kernel.kernel
+
+        assert call(0) == (0, 0)  # Python: the decision starts
+        assert building.wait(60)  # the NVRTC build is installed before the library's build starts
+        assert fastpath.entries() == 0 and runtime.stats["interim_installs"] == 1
+        assert kernel().backend == "nvrtc" and kernel().function and kernel().launcher is None
+        assert call(1) == (0, 0)  # Python records the CUfunction
+        assert call(2) == (1, 0) and call(3) == (1, 0)  # C++ launches it
+        gate.set()
+        runtime.wait(120)  # the library is built here (the test's prebuild built nothing) and installed
+        assert kernel().backend == "inline" and kernel().launcher
+        assert fastpath.entries() == 0
+        assert call(4) == (0, 0)
+        assert call(5) == (1, 0)
+        assert runtime.stats["installs"] == 1
     finally:
         gate.set()
         rt.set_active(previous)

@@ -547,6 +547,111 @@ def test_the_specializers_prebuild_runs_before_the_install_and_may_fail(tmp_path
     assert runtime.stats["installs"] == 1 and runtime.stats["installed_calls"] == 2
 
 
+class _BuildingSpecializer:
+    """A specializer whose ``prebuild`` (the library's build in the sandbox's worker) waits
+    for ``gate``; ``building`` is set when it starts."""
+
+    def __init__(self, fakes, fail=False):
+        self.fakes, self.fail = fakes, fail
+        self.building, self.gate = threading.Event(), threading.Event()
+
+    def __call__(self, key, crow, col, ncols):
+        return self.fakes.specializer(key, crow, col, ncols)
+
+    def prebuild(self, entry, arch):
+        self.building.set()
+        assert self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("the worker's build failed")
+
+
+def _interim_runtime(tmp_path, mode="background", fail_interim=False, fail_prebuild=False):
+    fakes = Fakes()
+    specializer = _BuildingSpecializer(fakes, fail=fail_prebuild)
+    interim = []
+
+    def interim_installer(entry, crow, col, ncols):
+        interim.append(entry.key)
+        if fail_interim:
+            raise OSError("NVRTC is not there")
+        launch = fakes.installer(entry, crow, col, ncols)
+        return lambda *args: launch(*args) * 1  # a distinct callable: which one served is asked below
+
+    runtime = Runtime(RuntimeSettings(mode=mode), cache=KernelCache(tmp_path), specializer=specializer,
+                      installer=fakes.installer, interim_installer=interim_installer, devices=("cpu",))
+    A = make_pattern("cora (real)")
+    crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
+    return runtime, specializer, interim, A, crow, col, val
+
+
+def test_the_interim_build_serves_while_the_library_is_built(tmp_path):
+    """In background mode the entry's kernel is installed from the interim installer (the NVRTC
+    build) before the library's build starts, serves the products meanwhile, and is replaced by
+    the installer's kernel once the library is built."""
+    runtime, specializer, interim, A, crow, col, val = _interim_runtime(tmp_path)
+    try:
+        X = torch.randn(A.shape[1], 8)
+        assert call(runtime, A, crow, col, val, X) is None  # pending: cuSPARSE serves
+        assert specializer.building.wait(10)
+        entry = patterns.lookup(crow, col, A.shape[1])
+        state = runtime.state("spmm", entry, 8, torch.float32)
+        assert len(interim) == 1 and runtime.stats["interim_installs"] == 1
+        assert runtime.explain("spmm", entry, 8, torch.float32) == (
+            "installed: fake{'p': 1} (2.0x cuSPARSE; its NVRTC build until the library is built)")
+        torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+        specializer.gate.set()
+        runtime.wait(10)
+        final = runtime.state("spmm", entry, 8, torch.float32)
+        assert final.launch is not state.launch
+        assert runtime.explain("spmm", entry, 8, torch.float32) == "installed: fake{'p': 1} (2.0x cuSPARSE)"
+        torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+        assert runtime.stats["installs"] == 1 and runtime.stats["installed_calls"] == 2
+    finally:
+        specializer.gate.set()
+        runtime.close()
+
+
+@pytest.mark.parametrize("fails", ["interim", "prebuild"])
+def test_a_failed_interim_or_library_build_loses_nothing(tmp_path, fails):
+    """No interim kernel (NVRTC missing): the products wait on cuSPARSE for the library's, as
+    before. A failed worker build after an interim: the installer builds the library here."""
+    runtime, specializer, interim, A, crow, col, val = _interim_runtime(
+        tmp_path, fail_interim=fails == "interim", fail_prebuild=fails == "prebuild")
+    try:
+        X = torch.randn(A.shape[1], 8)
+        assert call(runtime, A, crow, col, val, X) is None
+        assert specializer.building.wait(10)
+        entry = patterns.lookup(crow, col, A.shape[1])
+        interim_state = runtime.state("spmm", entry, 8, torch.float32)
+        assert (interim_state.__class__.__name__ == "Pending") == (fails == "interim")
+        specializer.gate.set()
+        runtime.wait(10)
+        assert runtime.explain("spmm", entry, 8, torch.float32) == "installed: fake{'p': 1} (2.0x cuSPARSE)"
+        torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+        assert runtime.stats["interim_installs"] == (0 if fails == "interim" else 1)
+        assert runtime.stats["installs"] == 1 and len(interim) == 1
+    finally:
+        specializer.gate.set()
+        runtime.close()
+
+
+def test_no_interim_build_in_sync_mode_or_for_a_custom_installer(tmp_path):
+    """Sync mode waits for the library anyway; a custom installer has no NVRTC twin unless one
+    is given; the default installer's twin is the NVRTC installer."""
+    from torch_sparserl import runtime as rt
+
+    runtime, specializer, interim, A, crow, col, val = _interim_runtime(tmp_path, mode="sync")
+    specializer.gate.set()
+    try:
+        X = torch.randn(A.shape[1], 8)
+        torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+        assert interim == [] and runtime.stats["interim_installs"] == 0
+    finally:
+        runtime.close()
+    assert Runtime(devices=("cpu",)).interim_installer is rt.nvrtc_installer
+    assert Runtime(installer=Fakes().installer, devices=("cpu",)).interim_installer is None
+
+
 def _tuned(*records):
     from torch_sparserl.autotune import TuneResult
 

@@ -8,7 +8,8 @@ the implementation-only operators, whose CUDA kernel is C++ (``csrc/fastpath.cpp
 module has built and loaded it. That kernel serves a call from a registry, without Python,
 when the Python implementation has served the same call before: the same ``crow`` and ``col``
 tensors (alive, unmodified), op, ``ncols``, N and dtype, operands of the same sizes. It then
-launches the installed kernel through its C launcher, or runs cuSPARSE where the runtime
+launches the installed kernel through its library's C launcher (or, while that library is
+built, the NVRTC build's CUfunction through the driver), or runs cuSPARSE where the runtime
 decided that no kernel beats it. Anything else goes to ``sparserl_direct::<op>``, the Python
 implementation, which checks, raises the operators' errors, decides, and records what served
 the call (:func:`record`), cuSPARSE too while a decision is still pending. Nothing is decided
@@ -171,6 +172,18 @@ def ensure(*, wait: bool = False) -> bool:
 
 # ------------------------------------------------------------------ the registry
 
+_driver_functions: bool | None = None
+
+
+def driver_functions() -> bool:
+    """Whether the loaded library can launch an NVRTC build's CUfunction: it looks the driver's
+    ``cuLaunchKernel`` up through the CUDA runtime (12.5 or later). Where not, such a kernel is
+    served by Python until its library's kernel replaces it."""
+    global _driver_functions
+    if _driver_functions is None:
+        _driver_functions = bool(torch.ops.sparserl_fastpath.driver_functions())
+    return _driver_functions
+
 
 def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, ncols: int, X: torch.Tensor) -> None:
     """After the Python implementation served ``sparserl_fast::<op>`` (or ``sparserl_direct``)
@@ -178,8 +191,8 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
     runtime's installed kernel, or cuSPARSE where it decided for cuSPARSE, where the decision
     is still pending (the runtime drops the registry when it lands: :meth:`Runtime._set`), or
     where the runtime is off. Nothing is recorded inside a CUDA graph capture, or for what C++
-    does not serve (half-precision cuSPARSE products, inference-mode indices, kernels without a
-    C launcher)."""
+    does not serve (half-precision cuSPARSE products, inference-mode indices, kernels with neither
+    a C launcher nor a CUfunction it can launch)."""
     global _owner
     from . import pattern as patterns
     from . import runtime as rt
@@ -210,22 +223,23 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
             if fast is not None:
                 if fast.copies is not None:
                     rowptr, colidx = fast.copies
-                args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints),
-                        fast.init_zero, fast.work_numel)
+                if fast.launcher or driver_functions():
+                    args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints),
+                            fast.init_zero, fast.work_numel, fast.function)
         elif val.dtype not in _HALF and (
                 (isinstance(state, rt.Fallback) and (state.decided or not runtime.settings.strict))
                 or isinstance(state, rt.Pending)
                 or (state is None and not runtime.decides_on(X.device))):
-            args = (0, [0, 0, 0], None, [0] * 5, False, 0)
+            args = (0, [0, 0, 0], None, [0] * 5, False, 0, 0)
         if args is None:
             return
-        launcher, geometry, aux, ints, init_zero, work_numel = args
+        launcher, geometry, aux, ints, init_zero, work_numel, function = args
         if _owner is not runtime:
             _forget_locked()
             _owner = runtime
         torch.ops.sparserl_fastpath.install(
             crow, col, ncols, OPS.index(op), n, val.dtype, entry.nnz, X.shape[0], used.nrows, rowptr, colidx,
-            perm, launcher, geometry, aux, ints, init_zero, work_numel, used.ncols)
+            perm, launcher, geometry, aux, ints, init_zero, work_numel, used.ncols, function)
         entry.fast_recorded.add((_epoch, runtime.generation, op, n, val.dtype))
 
 

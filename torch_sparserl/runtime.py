@@ -20,7 +20,9 @@ background thread, so a training loop never waits for a decision. The *specializ
 decides (by default: the autotuner, every candidate evaluated in the sandbox's child
 process, installed only when it beats cuSPARSE by ``margin``); the
 *installer* turns a cache entry into a launchable kernel (by default: the lean extension
-build). Both are injectable, which is how every fallback path is tested without a GPU.
+build). Both are injectable, which is how every fallback path is tested without a GPU. In
+background mode, while the specializer's worker builds a kernel's library (seconds of nvcc), the
+*interim installer* serves the same source's NVRTC build (by default, with the default installer).
 
 ``strict=True`` raises :class:`SpecializationError` from the call where the runtime would
 fall back because something failed (a decision that cuSPARSE is faster is not a failure).
@@ -197,11 +199,14 @@ def outside_abi(op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str | 
 class Runtime:
     def __init__(self, settings: RuntimeSettings | None = None, *, cache: KernelCache | None = None,
                  specializer: Specializer | None = None, installer: Installer | None = None,
-                 devices: tuple[str, ...] = ("cuda",)):
+                 interim_installer: Installer | None = None, devices: tuple[str, ...] = ("cuda",)):
         self.settings = settings or RuntimeSettings()
         self._cache = cache
         self.specializer = specializer or default_specializer(self.settings)
         self.installer = installer or inline_installer
+        # the installer's NVRTC twin, for the seconds its library takes to build (_install); a
+        # custom installer has none unless one is given
+        self.interim_installer = interim_installer or (nvrtc_installer if installer is None else None)
         self.fused_installer = fused_installer
         self.devices = devices
         self._generation = next(_GENERATIONS)  # states of another Runtime on a Pattern are not ours
@@ -215,9 +220,10 @@ class Runtime:
         # seconds products waited for decisions (fingerprint, cache, and in sync mode the
         # specialization and build: the JIT cost a training loop sees) and seconds the
         # background thread spent deciding; the idle worker's stops; searches run again after
-        # a TransientFailure
+        # a TransientFailure; kernels served from their NVRTC build while their library was built
         self._stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
-                       "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0}
+                       "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0,
+                       "interim_installs": 0}
 
     @property
     def stats(self) -> dict:
@@ -460,11 +466,14 @@ class Runtime:
             return self._fallback(pattern, slot, key, f"no kernel: {entry.reason}", None, quiet=True)
         prebuild = getattr(self.specializer, "prebuild", None)
         if prebuild is not None:
+            arch = key.arch if key is not None else _device_arch(col.device)
+            if self.interim_installer is not None and self.settings.mode != "sync" and not _library_built(entry, arch):
+                self._install_interim(pattern, slot, key, entry, crow, col)
             try:
                 # The library is built out of this process when it is not on disk yet (a training
                 # loop here would stall while torch's builder holds the interpreter lock).
                 with self._specialize_lock:
-                    prebuild(entry, key.arch if key is not None else _device_arch(col.device))
+                    prebuild(entry, arch)
             except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
                 log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
                          entry.family, exc)
@@ -480,12 +489,28 @@ class Runtime:
         log.info("sparserl: %s n=%d %s -> %s (%s)", key.op, key.n, key.dtype, state.description, entry.reason)
         return state
 
+    def _install_interim(self, pattern, slot, key, entry: CacheEntry, crow, col) -> None:
+        """Serve ``entry``'s kernel from its NVRTC build while its library is built. NVRTC
+        compiled the specializer's candidates too, in tens of milliseconds; the library takes
+        nvcc seconds (1.6-2.3 s per kernel on the H100 host), which a first run's loop would
+        otherwise spend on cuSPARSE, often after its compile has ended. The library's kernel
+        replaces it when built (:meth:`_install`). A failure here only means no interim."""
+        try:
+            launch = run_kept(col.device, self.interim_installer, entry, crow, col, pattern.ncols)
+        except Exception as exc:  # noqa: BLE001 - the library's install follows anyway
+            log.info("sparserl: %s n=%d: no NVRTC build to serve while the library is built: %s", key.op, key.n, exc)
+            return
+        self._set(pattern, slot, Installed(key, launch, f"{entry.family}{entry.params}",
+                                           f"{entry.reason}; its NVRTC build until the library is built", entry))
+        self._stats["interim_installs"] += 1
+
     def _set(self, pattern, slot, state) -> None:
         with self._lock:
             previous = pattern.specializations.get(slot)
             pattern.specializations[slot] = state
-        if previous.__class__ is Pending:
-            fastpath.forget(self)  # C++ served cuSPARSE while this was pending: it asks Python again
+        if previous.__class__ is Pending or previous.__class__ is Installed:
+            # C++ served cuSPARSE while this was pending, or the kernel now replaced: it asks Python again
+            fastpath.forget(self)
 
     def _fallback(self, pattern, slot, key, reason: str, exc: BaseException | None, quiet: bool = False):
         state = Fallback(key, reason, decided=quiet)
@@ -748,10 +773,9 @@ class autotune_specializer:  # noqa: N801 - used like a function
         installer in this process only loads it (``build.inline.prebuild``). A worker is not
         started for it: where none runs (a later run, its decisions from the disk cache), the
         installer builds a missing library itself."""
-        from .abi import KernelSpec
         from .build import inline
 
-        specs = [KernelSpec(entry.spec_source, entry.family, tuple(sorted(entry.params.items())))]
+        specs = [entry_spec(entry)]
         if self._sandbox is None or self._sandbox.worker_pid is None or inline.is_built(specs, arch):
             return
         outcome = self.sandbox.run("torch_sparserl.build.inline:prebuild", (specs, arch),
@@ -868,12 +892,31 @@ def default_specializer(settings: RuntimeSettings):
     return learned_specializer(settings) if settings.policy == "learned" else autotune_specializer(settings)
 
 
-def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
-    """Build (or load from disk) the entry's kernel, prepare its plan data once, bind them."""
+def entry_spec(entry: CacheEntry):
+    """The :class:`~torch_sparserl.abi.KernelSpec` of a cache entry's kernel."""
     from .abi import KernelSpec
 
-    spec = KernelSpec(entry.spec_source, entry.family, tuple(sorted(entry.params.items())))
-    return _bind_spec(spec, crow, col, ncols, entry.key.n)
+    return KernelSpec(entry.spec_source, entry.family, tuple(sorted(entry.params.items())))
+
+
+def _library_built(entry: CacheEntry, arch: str) -> bool:
+    from .build import inline
+
+    return inline.is_built([entry_spec(entry)], arch)
+
+
+def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
+    """Build (or load from disk) the entry's kernel, prepare its plan data once, bind them."""
+    return _bind_spec(entry_spec(entry), crow, col, ncols, entry.key.n)
+
+
+def nvrtc_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
+    """The same as :func:`inline_installer` from the source's NVRTC build (held for the process's
+    life by ``build.load_kernel``): the interim installer, while the library is built."""
+    from .build import load_kernel
+
+    spec = entry_spec(entry)
+    return _bind_spec(spec, crow, col, ncols, entry.key.n, kernel=load_kernel(spec, "nvrtc"))
 
 
 def fused_installer(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) -> Callable:
@@ -947,12 +990,15 @@ def one_cpu_thread():
         torch.set_num_threads(previous)
 
 
-def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) -> Callable:
+def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, kernel=None) -> Callable:
+    """``spec``'s kernel (``kernel``, else its library's, built or loaded) with its plan data for
+    this pattern: ``launch(crow, col, val, X, bias, scale)``."""
     from .abi import operand_shapes
     from .build import inline
     from .prepare import prepare
 
-    kernel = inline.build([spec])[spec.key]
+    if kernel is None:
+        kernel = inline.build([spec])[spec.key]
     rows = crow.numel() - 1
     # What the kernel reads besides the operands (plan data, int32 copies of int64 indices) is
     # computed on the host, from the copy the fingerprint and the specializer read
@@ -999,10 +1045,15 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int) 
         return bound(crow, col, val, X, y, current_stream(), zeroed=init_zero, bias=bias, scale=scale)
 
     launch.kernel = bound  # for explain and the benchmarks
-    if bound.kernel.launcher is not None and spec.plan.epilogue == "none":
-        # what the C++ fast path needs to launch it without Python (fastpath.record)
+    if (kernel.launcher is not None or kernel.function is not None) and spec.plan.epilogue == "none":
+        # what the C++ fast path needs to launch it without Python (fastpath.record): the C
+        # launcher of a library, or the CUfunction of an NVRTC build (its shared memory limit
+        # raised here, since its launches then bypass the module's)
+        if kernel.launcher is None:
+            kernel.allow_dynamic_smem(prepared.smem)
         launch.fast = SimpleNamespace(
-            launcher=bound.kernel.launcher, grid=prepared.grid, block=prepared.block, smem=prepared.smem,
+            launcher=kernel.launcher or 0, function=kernel.function or 0, grid=prepared.grid, block=prepared.block,
+            smem=prepared.smem,
             aux=prepared.aux, ints=(prepared.rows, prepared.cols, prepared.n, prepared.nnz, prepared.parts),
             init_zero=init_zero, work_numel=prepared.work_numel, copies=copies)
     return launch

@@ -178,13 +178,18 @@ class Module:
         check(libcuda().cuFuncGetAttribute(ctypes.byref(value), which, self.function), "cuFuncGetAttribute")
         return value.value
 
+    def allow_dynamic_smem(self, smem: int) -> None:
+        """Let launches use ``smem`` bytes of dynamic shared memory (over 48 KiB needs the
+        attribute raised first; launches from elsewhere, such as the C++ fast path, rely on it)."""
+        if smem > self._dynamic_smem:
+            check(libcuda().cuFuncSetAttribute(self.function, ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                  f"raising dynamic shared memory to {smem} bytes")
+            self._dynamic_smem = smem
+
     def launch(self, grid: int, block: int, smem: int, stream: int, params: ctypes.Array) -> None:
         """Launch with ``params`` already packed by :func:`pack_params`."""
         lib = libcuda()
-        if smem > self._dynamic_smem:
-            check(lib.cuFuncSetAttribute(self.function, ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-                  f"raising dynamic shared memory to {smem} bytes")
-            self._dynamic_smem = smem
+        self.allow_dynamic_smem(smem)
         check(lib.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, smem, stream, params, None),
               f"cuLaunchKernel(grid={grid}, block={block}, smem={smem})")
 

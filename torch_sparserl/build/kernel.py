@@ -31,7 +31,8 @@ def _expect(cond: bool, what: str) -> None:
 class Kernel:
     def __init__(self, spec: KernelSpec, launch: LaunchFn, backend: str,
                  registers: int | None = None, local_bytes: int = 0, max_threads: int = 1024,
-                 static_smem: int = 0, keepalive=None, launcher: int | None = None):
+                 static_smem: int = 0, keepalive=None, launcher: int | None = None,
+                 function: int | None = None):
         self.spec = spec
         self.plan = spec.plan
         self.backend = backend
@@ -44,6 +45,16 @@ class Kernel:
         # address of the C launcher `int(grid, block, smem, stream, params)` (inline builds; the
         # C++ fast path calls it), None where launches go through Python (the driver backend)
         self.launcher = launcher
+        # the CUfunction of an NVRTC build (its module is `keepalive`): the C++ fast path launches
+        # it with cuLaunchKernel
+        self.function = function
+
+    def allow_dynamic_smem(self, smem: int) -> None:
+        """Prepare :attr:`function` for launches with ``smem`` bytes of dynamic shared memory
+        that do not go through this object (the C++ fast path's)."""
+        allow = getattr(self._keepalive, "allow_dynamic_smem", None)
+        if allow is not None:
+            allow(smem)
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.describe()}, key={self.spec.key}, backend={self.backend})"

@@ -33,6 +33,6 @@ def load(spec: KernelSpec, arch: str | None = None) -> Kernel:
         local_bytes=module.attribute(driver.ATTR_LOCAL_SIZE_BYTES),
         max_threads=module.attribute(driver.ATTR_MAX_THREADS_PER_BLOCK),
         static_smem=module.attribute(driver.ATTR_SHARED_SIZE_BYTES),
-        keepalive=module)
+        keepalive=module, function=module.function.value)
     kernel.compile_log, kernel.compile_seconds = log, seconds
     return kernel
