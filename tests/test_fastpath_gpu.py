@@ -219,14 +219,18 @@ def test_cxx_serves_the_nvrtc_build_while_the_library_is_built(tmp_path, monkeyp
     """While the worker builds the decided kernel's library, the runtime installs the kernel's
     NVRTC build, and C++ launches its CUfunction; once the library is built its kernel replaces
     it, served by C++ through its C launcher. Results match float64 throughout."""
+    import dataclasses
     import threading
 
-    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))  # no library on disk yet
+    # A source of this test alone (a comment names its folder), built into that folder: its
+    # library is neither on disk nor known to torch's extension builder in this process.
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
     building, gate = threading.Event(), threading.Event()
 
     class Specializer:
         def __call__(self, key, crow, col, ncols):
-            return _specializer(key, crow, col, ncols)
+            entry = _specializer(key, crow, col, ncols)
+            return dataclasses.replace(entry, spec_source=f"{entry.spec_source}\n// {tmp_path}\n")
 
         def prebuild(self, entry, arch):
             building.set()

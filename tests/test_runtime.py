@@ -565,8 +565,8 @@ class _BuildingSpecializer:
             raise RuntimeError("the worker's build failed")
 
 
-def _interim_runtime(tmp_path, mode="background", fail_interim=False, fail_prebuild=False):
-    fakes = Fakes()
+def _interim_runtime(tmp_path, mode="background", fail_interim=False, fail_prebuild=False, fail_install=False):
+    fakes = Fakes(fail_install=fail_install)
     specializer = _BuildingSpecializer(fakes, fail=fail_prebuild)
     interim = []
 
@@ -574,8 +574,8 @@ def _interim_runtime(tmp_path, mode="background", fail_interim=False, fail_prebu
         interim.append(entry.key)
         if fail_interim:
             raise OSError("NVRTC is not there")
-        launch = fakes.installer(entry, crow, col, ncols)
-        return lambda *args: launch(*args) * 1  # a distinct callable: which one served is asked below
+        rows = crow.numel() - 1
+        return lambda crow, col, val, X: torch.sparse_csr_tensor(crow, col, val, (rows, ncols)).to_dense() @ X
 
     runtime = Runtime(RuntimeSettings(mode=mode), cache=KernelCache(tmp_path), specializer=specializer,
                       installer=fakes.installer, interim_installer=interim_installer, devices=("cpu",))
@@ -611,12 +611,13 @@ def test_the_interim_build_serves_while_the_library_is_built(tmp_path):
         runtime.close()
 
 
-@pytest.mark.parametrize("fails", ["interim", "prebuild"])
+@pytest.mark.parametrize("fails", ["interim", "prebuild", "install"])
 def test_a_failed_interim_or_library_build_loses_nothing(tmp_path, fails):
     """No interim kernel (NVRTC missing): the products wait on cuSPARSE for the library's, as
-    before. A failed worker build after an interim: the installer builds the library here."""
+    before. A failed worker build after an interim: the installer builds the library here. A
+    failed install of the library: the interim kernel serves on."""
     runtime, specializer, interim, A, crow, col, val = _interim_runtime(
-        tmp_path, fail_interim=fails == "interim", fail_prebuild=fails == "prebuild")
+        tmp_path, fail_interim=fails == "interim", fail_prebuild=fails == "prebuild", fail_install=fails == "install")
     try:
         X = torch.randn(A.shape[1], 8)
         assert call(runtime, A, crow, col, val, X) is None
@@ -626,10 +627,12 @@ def test_a_failed_interim_or_library_build_loses_nothing(tmp_path, fails):
         assert (interim_state.__class__.__name__ == "Pending") == (fails == "interim")
         specializer.gate.set()
         runtime.wait(10)
-        assert runtime.explain("spmm", entry, 8, torch.float32) == "installed: fake{'p': 1} (2.0x cuSPARSE)"
+        assert runtime.explain("spmm", entry, 8, torch.float32) == "installed: fake{'p': 1} (2.0x cuSPARSE" + (
+            "; its NVRTC build until the library is built)" if fails == "install" else ")")
         torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
         assert runtime.stats["interim_installs"] == (0 if fails == "interim" else 1)
-        assert runtime.stats["installs"] == 1 and len(interim) == 1
+        assert runtime.stats["installs"] == (0 if fails == "install" else 1) and len(interim) == 1
+        assert runtime.stats["fallbacks"] == 0
     finally:
         specializer.gate.set()
         runtime.close()

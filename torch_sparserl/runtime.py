@@ -464,11 +464,12 @@ class Runtime:
     def _install(self, pattern, slot, key, entry: CacheEntry, crow, col):
         if entry.spec_source is None:
             return self._fallback(pattern, slot, key, f"no kernel: {entry.reason}", None, quiet=True)
+        interim = None
         prebuild = getattr(self.specializer, "prebuild", None)
         if prebuild is not None:
             arch = key.arch if key is not None else _device_arch(col.device)
             if self.interim_installer is not None and self.settings.mode != "sync" and not _library_built(entry, arch):
-                self._install_interim(pattern, slot, key, entry, crow, col)
+                interim = self._install_interim(pattern, slot, key, entry, crow, col)
             try:
                 # The library is built out of this process when it is not on disk yet (a training
                 # loop here would stall while torch's builder holds the interpreter lock).
@@ -482,6 +483,10 @@ class Runtime:
             # private pool when this runs in its warm-up (sync mode).
             launch = run_kept(col.device, self.installer, entry, crow, col, pattern.ncols)
         except Exception as exc:  # noqa: BLE001
+            if interim is not None:  # the same source, built by NVRTC, serves on
+                log.warning("sparserl: %s n=%d: installing %s from its library failed; its NVRTC build serves on: %s",
+                            key.op, key.n, entry.family, exc)
+                return interim
             return self._fallback(pattern, slot, key, f"installing {entry.family} failed: {exc}", exc)
         state = Installed(key, launch, f"{entry.family}{entry.params}", entry.reason, entry)
         self._set(pattern, slot, state)
@@ -489,20 +494,23 @@ class Runtime:
         log.info("sparserl: %s n=%d %s -> %s (%s)", key.op, key.n, key.dtype, state.description, entry.reason)
         return state
 
-    def _install_interim(self, pattern, slot, key, entry: CacheEntry, crow, col) -> None:
+    def _install_interim(self, pattern, slot, key, entry: CacheEntry, crow, col) -> Installed | None:
         """Serve ``entry``'s kernel from its NVRTC build while its library is built. NVRTC
         compiled the specializer's candidates too, in tens of milliseconds; the library takes
         nvcc seconds (1.6-2.3 s per kernel on the H100 host), which a first run's loop would
         otherwise spend on cuSPARSE, often after its compile has ended. The library's kernel
-        replaces it when built (:meth:`_install`). A failure here only means no interim."""
+        replaces it when built (:meth:`_install`), or, if that install fails, it serves on. A
+        failure here only means no interim."""
         try:
             launch = run_kept(col.device, self.interim_installer, entry, crow, col, pattern.ncols)
         except Exception as exc:  # noqa: BLE001 - the library's install follows anyway
             log.info("sparserl: %s n=%d: no NVRTC build to serve while the library is built: %s", key.op, key.n, exc)
-            return
-        self._set(pattern, slot, Installed(key, launch, f"{entry.family}{entry.params}",
-                                           f"{entry.reason}; its NVRTC build until the library is built", entry))
+            return None
+        state = Installed(key, launch, f"{entry.family}{entry.params}",
+                          f"{entry.reason}; its NVRTC build until the library is built", entry)
+        self._set(pattern, slot, state)
         self._stats["interim_installs"] += 1
+        return state
 
     def _set(self, pattern, slot, state) -> None:
         with self._lock:
