@@ -565,6 +565,13 @@ class _BuildingSpecializer:
             raise RuntimeError("the worker's build failed")
 
 
+def _until(condition, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
 def _interim_runtime(tmp_path, mode="background", fail_interim=False, fail_prebuild=False, fail_install=False):
     fakes = Fakes(fail_install=fail_install)
     specializer = _BuildingSpecializer(fakes, fail=fail_prebuild)
@@ -592,7 +599,8 @@ def test_the_interim_build_serves_while_the_library_is_built(tmp_path):
     try:
         X = torch.randn(A.shape[1], 8)
         assert call(runtime, A, crow, col, val, X) is None  # pending: cuSPARSE serves
-        assert specializer.building.wait(10)
+        assert specializer.building.wait(10)  # the interim is installed beside the library's build
+        assert _until(lambda: runtime.stats["interim_installs"] == 1)
         entry = patterns.lookup(crow, col, A.shape[1])
         state = runtime.state("spmm", entry, 8, torch.float32)
         assert len(interim) == 1 and runtime.stats["interim_installs"] == 1
@@ -622,6 +630,7 @@ def test_a_failed_interim_or_library_build_loses_nothing(tmp_path, fails):
         X = torch.randn(A.shape[1], 8)
         assert call(runtime, A, crow, col, val, X) is None
         assert specializer.building.wait(10)
+        assert _until(lambda: interim and (fails == "interim" or runtime.stats["interim_installs"] == 1))
         entry = patterns.lookup(crow, col, A.shape[1])
         interim_state = runtime.state("spmm", entry, 8, torch.float32)
         assert (interim_state.__class__.__name__ == "Pending") == (fails == "interim")

@@ -211,6 +211,7 @@ class Runtime:
         self.devices = devices
         self._generation = next(_GENERATIONS)  # states of another Runtime on a Pattern are not ours
         self._executor: ThreadPoolExecutor | None = None
+        self._interim_executor: ThreadPoolExecutor | None = None  # interim installs, beside the library's build
         self._lock = threading.RLock()  # reentrant: sync mode specializes inside _resolve
         self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
         self._idle_timer: threading.Timer | None = None
@@ -468,8 +469,13 @@ class Runtime:
         prebuild = getattr(self.specializer, "prebuild", None)
         if prebuild is not None:
             arch = key.arch if key is not None else _device_arch(col.device)
+            interim_future = None
             if self.interim_installer is not None and self.settings.mode != "sync" and not _library_built(entry, arch):
-                interim = self._install_interim(pattern, slot, key, entry, crow, col)
+                # installed beside the library's build, so that it does not delay it
+                if self._interim_executor is None:
+                    self._interim_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-interim")
+                interim_future = self._interim_executor.submit(self._install_interim, pattern, slot, key, entry,
+                                                               crow, col)
             try:
                 # The library is built out of this process when it is not on disk yet (a training
                 # loop here would stall while torch's builder holds the interpreter lock).
@@ -478,6 +484,8 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
                 log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
                          entry.family, exc)
+            if interim_future is not None:  # before the library's kernel is set: it must not be overwritten
+                interim = interim_future.result()
         try:
             # The plan data and index copies outlive the step: kept out of a CUDA graph's
             # private pool when this runs in its warm-up (sync mode).
@@ -502,7 +510,8 @@ class Runtime:
         replaces it when built (:meth:`_install`), or, if that install fails, it serves on. A
         failure here only means no interim."""
         try:
-            launch = run_kept(col.device, self.interim_installer, entry, crow, col, pattern.ncols)
+            with _on_device(col):
+                launch = run_kept(col.device, self.interim_installer, entry, crow, col, pattern.ncols)
         except Exception as exc:  # noqa: BLE001 - the library's install follows anyway
             log.info("sparserl: %s n=%d: no NVRTC build to serve while the library is built: %s", key.op, key.n, exc)
             return None
@@ -657,9 +666,10 @@ class Runtime:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
                 self._idle_timer = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for executor in (self._executor, self._interim_executor):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._executor = self._interim_executor = None
         closer = getattr(self.specializer, "close", None)
         if closer is not None:
             closer()
