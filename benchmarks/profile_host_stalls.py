@@ -10,6 +10,8 @@ alike):
   none       nothing
   spin:K     K processes, each a busy Python loop
   nvcc:K     K processes, each building a small CUDA library with nvcc in a loop
+  cuda:K     K processes, each starting Python on the same GPU in a loop, as the sandbox's worker
+             starts: torch's import, a CUDA context, 640 MiB allocated, a cuBLAS product, exit
 
 Foreground loops (``--loop``): ``gnn``, ``bench_gnn``'s eager epoch (``--graph``, ``--model``,
 hidden 128), synchronized; ``cpu``, a fixed amount of pure-Python work per "epoch".
@@ -20,6 +22,9 @@ the machine's steal time over the load's span (``/proc/stat``: time the hypervis
 a virtual CPU that had work), with the CPU quota of the process's cgroup where there is one.
 
     python benchmarks/profile_host_stalls.py --loop gnn --graph pubmed --model sage --loads none,spin:1,spin:8,spin:15,nvcc:1,nvcc:4 --out /tmp/stalls.json
+    python benchmarks/profile_host_stalls.py --loop gnn --graph pubmed --model gcn --loads none,cuda:1,cuda:3 --seconds 12
+
+Results: ``benchmarks/results/host-stalls-h100-2026-11-24*.{log,json}``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,24 +92,32 @@ def start_load(load: str, workdir: Path) -> list[subprocess.Popen]:
     procs = []
     for i in range(count):
         if kind == "spin":
-            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True))
+        elif kind == "cuda":
+            code = ("import torch; x = torch.empty(160 * 2**20, device='cuda'); "
+                    "y = torch.randn(2048, 2048, device='cuda'); (y @ y).sum().item()")
+            procs.append(subprocess.Popen(["bash", "-c", f'while true; do {sys.executable} -c "{code}" || exit 1; done'],
+                                          start_new_session=True))
         elif kind == "nvcc":
             src = workdir / f"k{i}.cu"
             src.write_text(KERNEL)
             command = (f"while true; do nvcc -O3 -std=c++17 -arch=sm_90 -shared -Xcompiler -fPIC "
                        f"{src} -o {workdir / f'k{i}.so'} || exit 1; done")
-            procs.append(subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL, start_new_session=True))
         else:
-            raise SystemExit(f"profile_host_stalls: unknown load {load!r} (expected none, spin:K or nvcc:K)")
+            raise SystemExit(f"profile_host_stalls: unknown load {load!r} (expected none, spin:K, nvcc:K or cuda:K)")
     return procs
 
 
 def stop_load(procs: list[subprocess.Popen]) -> None:
+    """Kill each load with what it started (its own process group: a loop's current child too)."""
     for p in procs:
-        p.kill()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     for p in procs:
         p.wait()
-    subprocess.run(["pkill", "-f", "nvcc -O3 -std=c++17 -arch=sm_90 -shared"], check=False)
 
 
 def foreground(loop: str, graph: str, model: str):
