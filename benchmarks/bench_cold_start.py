@@ -122,6 +122,26 @@ def slow_runs(epochs_ms: list[float], pending: list[int] | None = None, start_ov
     return runs
 
 
+def steal_s() -> float:
+    """Seconds of steal time summed over the machine's CPUs (``/proc/stat``: time the hypervisor did
+    not run a virtual CPU that had work; on some of the benchmark's VM hosts every process stalls
+    for 30-90 ms at a time then); nan where the kernel does not say."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def eager_steal(row: dict) -> float:
+    """The host's steal time (s of CPU) over eager's timed runs (before and after the compiled ones)."""
+    return sum(run.get("steal_s", 0.0) for run in (row["eager"], row.get("eager_after") or {}))
+
+
+def eager_span_s(row: dict) -> float:
+    return sum(sum(run.get("epochs_ms", [])) for run in (row["eager"], row.get("eager_after") or {})) / 1e3
+
+
 def eager_ms(row: dict) -> float:
     """Eager's reference epoch: the median of its epochs (after the first 20) timed before the
     compiled runs and, in newer rows, after them too."""
@@ -215,9 +235,10 @@ def _timed(epoch, device) -> tuple[float, float]:
 def run_eager(model, hidden, graph, device, epochs: int) -> dict:
     task = bench.build_task("eager", model, hidden, graph, device, SimpleNamespace(mode="default"))
     epoch = bench.epoch_fn(task)
+    stolen = steal_s()
     times, losses = zip(*(_timed(epoch, device) for _ in range(epochs)))
     return {"first_epoch_s": times[0] / 1e3, "epoch_ms": statistics.median(times[LOSS_EPOCHS:] or times[1:]),
-            "epochs_ms": list(times[1:]), "losses": list(losses[:LOSS_EPOCHS])}
+            "epochs_ms": list(times[1:]), "losses": list(losses[:LOSS_EPOCHS]), "steal_s": steal_s() - stolen}
 
 
 def run_off(model, hidden, graph, device, epochs: int, mode: str = "default") -> dict:
@@ -260,7 +281,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
     epoch = bench.epoch_fn(task)
     first_ms, first_loss = _timed(epoch, device)
     epochs_ms, pending, losses = [], [], [first_loss]
-    decided_at, started = None, time.perf_counter()
+    decided_at, started, stolen = None, time.perf_counter(), steal_s()
     while True:
         waiting = pending_products(runtime, A)
         if waiting == 0 and decided_at is None:
@@ -272,6 +293,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
         epochs_ms.append(ms)
         pending.append(waiting)
         losses.append(loss)
+    stolen = steal_s() - stolen
     runtime.wait()
     steady = epochs_ms[decided_at:] if decided_at is not None else []
     # The same model once the runtime is closed (its sandbox worker, with the policy on the
@@ -285,7 +307,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
               "steady_ms": statistics.median(steady) if steady else None,
               "closed_ms": statistics.median(closed) if closed else None,
               "losses": losses[:LOSS_EPOCHS], "waited_s": runtime.stats["jit_s"],
-              "background_s": runtime.stats["background_s"], "stats": dict(runtime.stats),
+              "background_s": runtime.stats["background_s"], "stats": dict(runtime.stats), "steal_s": stolen,
               "kernels": runtime.decisions(A.crow, A.col, A.shape[1])}
     bench.reset_compiled()
     return result
@@ -388,8 +410,12 @@ def markdown(doc: dict) -> str:
         for row in rows:
             runs = slow_runs(row["cold"]["epochs_ms"], row["cold"].get("pending"))
             shown = sorted(sorted(runs, key=lambda r: -r["excess_ms"])[:SLOW_SHOWN], key=lambda r: r["epoch"])
+            stolen = row["cold"].get("steal_s")
             lines.append(f"- {row['graph']} {row['model']} {row['hidden']}: {len(runs)} runs, "
                          f"{sum(r['excess_ms'] for r in runs):.0f} ms in all"
+                         + (f" (the host's steal time: {stolen:.2f} s of CPU over the cold run's "
+                            f"{sum(row['cold']['epochs_ms']) / 1e3:.1f} s, {eager_steal(row):.2f} s over eager's "
+                            f"{eager_span_s(row):.1f} s)" if stolen is not None else "")
                          + ("; " + ", ".join(f"{r['excess_ms']:.0f} ms at {r['epoch'] + 2} ({r['at_s']:.2f} s)"
                                              f"{'†' if r['decision'] else ''}" for r in shown) if shown else ""))
         lines += ["", "Kernels decided in the cold run:", ""]

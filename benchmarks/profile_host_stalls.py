@@ -44,7 +44,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cold_start import slow_runs  # noqa: E402
+from bench_cold_start import slow_runs, steal_s  # noqa: E402
 
 KERNEL = r"""
 #include <cuda_fp16.h>
@@ -64,15 +64,6 @@ template __global__ void rows<float, 4>(const int*, const int*, const float*, co
 template __global__ void rows<__half, 2>(const int*, const int*, const __half*, const __half*, __half*, int, int);
 template __global__ void rows<__half, 8>(const int*, const int*, const __half*, const __half*, __half*, int, int);
 """
-
-
-def steal_s() -> float:
-    """Seconds of steal time summed over the machine's CPUs (``/proc/stat``); nan if absent."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 def cgroup_quota() -> str | None:
