@@ -281,12 +281,16 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
     epoch = bench.epoch_fn(task)
     first_ms, first_loss = _timed(epoch, device)
     epochs_ms, pending, losses = [], [], [first_loss]
-    decided_at, started, stolen = None, time.perf_counter(), steal_s()
+    decided_at, idle_at, started, stolen = None, None, time.perf_counter(), steal_s()
     while True:
         waiting = pending_products(runtime, A)
         if waiting == 0 and decided_at is None:
             decided_at = len(epochs_ms)
-        if (decided_at is not None and len(epochs_ms) - decided_at >= after and len(losses) >= LOSS_EPOCHS) \
+        # the steady state: once the runtime's background work is over too (a kernel served from
+        # its interim NVRTC build is decided, while its library is still being built)
+        if decided_at is not None and idle_at is None and not getattr(runtime, "busy", False):
+            idle_at = len(epochs_ms)
+        if (idle_at is not None and len(epochs_ms) - idle_at >= after and len(losses) >= LOSS_EPOCHS) \
                 or time.perf_counter() - started > max_s:
             break
         ms, loss = _timed(epoch, device)
@@ -295,7 +299,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
         losses.append(loss)
     stolen = steal_s() - stolen
     runtime.wait()
-    steady = epochs_ms[decided_at:] if decided_at is not None else []
+    steady = epochs_ms[idle_at:] if idle_at is not None else []
     # The same model once the runtime is closed (its sandbox worker, with the policy on the
     # same GPU, stopped): what the worker's presence costs the epochs after the decisions.
     runtime.close()
@@ -304,6 +308,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
               "decided_after_epochs": decided_at if decided_at is not None else len(epochs_ms),
               "decided_after_s": sum(epochs_ms[:decided_at]) / 1e3 if decided_at is not None else None,
               "all_decided": decided_at is not None,
+              "idle_after_epochs": idle_at,
               "steady_ms": statistics.median(steady) if steady else None,
               "closed_ms": statistics.median(closed) if closed else None,
               "losses": losses[:LOSS_EPOCHS], "waited_s": runtime.stats["jit_s"],
@@ -368,7 +373,7 @@ def markdown(doc: dict) -> str:
              "Inductor), paid by any compiled way and not counted below, of the runtime-off run and of the cold run. *waited*: what the "
              "training loop waited for the runtime. *decided after*: epochs (and seconds) until no product was "
              "still being specialized. *during JIT*: eager's epoch over the median cold epoch before that; "
-             "*steady*: after it; *closed*: then with the runtime closed (its sandbox worker stopped). Break-even: the first epoch k from which waited + the cold epochs 2..j+1 stay at "
+             "*steady*: from when the runtime's background work has ended too (the libraries' builds that replace kernels' interim NVRTC builds; rows without `idle_after_epochs`: from the decisions); *closed*: then with the runtime closed (its sandbox worker stopped). Break-even: the first epoch k from which waited + the cold epochs 2..j+1 stay at "
              f"or under eager's epochs 2..j+1 for every later j of the run (target: {TARGET_EPOCHS}).", "",
              "| graph | model | hidden | eager ms | compile s (runtime off / on) | waited ms "
              f"| epochs 2–{FIRST_EPOCHS + 1} ms (eager / off / on) | decided after "

@@ -607,8 +607,10 @@ def test_the_interim_build_serves_while_the_library_is_built(tmp_path):
         assert runtime.explain("spmm", entry, 8, torch.float32) == (
             "installed: fake{'p': 1} (2.0x cuSPARSE; its NVRTC build until the library is built)")
         torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+        assert runtime.busy  # decided, with the library still being built
         specializer.gate.set()
         runtime.wait(10)
+        assert not runtime.busy
         final = runtime.state("spmm", entry, 8, torch.float32)
         assert final.launch is not state.launch
         assert runtime.explain("spmm", entry, 8, torch.float32) == "installed: fake{'p': 1} (2.0x cuSPARSE)"

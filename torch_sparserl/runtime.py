@@ -212,6 +212,7 @@ class Runtime:
         self._generation = next(_GENERATIONS)  # states of another Runtime on a Pattern are not ours
         self._executor: ThreadPoolExecutor | None = None
         self._interim_executor: ThreadPoolExecutor | None = None  # interim installs, beside the library's build
+        self._in_flight = 0  # background tasks submitted and not finished
         self._lock = threading.RLock()  # reentrant: sync mode specializes inside _resolve
         self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
         self._idle_timer: threading.Timer | None = None
@@ -553,8 +554,14 @@ class Runtime:
 
     def _in_background(self, fn: Callable, *args) -> Future:
         def timed():
-            with self._clock("background_s"):
-                return fn(*args)
+            try:
+                with self._clock("background_s"):
+                    return fn(*args)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+        with self._lock:
+            self._in_flight += 1
         return self._pool().submit(timed)
 
     # ------------------------------------------------------------------ the worker's life
@@ -618,6 +625,12 @@ class Runtime:
             self._pool().submit(work)
             return None
         return work()
+
+    @property
+    def busy(self) -> bool:
+        """Whether background work is under way: a decision, or the library build that replaces a
+        kernel's interim NVRTC build (benchmarks time the steady state after it)."""
+        return self._in_flight > 0
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until background specializations submitted so far are done (tests, benchmarks)."""
