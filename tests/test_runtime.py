@@ -621,6 +621,37 @@ def test_the_interim_build_serves_while_the_library_is_built(tmp_path):
         runtime.close()
 
 
+def test_the_next_decision_does_not_wait_for_a_library_build(tmp_path):
+    """The library's build after an interim install runs in a thread of its own: while it is
+    held, the transpose's product (a symmetric pattern: the same key, from the cache) is decided
+    and served from its own interim build. (A key the specializer must search waits for the
+    worker, which the build holds.)"""
+    runtime, specializer, interim, A, crow, col, val = _interim_runtime(tmp_path)
+    try:
+        entry = patterns.lookup(crow, col, A.shape[1])
+        assert call(runtime, A, crow, col, val, torch.randn(A.shape[1], 8)) is None
+        assert specializer.building.wait(10)  # the first key's library build, held
+        entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
+        X = torch.randn(A.shape[0], 8)
+
+        def transposed():
+            return runtime.call("spmm", entry_t, crow_t, col_t, val[perm], X)
+
+        assert transposed() is None
+        assert _until(lambda: runtime.state("spmm", entry_t, 8, torch.float32).__class__.__name__ == "Installed")
+        assert not specializer.gate.is_set() and runtime.busy and len(interim) == 2
+        torch.testing.assert_close(transposed(), expected(A, crow, col, val, torch.eye(A.shape[0])).T @ X)
+        specializer.gate.set()
+        runtime.wait(10)
+        for pattern in (entry, entry_t):
+            assert runtime.explain("spmm", pattern, 8, torch.float32) == "installed: fake{'p': 1} (2.0x cuSPARSE)"
+        assert runtime.stats["installs"] == 2 and runtime.stats["interim_installs"] == 2 and not runtime.busy
+        assert len(specializer.fakes.specialized) == 1  # the transpose's decision came from the cache
+    finally:
+        specializer.gate.set()
+        runtime.close()
+
+
 @pytest.mark.parametrize("fails", ["interim", "prebuild", "install"])
 def test_a_failed_interim_or_library_build_loses_nothing(tmp_path, fails):
     """No interim kernel (NVRTC missing): the products wait on cuSPARSE for the library's, as

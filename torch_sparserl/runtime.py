@@ -211,7 +211,7 @@ class Runtime:
         self.devices = devices
         self._generation = next(_GENERATIONS)  # states of another Runtime on a Pattern are not ours
         self._executor: ThreadPoolExecutor | None = None
-        self._interim_executor: ThreadPoolExecutor | None = None  # interim installs, beside the library's build
+        self._library_executor: ThreadPoolExecutor | None = None  # libraries built after interim installs
         self._in_flight = 0  # background tasks submitted and not finished
         self._lock = threading.RLock()  # reentrant: sync mode specializes inside _resolve
         self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
@@ -466,37 +466,43 @@ class Runtime:
     def _install(self, pattern, slot, key, entry: CacheEntry, crow, col):
         if entry.spec_source is None:
             return self._fallback(pattern, slot, key, f"no kernel: {entry.reason}", None, quiet=True)
-        interim = None
         prebuild = getattr(self.specializer, "prebuild", None)
-        if prebuild is not None:
-            arch = key.arch if key is not None else _device_arch(col.device)
-            interim_future = None
-            if self.interim_installer is not None and self.settings.mode != "sync" and not _library_built(entry, arch):
-                # installed beside the library's build, so that it does not delay it
-                if self._interim_executor is None:
-                    self._interim_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-interim")
-                interim_future = self._interim_executor.submit(self._install_interim, pattern, slot, key, entry,
-                                                               crow, col)
-            try:
-                # The library is built out of this process when it is not on disk yet (a training
-                # loop here would stall while torch's builder holds the interpreter lock).
-                with self._specialize_lock:
-                    prebuild(entry, arch)
-            except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
-                log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
-                         entry.family, exc)
-            if interim_future is not None:  # before the library's kernel is set: it must not be overwritten
-                interim = interim_future.result()
-        try:
-            # The plan data and index copies outlive the step: kept out of a CUDA graph's
-            # private pool when this runs in its warm-up (sync mode).
-            launch = run_kept(col.device, self.installer, entry, crow, col, pattern.ncols)
-        except Exception as exc:  # noqa: BLE001
-            if interim is not None:  # the same source, built by NVRTC, serves on
-                log.warning("sparserl: %s n=%d: installing %s from its library failed; its NVRTC build serves on: %s",
-                            key.op, key.n, entry.family, exc)
+        if prebuild is not None and self.interim_installer is not None and self.settings.mode != "sync" \
+                and not _library_built(entry, key.arch if key is not None else _device_arch(col.device)):
+            interim = self._install_interim(pattern, slot, key, entry, crow, col)
+            if interim is not None:
+                # The library's build and install go on in a thread of their own, so that the next
+                # decision (another key; the same kernel from the cache, for a transpose) does not
+                # wait for nvcc.
+                self._in_background(self._install_library, pattern, slot, key, entry, crow, col, prebuild, interim,
+                                    pool=self._library_pool())
                 return interim
-            return self._fallback(pattern, slot, key, f"installing {entry.family} failed: {exc}", exc)
+        return self._install_library(pattern, slot, key, entry, crow, col, prebuild, None)
+
+    def _install_library(self, pattern, slot, key, entry: CacheEntry, crow, col, prebuild, interim):
+        """Install ``entry``'s kernel from its library, built first in the specializer's worker
+        (``prebuild``) when it is not on disk. ``interim``: the state serving meanwhile (the NVRTC
+        build), which serves on if this install fails."""
+        with _on_device(col):
+            if prebuild is not None:
+                try:
+                    # The library is built out of this process when it is not on disk yet (a training
+                    # loop here would stall while torch's builder holds the interpreter lock).
+                    with self._specialize_lock:
+                        prebuild(entry, key.arch if key is not None else _device_arch(col.device))
+                except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
+                    log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
+                             entry.family, exc)
+            try:
+                # The plan data and index copies outlive the step: kept out of a CUDA graph's
+                # private pool when this runs in its warm-up (sync mode).
+                launch = run_kept(col.device, self.installer, entry, crow, col, pattern.ncols)
+            except Exception as exc:  # noqa: BLE001
+                if interim is not None:  # the same source, built by NVRTC, serves on
+                    log.warning("sparserl: %s n=%d: installing %s from its library failed; its NVRTC build serves "
+                                "on: %s", key.op, key.n, entry.family, exc)
+                    return interim
+                return self._fallback(pattern, slot, key, f"installing {entry.family} failed: {exc}", exc)
         state = Installed(key, launch, f"{entry.family}{entry.params}", entry.reason, entry)
         self._set(pattern, slot, state)
         self._stats["installs"] += 1
@@ -508,8 +514,8 @@ class Runtime:
         compiled the specializer's candidates too, in tens of milliseconds; the library takes
         nvcc seconds (1.6-2.3 s per kernel on the H100 host), which a first run's loop would
         otherwise spend on cuSPARSE, often after its compile has ended. The library's kernel
-        replaces it when built (:meth:`_install`), or, if that install fails, it serves on. A
-        failure here only means no interim."""
+        replaces it when built (:meth:`_install_library`, in a thread of its own), or, if that
+        install fails, it serves on. A failure here only means no interim."""
         try:
             with _on_device(col):
                 launch = run_kept(col.device, self.interim_installer, entry, crow, col, pattern.ncols)
@@ -552,7 +558,12 @@ class Runtime:
         finally:
             self._stats[stat] += time.perf_counter() - started
 
-    def _in_background(self, fn: Callable, *args) -> Future:
+    def _library_pool(self) -> ThreadPoolExecutor:
+        if self._library_executor is None:
+            self._library_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-library")
+        return self._library_executor
+
+    def _in_background(self, fn: Callable, *args, pool: ThreadPoolExecutor | None = None) -> Future:
         def timed():
             try:
                 with self._clock("background_s"):
@@ -562,7 +573,7 @@ class Runtime:
                     self._in_flight -= 1
         with self._lock:
             self._in_flight += 1
-        return self._pool().submit(timed)
+        return (pool or self._pool()).submit(timed)
 
     # ------------------------------------------------------------------ the worker's life
     def _arm_idle_stop(self) -> None:
@@ -633,9 +644,11 @@ class Runtime:
         return self._in_flight > 0
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until background specializations submitted so far are done (tests, benchmarks)."""
-        if self._executor is not None:
-            self._executor.submit(lambda: None).result(timeout)
+        """Block until background specializations submitted so far are done, with the library
+        builds they started (tests, benchmarks)."""
+        for executor in (self._executor, self._library_executor):  # decisions first: they submit builds
+            if executor is not None:
+                executor.submit(lambda: None).result(timeout)
 
     def state(self, op: str, pattern: Pattern, n: int, dtype: torch.dtype):
         """The state of one (op, n, dtype) on ``pattern``, or None when it was never asked for."""
@@ -679,10 +692,10 @@ class Runtime:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
                 self._idle_timer = None
-        for executor in (self._executor, self._interim_executor):
+        for executor in (self._executor, self._library_executor):
             if executor is not None:
                 executor.shutdown(wait=True)
-        self._executor = self._interim_executor = None
+        self._executor = self._library_executor = None
         closer = getattr(self.specializer, "close", None)
         if closer is not None:
             closer()
