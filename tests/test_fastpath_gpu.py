@@ -69,6 +69,17 @@ def _operand(op, A, n, seed):
     return torch.randn(*shape, generator=g, dtype=torch.float64).float().cuda()
 
 
+def _counted_call(op, A, crow, col, val, seed) -> tuple[int, int]:
+    """One ``sparserl_fast::<op>`` product of width KERNEL_N on fresh operands, checked against
+    float64; returns the calls C++ served meanwhile (with a kernel, with cuSPARSE)."""
+    X = _operand(op, A, KERNEL_N, seed)
+    before = _counts()
+    got = getattr(FAST, op)(crow, col, val, A.shape[1], X)
+    torch.cuda.synchronize()
+    assert_close_to_reference(got, _want(op, crow, col, val, A.shape[1], X), torch.float32)
+    return tuple(a - b for a, b in zip(_counts(), before))
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("op", fastpath.OPS)
 @pytest.mark.parametrize("n", [KERNEL_N, 16])
@@ -193,12 +204,7 @@ def test_cxx_serves_cusparse_while_pending_then_the_decision(tmp_path, poison_un
         crow, col, val = to_parts(A, torch.float32, torch.int32, "cuda")
 
         def call(seed):
-            X = _operand(op, A, KERNEL_N, seed)
-            before = _counts()
-            got = getattr(FAST, op)(crow, col, val, A.shape[1], X)
-            torch.cuda.synchronize()
-            assert_close_to_reference(got, _want(op, crow, col, val, A.shape[1], X), torch.float32)
-            return tuple(a - b for a, b in zip(_counts(), before))
+            return _counted_call(op, A, crow, col, val, seed)
 
         assert call(0) == (0, 0)  # Python: the decision starts, cuSPARSE serves
         assert call(1) == (0, 1) and call(2) == (0, 1)  # C++ runs cuSPARSE while it is pending
@@ -247,12 +253,7 @@ def test_cxx_serves_the_nvrtc_build_while_the_library_is_built(tmp_path, monkeyp
         served = entry.transpose(crow, col)[0] if op.endswith("_transposed") else entry
 
         def call(seed):
-            X = _operand(op, A, KERNEL_N, seed)
-            before = _counts()
-            got = getattr(FAST, op)(crow, col, val, A.shape[1], X)
-            torch.cuda.synchronize()
-            assert_close_to_reference(got, _want(op, crow, col, val, A.shape[1], X), torch.float32)
-            return tuple(a - b for a, b in zip(_counts(), before))
+            return _counted_call(op, A, crow, col, val, seed)
 
         def kernel():
             return runtime.state("spmm", served, KERNEL_N, torch.float32).launch.kernel.kernel
