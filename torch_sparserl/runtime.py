@@ -512,7 +512,7 @@ class Runtime:
     def _install_interim(self, pattern, slot, key, entry: CacheEntry, crow, col) -> Installed | None:
         """Serve ``entry``'s kernel from its NVRTC build while its library is built. NVRTC
         compiled the specializer's candidates too, in tens of milliseconds; the library takes
-        nvcc seconds (1.6-2.3 s per kernel on the H100 host), which a first run's loop would
+        nvcc seconds (1.3-2.3 s per kernel on the H100 host), which a first run's loop would
         otherwise spend on cuSPARSE, often after its compile has ended. The library's kernel
         replaces it when built (:meth:`_install_library`, in a thread of its own), or, if that
         install fails, it serves on. A failure here only means no interim."""
