@@ -14,8 +14,9 @@ first and copied into each row's empty cache.
 * ``cold``: ``torch.compile(backend="sparserl")`` with the runtime on (``--jit background``,
   the default; ``sync`` to compare), on a fresh copy of the adjacency, the first compiled model
   of the process: every epoch timed (synchronized), with the number of products still being
-  specialized, until every product is decided and ``--after`` epochs more have run; then
-  ``--after`` epochs with the runtime closed;
+  specialized, until every product is decided, the runtime's background work is over
+  (``Runtime.busy``: the libraries that replace kernels' interim NVRTC builds are built) and
+  ``--after`` epochs more have run; then ``--after`` epochs with the runtime closed;
 * ``compiled, runtime off``: the same with the runtime off, after it, on another fresh copy:
   the compile (first epoch) and cuSPARSE inside the compiled graph;
 * ``eager`` again, last: eager's reference epoch is the median over both of its runs, which
@@ -266,7 +267,8 @@ def pending_products(runtime, A) -> int:
 def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float, mode: str = "default",
              runtime=None) -> dict:
     """The first run with the runtime on and an empty cache: each epoch timed, until every
-    product is decided and ``after`` epochs more have run (or ``max_s`` has passed).
+    product is decided, the runtime is no longer busy, and ``after`` epochs more have run (or
+    ``max_s`` has passed).
     ``runtime``: use this one instead of configuring the process's (tests)."""
     import torch
     from torch_sparserl import runtime as rt
