@@ -15,18 +15,25 @@ from .kernel import Kernel
 
 BACKENDS = ("nvrtc", "inline")
 
-_LOADED: dict[tuple[str, str], Kernel] = {}
+_LOADED: dict[tuple[str, str, int | None], Kernel] = {}  # (source key, backend, GPU for NVRTC)
 
 
 def load_kernel(spec: KernelSpec, backend: str = "nvrtc") -> Kernel:
-    """Build ``spec`` with ``backend`` (memoized per process by source hash)."""
+    """Build ``spec`` with ``backend`` (memoized per process by source hash, and for NVRTC per
+    GPU: its module, and the CUfunction the C++ fast path launches, belong to the current
+    device's context)."""
     if backend not in BACKENDS:
         raise ValueError(f"load_kernel: backend must be one of {BACKENDS} (got {backend!r})")
     try:
         spec.plan  # noqa: B018
     except PlanError as exc:
         raise CompileError(f"load_kernel: {exc}") from exc
-    cache_key = (spec.key, backend)
+    device = None
+    if backend == "nvrtc":
+        import torch
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    cache_key = (spec.key, backend, device)
     if cache_key not in _LOADED:
         if backend == "nvrtc":
             from . import nvrtc
