@@ -12,6 +12,10 @@ alike):
   nvcc:K     K processes, each building a small CUDA library with nvcc in a loop
   cuda:K     K processes, each starting Python on the same GPU in a loop, as the sandbox's worker
              starts: torch's import, a CUDA context, 640 MiB allocated, a cuBLAS product, exit
+  policy:K   K processes, each sampling the shipped policy (4 kernels for the graph's A @ X, N=128)
+             on the GPU in a loop, as the worker does for a decision (policy-cpu:K: on its CPU)
+  timing:K   K processes, each timing cuSPARSE's A @ X (N=128) on the graph in loops of 30 runs
+             between CUDA events, as the evaluator times a candidate against cuSPARSE
 
 Foreground loops (``--loop``): ``gnn``, ``bench_gnn``'s eager epoch (``--graph``, ``--model``,
 hidden 128), synchronized; ``cpu``, a fixed amount of pure-Python work per "epoch".
@@ -23,6 +27,7 @@ a virtual CPU that had work), with the CPU quota of the process's cgroup where t
 
     python benchmarks/profile_host_stalls.py --loop gnn --graph pubmed --model sage --loads none,spin:1,spin:8,spin:15,nvcc:1,nvcc:4 --out /tmp/stalls.json
     python benchmarks/profile_host_stalls.py --loop gnn --graph pubmed --model gcn --loads none,cuda:1,cuda:3 --seconds 12
+    python benchmarks/profile_host_stalls.py --loop gnn --graph pubmed --model sage --loads none,policy:1,policy-cpu:1,timing:1 --seconds 5 --rounds 3
 
 Results: ``benchmarks/results/host-stalls-h100-2026-11-24*.{log,json}``.
 """
@@ -75,7 +80,50 @@ def cgroup_quota() -> str | None:
     return None
 
 
-def start_load(load: str, workdir: Path) -> list[subprocess.Popen]:
+# the policy and timing loads: a process that prepares, prints "ready", then loops until killed
+_LOAD_SCRIPTS = {
+    "policy": """
+import sys
+sys.path.insert(0, sys.argv[3])
+import torch
+from bench_kernels import select_matrices
+from torch_sparserl.policy import CHECKPOINT_DIR
+from torch_sparserl.policy.encoder import PatternInput
+from torch_sparserl.policy.model import KernelPolicy
+from torch_sparserl.policy.propose import _sample
+M = select_matrices([sys.argv[1]])[0].load().tocsr()
+policy = KernelPolicy.load(CHECKPOINT_DIR, sys.argv[2])
+inp = PatternInput.from_pattern(M.indptr, M.indices, M.shape, "spmm", "f32", 128, policy.config.samples)
+_sample(policy, inp, "spmm", "f32", 128, 4, 1.0, 0)
+print("ready", flush=True)
+seed = 1
+while True:
+    _sample(policy, inp, "spmm", "f32", 128, 4, 1.0, seed)
+    seed += 1
+""",
+    "timing": """
+import sys
+sys.path.insert(0, sys.argv[3])
+import torch
+from bench_kernels import select_matrices
+M = select_matrices([sys.argv[1]])[0].load().tocsr()
+A = torch.sparse_csr_tensor(torch.from_numpy(M.indptr).long(), torch.from_numpy(M.indices).long(),
+                            torch.ones(M.nnz), M.shape).to("cuda")
+X = torch.randn(M.shape[1], 128, device="cuda")
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+torch.sparse.mm(A, X); torch.cuda.synchronize()
+print("ready", flush=True)
+while True:
+    start.record()
+    for _ in range(30):
+        torch.sparse.mm(A, X)
+    end.record()
+    end.synchronize()
+""",
+}
+
+
+def start_load(load: str, workdir: Path, graph: str = "pubmed") -> list[subprocess.Popen]:
     if load == "none":
         return []
     kind, _, count = load.partition(":")
@@ -89,6 +137,11 @@ def start_load(load: str, workdir: Path) -> list[subprocess.Popen]:
                     "y = torch.randn(2048, 2048, device='cuda'); (y @ y).sum().item()")
             procs.append(subprocess.Popen(["bash", "-c", f'while true; do {sys.executable} -c "{code}" || exit 1; done'],
                                           start_new_session=True))
+        elif kind in ("policy", "policy-cpu", "timing"):
+            script = _LOAD_SCRIPTS["timing" if kind == "timing" else "policy"]
+            device = "cpu" if kind == "policy-cpu" else "cuda"
+            procs.append(subprocess.Popen([sys.executable, "-c", script, graph, device, str(Path(__file__).parent)],
+                                          stdout=subprocess.PIPE, text=True, start_new_session=True))
         elif kind == "nvcc":
             src = workdir / f"k{i}.cu"
             src.write_text(KERNEL)
@@ -96,7 +149,12 @@ def start_load(load: str, workdir: Path) -> list[subprocess.Popen]:
                        f"{src} -o {workdir / f'k{i}.so'} || exit 1; done")
             procs.append(subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL, start_new_session=True))
         else:
-            raise SystemExit(f"profile_host_stalls: unknown load {load!r} (expected none, spin:K, nvcc:K or cuda:K)")
+            raise SystemExit(f"profile_host_stalls: unknown load {load!r} (expected none, spin:K, nvcc:K, cuda:K, "
+                             "policy:K, policy-cpu:K or timing:K)")
+    for proc in procs:  # the policy and timing loads say when their loop starts
+        if proc.stdout is not None and proc.stdout.readline().strip() != "ready":
+            stop_load(procs)
+            raise RuntimeError(f"profile_host_stalls: the {load} load did not start (exit {proc.wait()})")
     return procs
 
 
@@ -138,8 +196,8 @@ def foreground(loop: str, graph: str, model: str):
     return epoch
 
 
-def measure(epoch, load: str, seconds: float, workdir: Path) -> dict:
-    procs = start_load(load, workdir)
+def measure(epoch, load: str, seconds: float, workdir: Path, graph: str = "pubmed") -> dict:
+    procs = start_load(load, workdir, graph)
     try:
         time.sleep(0.5)  # let the load start (an interpreter's import, nvcc's first phases)
         steal0, started, times = steal_s(), time.perf_counter(), []
@@ -177,11 +235,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="sparserl-stalls-") as tmp:
         for round_ in range(args.rounds):
             for load in loads:
-                row = {"round": round_, **measure(epoch, load, args.seconds, Path(tmp))}
+                row = {"round": round_, **measure(epoch, load, args.seconds, Path(tmp), args.graph)}
                 results.append(row)
-                print(f"round {round_} {load:>8}: {row['epochs']:5d} epochs, median {row['median_ms']:.3f} ms, "
-                      f"max {row['max_ms']:.1f} ms, {row['slow_runs']} slow runs {row['slow_runs_ms']} ms over, "
-                      f"steal {row['steal_s']:.3f} s", flush=True)
+                largest = sorted(row["slow_runs_ms"], reverse=True)[:8]
+                print(f"round {round_} {load:>12}: {row['epochs']:5d} epochs, median {row['median_ms']:.3f} ms, "
+                      f"max {row['max_ms']:.1f} ms, {row['slow_runs']} slow runs, {row['slow_excess_ms']:.0f} ms over "
+                      f"in all (largest {largest}), steal {row['steal_s']:.3f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"env": env, "results": results}, indent=1) + "\n")
     return 0
