@@ -1,4 +1,5 @@
-"""Does CPU work elsewhere on the machine stall a launch-bound training loop?
+"""Does work in other processes (busy CPUs, nvcc builds, another CUDA context on the GPU) stall
+a launch-bound training loop?
 
 The first-run benchmark's misses come from runs of slow epochs, 40-90 ms over the median, on
 graphs whose epoch is bound by the CPU (``bench_cold_start.py``). Some overlap the sandbox
