@@ -290,7 +290,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
             decided_at = len(epochs_ms)
         # the steady state: once the runtime's background work is over too (a kernel served from
         # its interim NVRTC build is decided, while its library is still being built)
-        if decided_at is not None and idle_at is None and not getattr(runtime, "busy", False):
+        if decided_at is not None and idle_at is None and not runtime.busy:
             idle_at = len(epochs_ms)
         if (idle_at is not None and len(epochs_ms) - idle_at >= after and len(losses) >= LOSS_EPOCHS) \
                 or time.perf_counter() - started > max_s:

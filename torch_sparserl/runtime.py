@@ -467,19 +467,20 @@ class Runtime:
         if entry.spec_source is None:
             return self._fallback(pattern, slot, key, f"no kernel: {entry.reason}", None, quiet=True)
         prebuild = getattr(self.specializer, "prebuild", None)
+        arch = key.arch if key is not None else _device_arch(col.device)
         if prebuild is not None and self.interim_installer is not None and self.settings.mode != "sync" \
-                and not _library_built(entry, key.arch if key is not None else _device_arch(col.device)):
+                and not _library_built(entry, arch):
             interim = self._install_interim(pattern, slot, key, entry, crow, col)
             if interim is not None:
                 # The library's build and install go on in a thread of their own, so that the next
                 # decision (another key; the same kernel from the cache, for a transpose) does not
                 # wait for nvcc.
-                self._in_background(self._install_library, pattern, slot, key, entry, crow, col, prebuild, interim,
-                                    pool=self._library_pool())
+                self._in_background(self._install_library, pattern, slot, key, entry, crow, col, prebuild, arch,
+                                    interim, pool=self._library_pool())
                 return interim
-        return self._install_library(pattern, slot, key, entry, crow, col, prebuild, None)
+        return self._install_library(pattern, slot, key, entry, crow, col, prebuild, arch, None)
 
-    def _install_library(self, pattern, slot, key, entry: CacheEntry, crow, col, prebuild, interim):
+    def _install_library(self, pattern, slot, key, entry: CacheEntry, crow, col, prebuild, arch: str, interim):
         """Install ``entry``'s kernel from its library, built first in the specializer's worker
         (``prebuild``) when it is not on disk. ``interim``: the state serving meanwhile (the NVRTC
         build), which serves on if this install fails."""
@@ -489,7 +490,7 @@ class Runtime:
                     # The library is built out of this process when it is not on disk yet (a training
                     # loop here would stall while torch's builder holds the interpreter lock).
                     with self._specialize_lock:
-                        prebuild(entry, key.arch if key is not None else _device_arch(col.device))
+                        prebuild(entry, arch)
                 except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
                     log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
                              entry.family, exc)

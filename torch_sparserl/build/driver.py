@@ -189,7 +189,8 @@ class Module:
     def launch(self, grid: int, block: int, smem: int, stream: int, params: ctypes.Array) -> None:
         """Launch with ``params`` already packed by :func:`pack_params`."""
         lib = libcuda()
-        self.allow_dynamic_smem(smem)
+        if smem > self._dynamic_smem:  # checked here first: this is every Python launch's path
+            self.allow_dynamic_smem(smem)
         check(lib.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, smem, stream, params, None),
               f"cuLaunchKernel(grid={grid}, block={block}, smem={smem})")
 
