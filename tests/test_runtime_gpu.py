@@ -84,15 +84,28 @@ def test_sync_specialization_is_correct_on_shipped_matrices(jit, poison_uninitia
         assert record.speedup >= jit.settings.margin  # measured against cuSPARSE in the same run
 
 
-def test_installed_kernels_exist_and_were_faster(jit):
+def _tuned(kernel_dir: Path):
+    """A sync runtime on the autotuner, with its decisions under ``kernel_dir / "tuned"``. The
+    tests that need cora's N=32 product to get a kernel use it: the autotuner's search of the
+    family grid finds one every time, while the policy's 4 samples can all fall under the margin
+    (2026-11-24: this module's two such tests failed once in four GPU runs on the policy)."""
+    return _using(rt.RuntimeSettings(mode="sync", strict=True, budget_s=BUDGET_S, policy="autotune"),
+                  kernel_dir / "tuned")
+
+
+def test_installed_kernels_exist_and_were_faster(kernel_dir, poison_uninitialized):
     # cora SpMM N=32 was 2.3x cuSPARSE in the kernel benchmark; the runtime must find a kernel.
-    M = ts.load_matrix("cora")
-    A = ts.csr(M, dtype=torch.float32, device="cuda")
-    A @ torch.randn(M.shape[1], 32, device="cuda")
-    entry = patterns.lookup(A.crow, A.col, M.shape[1])
-    assert isinstance(jit.state("spmm", entry, 32, torch.float32), rt.Installed), \
-        jit.explain("spmm", entry, 32, torch.float32)
-    assert jit.stats["installed_calls"] >= 1
+    with _tuned(kernel_dir) as runtime:
+        M = ts.load_matrix("cora")
+        A = ts.csr(M, dtype=torch.float32, device="cuda")
+        X = torch.randn(M.shape[1], 32, device="cuda")
+        for _ in range(2):  # the first call decides, the second runs the installed kernel
+            assert_close_to_reference((A @ X).cpu(), _reference(M, X), torch.float32)
+        entry = patterns.lookup(A.crow, A.col, M.shape[1])
+        state = runtime.state("spmm", entry, 32, torch.float32)
+        assert isinstance(state, rt.Installed), runtime.explain("spmm", entry, 32, torch.float32)
+        assert EvalRecord.from_dict(runtime.cache.get(state.key).record).speedup >= runtime.settings.margin
+        assert runtime.stats["installed_calls"] >= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -293,13 +306,14 @@ def test_a_hostile_candidate_never_reaches_the_user(kernel_dir, monkeypatch, poi
             assert isinstance(state, rt.Fallback) and state.decided, state
 
 
-def test_a_new_process_starts_warm_from_the_disk_cache(jit, kernel_dir):
-    """The decisions of this module's runtime are on disk: a new process installs cora's
-    kernel without specializing (its specializer refuses), and its first product is correct."""
-    M = ts.load_matrix("cora")
-    A = ts.csr(M, dtype=torch.float32, device="cuda")
-    A @ torch.randn(M.shape[1], 32, device="cuda")  # make sure the entry exists
-    warm = measure.warm_start([("cora", "spmm", 32)], str(kernel_dir), timeout_s=300)
+def test_a_new_process_starts_warm_from_the_disk_cache(kernel_dir):
+    """A runtime's decisions are on disk: a new process installs cora's kernel without
+    specializing (its specializer refuses), and its first product is correct."""
+    with _tuned(kernel_dir):
+        M = ts.load_matrix("cora")
+        A = ts.csr(M, dtype=torch.float32, device="cuda")
+        A @ torch.randn(M.shape[1], 32, device="cuda")  # decided here, or already on disk
+    warm = measure.warm_start([("cora", "spmm", 32)], str(kernel_dir / "tuned"), timeout_s=300, policy="autotune")
     cell, = warm["cells"]
     assert cell["from_disk"] and warm["cache"]["builds"] == 0 and warm["cache"]["disk_hits"] == 1
     assert cell["max_abs_err"] < 1e-3

@@ -176,7 +176,7 @@ _WARM_SCRIPT = textwrap.dedent("""
     cells = json.loads(sys.argv[1])
     def refuse(*args):
         raise RuntimeError("specialized again: the disk cache did not serve")
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(sys.argv[2]) if sys.argv[2] else None,
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", policy=sys.argv[3]), cache=KernelCache(sys.argv[2]) if sys.argv[2] else None,
                          specializer=refuse)
     rt.set_active(runtime)
     torch.zeros(1, device="cuda"); torch.cuda.synchronize()
@@ -205,14 +205,18 @@ _WARM_SCRIPT = textwrap.dedent("""
 """)
 
 
-def warm_start(cells: list[tuple[str, str, int]], cache_root: str | None = None, timeout_s: float = 600) -> dict:
+def warm_start(cells: list[tuple[str, str, int]], cache_root: str | None = None, timeout_s: float = 600,
+               policy: str = "learned") -> dict:
     """In a new process, the first ``A @ X`` of each cell with the decisions on disk.
+
+    ``policy``: the ``RuntimeSettings.policy`` whose decisions are looked up (the cache keys
+    name where candidates came from).
 
     ``warm_ms`` of the first cell includes the process's one-time costs (loading the
     extension machinery); the others are per pattern. ``from_disk`` is False where the
     cache held no kernel (that cell then ran on cuSPARSE; the child never specializes).
     """
-    result = subprocess.run([sys.executable, "-c", _WARM_SCRIPT, json.dumps(cells), cache_root or ""],
+    result = subprocess.run([sys.executable, "-c", _WARM_SCRIPT, json.dumps(cells), cache_root or "", policy],
                             capture_output=True, text=True, timeout=timeout_s)
     for line in result.stdout.splitlines():
         if line.startswith("WARM "):
