@@ -18,7 +18,9 @@ first and copied into each row's empty cache.
   (``Runtime.busy``: the libraries that replace kernels' interim NVRTC builds are built) and
   ``--after`` epochs more have run; then ``--after`` epochs with the runtime closed;
 * ``compiled, runtime off``: the same with the runtime off, after it, on another fresh copy:
-  the compile (first epoch) and cuSPARSE inside the compiled graph;
+  the compile (first epoch) and cuSPARSE inside the compiled graph, timed for as many epochs
+  as the cold run. It is also the break-even's control: a compiled run with no JIT to repay,
+  judged by the same rule, shows what the rule makes of the host's drift alone;
 * ``eager`` again, last: eager's reference epoch is the median over both of its runs, which
   bracket the compiled ones (a launch-bound epoch drifts by up to about 10% within minutes on
   the benchmark's VMs).
@@ -172,6 +174,13 @@ def row_metrics(row: dict) -> dict:
     if during:
         out["during_jit_vs_eager"] = reference / statistics.median(during)
     off = row.get("off")
+    if off and row.get("off_span"):
+        # the control: the runtime-off run (no JIT, cuSPARSE in the compiled graph), as long as the
+        # cold run, by the same rule against the same eager epochs
+        out["off_breakeven_epochs"] = breakeven(0.0, off["epochs_ms"], eager["epochs_ms"], reference)
+        out["off_breakeven_measured_epochs"] = (
+            breakeven(0.0, off["epochs_ms"], eager["epochs_ms"] + row["eager_after"]["epochs_ms"], reference)
+            if row.get("eager_span") else None)
     if off:
         out["first_epochs_ms"]["off"] = sum(off["epochs_ms"][:FIRST_EPOCHS])
         out["compile_s"] = off["first_epoch_s"]
@@ -195,6 +204,9 @@ def compare(paths: list[Path]) -> str:
              "never within the run), speedups over eager from the same run.", ""]
     measured = [("breakeven_measured_epochs", "Break-even epochs against eager measured over the run", "d", "")
                 if any(r[k]["eager_span"] for r in keyed for k in keys) else None]
+    if any("off_breakeven_epochs" in r[k] for r in keyed for k in keys):
+        measured += [("off_breakeven_epochs", "Control: the runtime-off run by the same rule (no JIT to repay)", "d", ""),
+                     ("off_breakeven_measured_epochs", "Control against eager measured over the run", "d", "")]
     for metric, title, spec, unit in (("breakeven_epochs", "Break-even epochs", "d", ""), *filter(None, measured),
                                       ("decided_after_s", "Decided after (seconds of epochs after the compile; "
                                                           "0: during it)", ".1f", " s"),
@@ -202,11 +214,14 @@ def compare(paths: list[Path]) -> str:
                                       ("steady_speedup_vs_eager", "Steady vs eager", ".2f", "×")):
         lines += [f"## {title}", "", f"| graph | model | hidden | {runs} |", "|---|---|---:|" + "---:|" * len(docs)]
         # rows of older runs did not time eager over the cold run's span: nothing to show there
-        timed = (lambda m: m["eager_span"]) if metric == "breakeven_measured_epochs" else (lambda m: True)
+        timed = {"breakeven_measured_epochs": lambda m: m["eager_span"],
+                 "off_breakeven_epochs": lambda m: "off_breakeven_epochs" in m,
+                 "off_breakeven_measured_epochs": lambda m: m.get("off_breakeven_measured_epochs") is not None
+                 or (m["eager_span"] and "off_breakeven_epochs" in m)}.get(metric, lambda m: True)
         for k in keys:
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(
                 _fmt(r[k].get(metric), spec, unit) if timed(r[k]) else "not timed" for r in keyed) + " |")
-        if metric.startswith("breakeven"):
+        if "breakeven" in metric:
             repaid = [f"{sum(1 for k in keys if (r[k][metric] or TARGET_EPOCHS + 1) <= TARGET_EPOCHS)} of "
                       f"{sum(1 for k in keys if timed(r[k]))}" if any(timed(r[k]) for k in keys) else "not timed"
                       for r in keyed]
@@ -335,7 +350,11 @@ def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: st
     row["cold"] = run_cold(model, hidden, graph, device, jit=jit, after=after, max_s=max_s, mode=mode,
                            runtime=runtime)
     if off:
-        row["off"] = run_off(model, hidden, graph, device, 3 * LOSS_EPOCHS, mode=mode)
+        # As many epochs as the cold run: the control, a compiled run that waits for no JIT, judged
+        # by the same break-even rule over the same span (what the rule makes of the host alone)
+        row["off"] = run_off(model, hidden, graph, device, max(3 * LOSS_EPOCHS, len(row["cold"]["epochs_ms"]) + 1),
+                             mode=mode)
+        row["off_span"] = True
         row["order"].append("off")
     # Eager again at the end: on a launch-bound graph (2-3 ms epochs) a VM's epoch time drifts
     # by up to about 10% within minutes, so eager's reference brackets the compiled runs. It
@@ -353,11 +372,22 @@ def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: st
 # ------------------------------------------------------------------------ report
 
 
+def _within(metrics: list[dict], key: str) -> int:
+    return sum(1 for m in metrics if m.get(key) is not None and m[key] <= TARGET_EPOCHS)
+
+
+def _control(m: dict) -> str:
+    if "off_breakeven_epochs" not in m:
+        return "not timed"
+    return f"{_fmt(m['off_breakeven_epochs'], 'd')} / {_fmt(m.get('off_breakeven_measured_epochs'), 'd')}"
+
+
 def markdown(doc: dict) -> str:
     env = doc.get("env", {})
     rows = doc.get("rows", [])
     modes = sorted({row.get("mode", "default") for row in rows})
     spans = any(row.get("eager_span") for row in rows)
+    controls = any(row.get("off_span") for row in rows)
     order = ("the cold run is the first compiled model of its process, the runtime-off one comes after it."
              if all(row.get("order", [])[:2] == ["eager", "cold"] for row in rows) else
              "the runtime-off run comes before the cold one in the same process, so the cold run does not pay the "
@@ -376,12 +406,17 @@ def markdown(doc: dict) -> str:
              "training loop waited for the runtime. *decided after*: epochs (and seconds) until no product was "
              "still being specialized. *during JIT*: eager's epoch over the median cold epoch before that; "
              "*steady*: from when the runtime's background work has ended too (the libraries' builds that replace kernels' interim NVRTC builds; rows without `idle_after_epochs`: from the decisions); *closed*: then with the runtime closed (its sandbox worker stopped). Break-even: the first epoch k from which waited + the cold epochs 2..j+1 stay at "
-             f"or under eager's epochs 2..j+1 for every later j of the run (target: {TARGET_EPOCHS}).", "",
+             f"or under eager's epochs 2..j+1 for every later j of the run (target: {TARGET_EPOCHS})."
+             + (" *Control*: the runtime-off run (no JIT to repay; cuSPARSE in the compiled graph), timed for as many "
+                "epochs as the cold run, by the same rule (against eager's epochs then its median / against eager "
+                "measured over the run): what the rule makes of the host's drift alone." if controls else ""), "",
              "| graph | model | hidden | eager ms | compile s (runtime off / on) | waited ms "
              f"| epochs 2–{FIRST_EPOCHS + 1} ms (eager / off / on) | decided after "
              "| during JIT vs eager | steady vs eager | closed vs eager | off vs eager | break-even epochs"
-             + (" | vs eager measured over the run" if spans else "") + " | kernels | losses equal |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|" + ("---:|" if spans else "") + "---|---|"]
+             + (" | vs eager measured over the run" if spans else "") + (" | control" if controls else "")
+             + " | kernels | losses equal |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|" + ("---:|" if spans else "")
+             + ("---:|" if controls else "") + "---|---|"]
     for row in rows:
         m, cold = row_metrics(row), row["cold"]
         first = m["first_epochs_ms"]
@@ -396,16 +431,19 @@ def markdown(doc: dict) -> str:
                      f"{_fmt(m.get('closed_speedup_vs_eager'), '.2f', '×')} | {_fmt(m.get('off_speedup_vs_eager'), '.2f', '×')} | "
                      f"{_fmt(m['breakeven_epochs'], 'd')} | "
                      + (f"{_fmt(m['breakeven_measured_epochs'], 'd')} | " if spans else "")
+                     + (f"{_control(m)} | " if controls else "")
                      + f"{installed} of {len(cold['kernels'])} installed | "
                      f"{'yes' if m['losses_equal'] else 'no'} ({m['loss_rel_diff']:.1e}) |")
     if rows:
         metrics = [row_metrics(r) for r in rows]
-        within = sum(1 for m in metrics if m["breakeven_epochs"] is not None and m["breakeven_epochs"] <= TARGET_EPOCHS)
-        measured = sum(1 for m in metrics if m["breakeven_measured_epochs"] is not None
-                       and m["breakeven_measured_epochs"] <= TARGET_EPOCHS)
+        within, measured = _within(metrics, "breakeven_epochs"), _within(metrics, "breakeven_measured_epochs")
         against = (f" ({measured} of {sum(1 for r in rows if r.get('eager_span'))} against eager's epochs measured "
                    "over the run: eager timed again after the compiled runs for as many epochs as the cold run "
                    "had, end to end with its first run)") if spans else ""
+        controlled = [m for r, m in zip(rows, metrics) if r.get("off_span")]
+        if controlled:
+            against += (f"; the control, {_within(controlled, 'off_breakeven_epochs')} of {len(controlled)} "
+                        f"({_within(controlled, 'off_breakeven_measured_epochs')} against eager measured over the run)")
         lines += ["", f"Repaid within {TARGET_EPOCHS} epochs: {within} of {len(rows)} rows{against}. Geometric means: "
                   f"during JIT {_fmt(geomean(m.get('during_jit_vs_eager') for m in metrics), '.2f', '×')} eager, "
                   f"steady {_fmt(geomean(m['steady_speedup_vs_eager'] for m in metrics), '.2f', '×')} eager, "

@@ -86,7 +86,7 @@ def test_slow_runs_are_found_with_their_excess_and_the_decisions_beside_them():
     assert cold.slow_runs([2.0] * 5) == [] and cold.slow_runs([]) == []
 
 
-def test_break_even_against_eager_measured_over_the_run():
+def test_break_even_against_eager_measured_over_the_run(tmp_path):
     cold = load_benchmark("bench_cold_start")
     # eager 2 ms a step; the cold run 1 ms, stalled 100 ms at its epoch 50 (a host's stall), and
     # eager's second run stalled as long at its epoch 11, the 41st of the two end to end
@@ -107,6 +107,26 @@ def test_break_even_against_eager_measured_over_the_run():
     text = cold.markdown(doc)
     assert "| vs eager measured over the run |" in text and "| 100 | 1 |" in text
     assert "Repaid within 10 epochs: 0 of 1 rows (1 of 1 against eager's epochs measured" in text
+    assert "| control |" not in text and "off_breakeven_epochs" not in cold.row_metrics(row)
+
+    # the control: the runtime-off run, as long as the cold run, by the same rule; it stalls
+    # 100 ms at its epoch 30: j + 100 <= 2 j from 100, and against eager measured over the run
+    # (stalled as long at its 41st) from 41
+    row["off"] = {"first_epoch_s": 5.0, "epoch_ms": 1.0, "epochs_ms": [1.0] * 29 + [101.0] + [1.0] * 120}
+    row["off_span"] = True
+    m = cold.row_metrics(row)
+    assert m["off_breakeven_epochs"] == 100 and m["off_breakeven_measured_epochs"] == 41
+    row["off"]["epochs_ms"][29] = 1.0
+    m = cold.row_metrics(row)
+    assert m["off_breakeven_epochs"] == 1 and m["off_breakeven_measured_epochs"] == 1
+    text = cold.markdown(doc)
+    assert "| control |" in text and "| 100 | 1 | 1 / 1 |" in text
+    assert "; the control, 1 of 1 (1 against eager measured over the run)" in text
+    compared = tmp_path / "a.json"
+    compared.write_text(json.dumps(doc))
+    text = cold.compare([compared, compared])
+    control = text.split("## Control: the runtime-off run by the same rule")[1].split("##")[0]
+    assert "| g | gcn | 128 | 1 | 1 |" in control and "| **repaid within 10** | | | 1 of 1 | 1 of 1 |" in control
 
 
 class SlowSpecializer:
@@ -174,6 +194,8 @@ def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path
     assert row["losses_equal"], row["loss_rel_diff"]
     assert row["off"]["first_epoch_s"] > 0 and row["steady_speedup_vs_eager"] > 0
     assert row["order"] == ["eager", "cold", "off", "eager"] and row["eager_ms"] == cold.eager_ms(row)
+    assert row["off_span"] and len(row["off"]["epochs_ms"]) == max(3 * cold.LOSS_EPOCHS - 1, len(c["epochs_ms"]))
+    assert "off_breakeven_measured_epochs" in row
 
     doc = {"env": {"gpu": None}, "runs": [{"command": "test", "started": "now"}], "rows": [row]}
     path = tmp_path / "cold.json"
