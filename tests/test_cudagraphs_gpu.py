@@ -124,6 +124,30 @@ def test_reduce_overhead_records_cusparse_then_the_kernels(tmp_path, poison_unin
         gate.set()
 
 
+def test_kernels_decided_after_the_warm_up_are_recorded_at_once(tmp_path, poison_uninitialized):
+    """Decisions that land after the compile's step (the graphs' warm-up) and before the next:
+    that step records the graphs with the kernels, and the one after replays them (the graphs
+    are not made again, which would cost another warm-up step)."""
+    gate, decided = threading.Event(), []
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path),
+                         specializer=_specializer(gate, decided))
+    try:
+        with _training(runtime) as (M, layer, step):
+            step()  # the compile and the warm-up, with cuSPARSE
+            assert runtime.stats["installed_calls"] == 0
+            gate.set()
+            runtime.wait(120)
+            assert decided
+            step()  # recorded with the kernels
+            recorded, fallback = runtime.stats["installed_calls"], runtime.stats["fallback_calls"]
+            assert recorded > 0
+            for _ in range(4):  # replays: no product runs in Python any more
+                step()
+            assert runtime.stats["installed_calls"] == recorded and runtime.stats["fallback_calls"] == fallback
+    finally:
+        gate.set()
+
+
 @pytest.mark.parametrize("jit", ["off", "sync"])
 def test_a_pattern_first_used_in_a_graph_warm_up_keeps_its_data_outside_the_graph_pool(
         tmp_path, monkeypatch, poison_uninitialized, jit):

@@ -13,7 +13,10 @@ graph's pending decisions and the CUDA-graph callables Inductor made for it. At 
 forward call after the last of them is decided, when at least one installed a kernel, each
 callable is replaced by a fresh one made from the same arguments. Inductor's CUDA graph
 trees see a new function, as after a recompilation: it is warmed up on its next call and
-recorded on the one after, now with the kernels, then replayed.
+recorded on the one after, now with the kernels, then replayed. Where the decisions land
+before any of the graph's callables can have recorded (under CUDA graph trees a callable's
+first call warms up, its second records), nothing is made again: the callables record with
+the kernels as they are, which saves a warm-up step.
 
 How the callables are found: Inductor wraps a compiled graph by calling
 ``torch._inductor.compile_fx.cudagraphify``, which returns a callable that records on its
@@ -58,6 +61,8 @@ class Recording:
         self._decisions = decisions
         self._make = make
         self.is_backward = is_backward
+        self._records_at = _recording_call()
+        self.calls = 0  # of the current callable
         self._run = make()
 
     def __call__(self, *args, **kwargs):
@@ -65,10 +70,16 @@ class Recording:
         # made in the same generation as its forward.
         if self._decisions.waiting and not self.is_backward:
             self._decisions.poll()
+        self.calls += 1
         return self._run(*args, **kwargs)
+
+    @property
+    def may_have_recorded(self) -> bool:
+        return self.calls >= self._records_at
 
     def rerecord(self) -> None:
         self._run = self._make()
+        self.calls = 0
 
 
 class Decisions:
@@ -79,6 +90,7 @@ class Decisions:
         self.what = what
         self.recordings: list[Recording] = []
         self.rerecorded = 0
+        self.decided_before_recording = False  # and so recorded with the kernels at once
 
     @property
     def waiting(self) -> bool:
@@ -94,6 +106,11 @@ class Decisions:
         installed = sum(isinstance(_result(future), Installed) for future in self._futures)
         self._futures = []
         if not installed or not self.recordings:
+            return False
+        if not any(recording.may_have_recorded for recording in self.recordings):
+            self.decided_before_recording = True
+            log.info("sparserl: %d kernel(s) of %s decided before its CUDA graphs were recorded: they record "
+                     "with them", installed, self.what)
             return False
         for recording in self.recordings:
             recording.rerecord()
@@ -136,6 +153,17 @@ class Decisions:
 
         with self.collecting():
             return compile_fx_inner(*args, **kwargs)
+
+
+def _recording_call() -> int:
+    """The call on which the callable Inductor's ``cudagraphify`` makes records: the second
+    under CUDA graph trees (the first warms the function up), else the first."""
+    try:
+        from torch._inductor import config
+
+        return 2 if getattr(config.triton, "cudagraph_trees", True) else 1
+    except (ImportError, AttributeError):
+        return 1  # the earliest: a graph is recorded again unless no call has run
 
 
 def _result(future: Future):
