@@ -205,7 +205,8 @@ def compare(paths: list[Path]) -> str:
     measured = [("breakeven_measured_epochs", "Break-even epochs against eager measured over the run", "d", "")
                 if any(r[k]["eager_span"] for r in keyed for k in keys) else None]
     if any("off_breakeven_epochs" in r[k] for r in keyed for k in keys):
-        measured += [("off_breakeven_epochs", "Control: the runtime-off run by the same rule (no JIT to repay)", "d", ""),
+        measured += [("off_breakeven_epochs", "Control: the runtime-off run by the same rule (no JIT to repay)",
+                      "d", ""),
                      ("off_breakeven_measured_epochs", "Control against eager measured over the run", "d", "")]
     for metric, title, spec, unit in (("breakeven_epochs", "Break-even epochs", "d", ""), *filter(None, measured),
                                       ("decided_after_s", "Decided after (seconds of epochs after the compile; "

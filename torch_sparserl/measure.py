@@ -176,8 +176,8 @@ _WARM_SCRIPT = textwrap.dedent("""
     cells = json.loads(sys.argv[1])
     def refuse(*args):
         raise RuntimeError("specialized again: the disk cache did not serve")
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", policy=sys.argv[3]), cache=KernelCache(sys.argv[2]) if sys.argv[2] else None,
-                         specializer=refuse)
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", policy=sys.argv[3]),
+                         cache=KernelCache(sys.argv[2]) if sys.argv[2] else None, specializer=refuse)
     rt.set_active(runtime)
     torch.zeros(1, device="cuda"); torch.cuda.synchronize()
     out = []
