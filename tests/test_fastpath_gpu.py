@@ -267,9 +267,12 @@ def test_cxx_serves_the_nvrtc_build_while_the_library_is_built(tmp_path, monkeyp
         assert kernel().backend == "nvrtc" and kernel().function and kernel().launcher is None
         assert call(1) == (0, 0)  # Python records the CUfunction
         assert call(2) == (1, 0) and call(3) == (1, 0)  # C++ launches it
+        interim = runtime.state("spmm", served, KERNEL_N, torch.float32).launch
         gate.set()
         runtime.wait(120)  # the library is built here (the test's prebuild built nothing) and installed
         assert kernel().backend == "inline" and kernel().launcher
+        library = runtime.state("spmm", served, KERNEL_N, torch.float32).launch
+        assert library.plan_data[1][0] is interim.plan_data[1][0]  # the interim's plan data, not prepared again
         assert fastpath.entries() == 0
         assert call(4) == (0, 0)
         assert call(5) == (1, 0)

@@ -621,6 +621,39 @@ def test_the_interim_build_serves_while_the_library_is_built(tmp_path):
         runtime.close()
 
 
+def test_the_library_install_is_handed_the_interim_launch(tmp_path, monkeypatch):
+    """The default installer gets the interim NVRTC build's launch (``like``), whose plan data
+    and index copies the library's kernel reuses (``_bind_spec``) instead of preparing them on
+    the host again; an installer of the caller's is called as before."""
+    from torch_sparserl import runtime as rt
+
+    fakes, handed = Fakes(), []
+
+    def inline(entry, crow, col, ncols, *, like=None):
+        handed.append(like)
+        return fakes.installer(entry, crow, col, ncols)
+
+    monkeypatch.setattr(rt, "inline_installer", inline)
+    specializer = _BuildingSpecializer(fakes)
+    runtime = Runtime(RuntimeSettings(mode="background"), cache=KernelCache(tmp_path), specializer=specializer,
+                      interim_installer=fakes.installer, devices=("cpu",))
+    try:
+        A = make_pattern("cora (real)")
+        crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
+        X = torch.randn(A.shape[1], 8)
+        assert call(runtime, A, crow, col, val, X) is None
+        assert _until(lambda: runtime.stats["interim_installs"] == 1)
+        entry = patterns.lookup(crow, col, A.shape[1])
+        interim = runtime.state("spmm", entry, 8, torch.float32).launch
+        specializer.gate.set()
+        runtime.wait(10)
+        assert handed == [interim] and runtime.state("spmm", entry, 8, torch.float32).launch is not interim
+        torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+    finally:
+        specializer.gate.set()
+        runtime.close()
+
+
 def test_the_next_decision_does_not_wait_for_a_library_build(tmp_path):
     """The library's build after an interim install runs in a thread of its own: while it is
     held, the transpose's product (a symmetric pattern: the same key, from the cache) is decided

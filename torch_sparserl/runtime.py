@@ -494,10 +494,15 @@ class Runtime:
                 except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
                     log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
                              entry.family, exc)
+            installer = self.installer
+            if interim is not None and installer is inline_installer:
+                # the interim's plan data and index copies serve the library's kernel too (the same
+                # source): no second host preparation (2-25 ms) and synchronize in this process
+                installer = functools.partial(inline_installer, like=interim.launch)
             try:
                 # The plan data and index copies outlive the step: kept out of a CUDA graph's
                 # private pool when this runs in its warm-up (sync mode).
-                launch = run_kept(col.device, self.installer, entry, crow, col, pattern.ncols)
+                launch = run_kept(col.device, installer, entry, crow, col, pattern.ncols)
             except Exception as exc:  # noqa: BLE001
                 if interim is not None:  # the same source, built by NVRTC, serves on
                     log.warning("sparserl: %s n=%d: installing %s from its library failed; its NVRTC build serves "
@@ -950,9 +955,12 @@ def _library_built(entry: CacheEntry, arch: str) -> bool:
     return inline.is_built([entry_spec(entry)], arch)
 
 
-def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
-    """Build (or load from disk) the entry's kernel, prepare its plan data once, bind them."""
-    return _bind_spec(entry_spec(entry), crow, col, ncols, entry.key.n)
+def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int, *,
+                     like: Callable | None = None) -> Callable:
+    """Build (or load from disk) the entry's kernel, prepare its plan data once, bind them.
+    ``like``: a launch of the same source on the same pattern (the interim NVRTC build's), whose
+    plan data and index copies are taken instead of preparing them again."""
+    return _bind_spec(entry_spec(entry), crow, col, ncols, entry.key.n, like=like)
 
 
 def nvrtc_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
@@ -1035,9 +1043,11 @@ def one_cpu_thread():
         torch.set_num_threads(previous)
 
 
-def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, kernel=None) -> Callable:
+def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, kernel=None,
+               like: Callable | None = None) -> Callable:
     """``spec``'s kernel (``kernel``, else its library's, built or loaded) with its plan data for
-    this pattern: ``launch(crow, col, val, X, bias, scale)``."""
+    this pattern: ``launch(crow, col, val, X, bias, scale)``. ``like``: a launch this function
+    returned for the same source and the same pattern and width, whose plan data are reused."""
     from .abi import operand_shapes
     from .build import inline
     from .prepare import prepare
@@ -1058,20 +1068,25 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, 
     # cores of the H100 host, uk-2007's prepares took 76-292 ms beside training steps of 11-23
     # ms (2.6 ms median); on one core they took 3-23 ms
     # (benchmarks/results/first-run-h100-2026-11-24-uk-{stalls,one-thread}.log).
-    with one_cpu_thread():
-        host_crow, host_col = host_indices(crow, col, ncols)
-        prepared = prepare(spec.plan, host_crow, host_col, (rows, ncols), n)
-        if prepared.aux is not None:
-            prepared = dataclasses.replace(prepared, aux=prepared.aux.to(col.device))
-        # int64 patterns get int32 copies, owned here; int32 ones are used as passed, never
-        # held, so an installed kernel does not keep the user's adjacency alive.
-        copies = None
-        if crow.dtype != torch.int32 or col.dtype != torch.int32:
-            copies = tuple(t.to(torch.int32).contiguous().to(col.device) for t in (host_crow, host_col))
-        del host_crow, host_col
-    # The copies ran on this thread's stream (maybe a background thread's): finish them before
-    # any stream uses their data.
-    torch.cuda.synchronize(col.device)
+    plan_data = (spec.key, n, ncols, crow.data_ptr(), col.data_ptr(), col.device)
+    reused = getattr(like, "plan_data", None)
+    if reused is not None and reused[0] == plan_data:
+        prepared, copies = reused[1]
+    else:
+        with one_cpu_thread():
+            host_crow, host_col = host_indices(crow, col, ncols)
+            prepared = prepare(spec.plan, host_crow, host_col, (rows, ncols), n)
+            if prepared.aux is not None:
+                prepared = dataclasses.replace(prepared, aux=prepared.aux.to(col.device))
+            # int64 patterns get int32 copies, owned here; int32 ones are used as passed, never
+            # held, so an installed kernel does not keep the user's adjacency alive.
+            copies = None
+            if crow.dtype != torch.int32 or col.dtype != torch.int32:
+                copies = tuple(t.to(torch.int32).contiguous().to(col.device) for t in (host_crow, host_col))
+            del host_crow, host_col
+        # The copies ran on this thread's stream (maybe a background thread's): finish them before
+        # any stream uses their data.
+        torch.cuda.synchronize(col.device)
     bound = kernel.bind(prepared)
     shape = operand_shapes(spec.plan.op, rows, ncols, col.numel(), n)["y"]
     device_index = col.device.index if col.device.index is not None else torch.cuda.current_device()
@@ -1090,6 +1105,7 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, 
         return bound(crow, col, val, X, y, current_stream(), zeroed=init_zero, bias=bias, scale=scale)
 
     launch.kernel = bound  # for explain and the benchmarks
+    launch.plan_data = (plan_data, (prepared, copies))  # for the same source's next install (like=)
     if (kernel.launcher is not None or kernel.function is not None) and spec.plan.epilogue == "none":
         # what the C++ fast path needs to launch it without Python (fastpath.record): the C
         # launcher of a library, or the CUfunction of an NVRTC build (its shared memory limit
