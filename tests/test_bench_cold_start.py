@@ -158,7 +158,8 @@ class SlowSpecializer:
 
 
 @pytest.mark.slow
-def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path, monkeypatch):
+@pytest.mark.parametrize("off_first", [False, True])
+def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path, monkeypatch, off_first):
     import torch._inductor.config
 
     from torch_sparserl import runtime as rt
@@ -177,7 +178,7 @@ def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path
     graph = bench.prepare_graph("cora", torch.device("cpu"))
     try:
         row = cold.measure_row("cora", "gcn", 16, "cpu", after=5, max_s=60, eager_epochs=25, graph=graph,
-                               runtime=runtime)
+                               runtime=runtime, off_first=off_first)
     finally:
         rt.set_active(previous)
         runtime.close()
@@ -193,7 +194,8 @@ def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path
     assert len(c["epochs_ms"]) >= c["decided_after_epochs"] + 5 and len(c["losses"]) == cold.LOSS_EPOCHS
     assert row["losses_equal"], row["loss_rel_diff"]
     assert row["off"]["first_epoch_s"] > 0 and row["steady_speedup_vs_eager"] > 0
-    assert row["order"] == ["eager", "cold", "off", "eager"] and row["eager_ms"] == cold.eager_ms(row)
+    assert row["order"] == ["eager"] + ["off"] * off_first + ["cold", "off", "eager"]
+    assert ("off_first" in row) == off_first and row["eager_ms"] == cold.eager_ms(row)
     assert row["off_span"] and len(row["off"]["epochs_ms"]) == max(3 * cold.LOSS_EPOCHS - 1, len(c["epochs_ms"]))
     assert "off_breakeven_measured_epochs" in row
 
@@ -202,6 +204,7 @@ def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path
     cold.save(doc, path)
     md = path.with_suffix(".md").read_text()
     assert "| cora | gcn | 16 |" in md and "2 of 2 installed" in md
+    assert ("(`--off-first`)" in md) == off_first
     ET.fromstring(path.with_suffix(".svg").read_text())
     assert cold.main(["--report", str(path)]) == 0
 
