@@ -27,6 +27,9 @@ first and copied into each row's empty cache.
 
 ``--mode reduce-overhead`` compiles both compiled ways under CUDA graphs (eager stays eager):
 the graphs are recorded with cuSPARSE, and recorded again once the kernels are decided.
+``--off-first`` compiles and runs the model with the runtime off first in each row's process
+(not judged), so that the cold run, like the control, is not its process's first compiled
+model (a process's first CUDA graph recording costs more than its next ones).
 
 Break-even: the first epoch k from which, for every later epoch j of the run,
 ``waited + t_2 + ... + t_(j+1) <= e_2 + ... + e_(j+1)``, where ``waited`` is what products
