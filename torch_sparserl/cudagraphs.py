@@ -62,15 +62,16 @@ class Recording:
         self._make = make
         self.is_backward = is_backward
         self._records_at = _recording_call()
-        self.calls = 0  # of the current callable
+        self.calls = 0  # of the current callable, while its graph's decisions are pending
         self._run = make()
 
     def __call__(self, *args, **kwargs):
         # Only a forward call swaps the graphs: a step's backward then runs the recording
         # made in the same generation as its forward.
-        if self._decisions.waiting and not self.is_backward:
-            self._decisions.poll()
-        self.calls += 1
+        if self._decisions.waiting:
+            if not self.is_backward:
+                self._decisions.poll()
+            self.calls += 1  # counted only while a poll can still read it
         return self._run(*args, **kwargs)
 
     @property
