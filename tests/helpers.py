@@ -40,6 +40,14 @@ def _unsorted_columns(rng):
     return A
 
 
+def _duplicates_beyond_every_position(rng):
+    # 9 entries in a 2 x 3 matrix: every position repeated, a row with one column five times.
+    # torch's sampled_addmm once merged such duplicates and shrank the caller's indices.
+    indptr = np.array([0, 6, 9])
+    indices = np.array([1, 1, 0, 1, 1, 1, 2, 0, 2])
+    return sp.csr_matrix((np.ones(9), indices, indptr), shape=(2, 3))
+
+
 PATTERNS = {
     "random": lambda rng: _random(rng, 60, 45, 0.1),
     "empty rows in the middle": _empty_rows_in_the_middle,
@@ -51,6 +59,7 @@ PATTERNS = {
     "zero columns": lambda rng: sp.csr_matrix((6, 0), dtype=np.float64),
     "wide": lambda rng: _random(rng, 7, 300, 0.05),
     "unsorted columns": _unsorted_columns,
+    "duplicates, more than rows x cols": _duplicates_beyond_every_position,
     "cora (real)": lambda rng: ts.load_matrix("cora").astype(np.float64) * rng.standard_normal(),
 }
 

@@ -1,5 +1,8 @@
 """torch.library.opcheck on every operator registered in the sparserl namespace.
 
+opcheck's schema test also checks that no operator writes to its inputs (none is declared
+mutable), on every sample, duplicates included.
+
 The operators are discovered from the dispatcher, not listed: an operator added without
 samples here fails ``test_every_op_has_samples``.
 """
@@ -21,7 +24,8 @@ def _parts(device, dtype=torch.float64, name="short and huge rows"):
 
 def _samples(op, device):
     out = []
-    for name in ("short and huge rows", "empty rows in the middle", "all rows empty (nnz = 0)"):
+    for name in ("short and huge rows", "empty rows in the middle", "all rows empty (nnz = 0)",
+                 "duplicates, more than rows x cols"):
         crow, col, val, (m, n) = _parts(device, name=name)
         grad = dict(requires_grad=True)
         if op == "spmm":

@@ -102,6 +102,13 @@ def sddmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tens
     out = torch.zeros(pattern.nnz, dtype=Y.dtype, device=Y.device)
     if pattern.nnz == 0 or Y.shape[1] == 0:
         return out
+    if pattern.nnz > pattern.nrows * pattern.ncols:
+        # More nonzeros than positions: duplicates for sure, which torch's sampled_addmm
+        # answers by shrinking the output's indices (its out= CSR tensor shares them with the
+        # pattern) to one value per position. Each duplicate gets its own value here, as
+        # torch's own products count each.
+        rows = pattern.row_indices(crow)
+        return torch.mul(Y.index_select(0, rows), X.index_select(0, col.to(torch.int64))).sum(1)
     return sddmm_out(pattern, crow, col, Y, X, out)
 
 
@@ -109,7 +116,11 @@ def sddmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tens
 def sddmm_out(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tensor, X: torch.Tensor,
               out: torch.Tensor) -> torch.Tensor:
     """:func:`sddmm` into ``out`` (nnz values of Y's dtype holding finite numbers: cuSPARSE
-    computes ``0 * out + Y Xᵀ`` at the nonzeros, and ``0 * NaN`` would stay NaN)."""
+    computes ``0 * out + Y Xᵀ`` at the nonzeros, and ``0 * NaN`` would stay NaN). Only for
+    patterns of at most ``nrows * ncols`` nonzeros (see :func:`sddmm`)."""
+    if pattern.nnz > pattern.nrows * pattern.ncols:
+        raise ValueError(f"sddmm_out: {pattern.nnz} nonzeros in a {pattern.nrows}x{pattern.ncols} pattern "
+                         "hold duplicates that torch's sampled_addmm would merge")
     A = _as_torch_csr(pattern, crow, col, out)  # shares out's storage: the result lands there
     torch.sparse.sampled_addmm(A, Y.contiguous(), X.contiguous().t(), beta=0.0, alpha=1.0, out=A)
     return out
