@@ -64,7 +64,7 @@ struct Entry {
   int64_t op = SPMM, ncols = 0, n = 0, nnz = 0, in_rows = 0, out_rows = 0;
   c10::ScalarType dtype = c10::ScalarType::Float;
   // what serves it
-  at::Tensor rowptr, colidx;  // the indices to read when not the call's own (int32 copies, the transpose)
+  at::Tensor rowptr, colidx;  // the indices to read: the pattern's validated ones (int32 copies, the transpose)
   at::Tensor perm;            // transposed ops: val_t = val[perm]
   bool vendor = false;        // cuSPARSE through at::addmm / at::addmv
   int64_t vendor_cols = 0;    // columns of the matrix cuSPARSE multiplies
@@ -75,11 +75,6 @@ struct Entry {
   int ints[5] = {0, 0, 0, 0, 0};  // rows cols n nnz parts, as the kernel ABI passes them
   bool init_zero = false;
   int64_t work_numel = 0;
-  // transposed values kept while the same values come back unmodified (Pattern.transposed_values)
-  std::optional<ImplPtr> seen_val;
-  c10::TensorImpl* seen_val_raw = nullptr;
-  int64_t seen_version = -1;
-  at::Tensor kept;
 };
 
 std::mutex registry_lock;
@@ -134,23 +129,6 @@ std::shared_ptr<Entry> find(int64_t op, const at::Tensor& crow, const at::Tensor
   return nullptr;
 }
 
-// Pattern.transposed_values: values seen twice unmodified are gathered once more into a kept
-// tensor and served from it; values that need a gradient, inference tensors and changing
-// values are gathered on each call. Caller holds registry_lock.
-at::Tensor transposed_values(Entry& e, const at::Tensor& val) {
-  if (val.requires_grad() || val.is_inference()) return at::index_select(val, 0, e.perm);
-  const int64_t version = val._version();
-  if (e.seen_val_raw == val.unsafeGetTensorImpl() && is_alive(e.seen_val) && e.seen_version == version) {
-    if (!e.kept.defined()) e.kept = at::index_select(val, 0, e.perm);
-    return e.kept;
-  }
-  e.seen_val = weak_of(val);
-  e.seen_val_raw = val.unsafeGetTensorImpl();
-  e.seen_version = version;
-  e.kept = at::Tensor();
-  return at::index_select(val, 0, e.perm);
-}
-
 at::Tensor aligned(const at::Tensor& t) {
   // the kernels' vector loads need contiguous, 16-byte aligned operands (Runtime.launch)
   if (t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0) return t;
@@ -164,11 +142,13 @@ void zero_fill(const at::Tensor& t, cudaStream_t stream) {
   if (t.numel()) C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), stream));
 }
 
-at::Tensor serve(const Entry& e, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val_in,
-                 const at::Tensor& X_in) {
+// Serves a call with the indices its pattern validated (the entry's rowptr and colidx: the
+// pattern's own copy, int32 copies or the transpose), never the call's crow and col, which
+// only identify the pattern.
+at::Tensor serve(const Entry& e, const at::Tensor& val_in, const at::Tensor& X_in) {
   const bool matrix = (e.op == SPMM || e.op == SPMM_T);
-  const at::Tensor& rowptr = e.rowptr.defined() ? e.rowptr : crow;
-  const at::Tensor& colidx = e.colidx.defined() ? e.colidx : col;
+  const at::Tensor& rowptr = e.rowptr;
+  const at::Tensor& colidx = e.colidx;
   c10::cuda::CUDAGuard guard(X_in.device());
   if (e.vendor) {
     count(1);
@@ -225,10 +205,12 @@ at::Tensor product(const at::Tensor& crow, const at::Tensor& col, const at::Tens
     // of the graph's private memory pool, and a replay must read the values of its own step.
     if (!registry.empty() && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
       e = find(OP, crow, col, val, ncols, X);
-      if (e && (OP == SPMM_T || OP == SPMV_T)) values = transposed_values(*e, val);
     }
   }
-  if (e) return serve(*e, crow, col, values, X);
+  // the values in the transposed order, gathered on every call (Pattern.transposed_values):
+  // values are read as they are, and no counter says reliably whether they changed
+  if (e && (OP == SPMM_T || OP == SPMV_T)) values = at::index_select(val, 0, e->perm);
+  if (e) return serve(*e, values, X);
   static auto slow = c10::Dispatcher::singleton()
                          .findSchemaOrThrow((std::string("sparserl_direct::") + kOpNames[OP]).c_str(), "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
@@ -269,8 +251,10 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   e->nnz = nnz;
   e->in_rows = in_rows;
   e->out_rows = out_rows;
-  if (rowptr.has_value()) e->rowptr = *rowptr;
-  if (colidx.has_value()) e->colidx = *colidx;
+  TORCH_CHECK(rowptr.has_value() && rowptr->defined() && colidx.has_value() && colidx->defined(),
+              "sparserl_fastpath.install: the pattern's validated indices (rowptr, colidx) are required");
+  e->rowptr = *rowptr;
+  e->colidx = *colidx;
   if (perm.has_value()) e->perm = *perm;
   e->vendor = launcher == 0 && function == 0;
   e->vendor_cols = vendor_cols;

@@ -71,10 +71,13 @@ def test_hash_is_equal_on_cpu_and_gpu():
 
 
 def test_cpu_indices_are_their_own_host_copy_and_never_kept():
+    """On the CPU the host copy is the pattern's own validated indices (its private copy of
+    the caller's tensors, pattern.py), not a second copy kept beside them."""
     A, crow, col = _parts()
     entry = pattern_cache.lookup(crow, col, A.shape[1])
     host = pattern_cache.host_indices(crow, col, A.shape[1])
-    assert host[0] is crow and host[1] is col and entry._host is None  # no strong reference to the user's tensors
+    assert host[0] is entry.indices()[0] and host[1] is entry.indices()[1] and entry._host is None
+    assert host[0] is not crow and torch.equal(host[0], crow) and torch.equal(host[1], col)
     fingerprint(entry, crow, col)
     assert entry._host is None
 

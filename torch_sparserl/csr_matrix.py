@@ -24,7 +24,7 @@ from . import ops
 from . import pattern as patterns
 from . import runtime as rt
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES
-from .validation import check_csr_meta
+from .validation import check_csr_meta, require
 
 _ops = torch.ops.sparserl
 _SOURCE_HASH = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=8).hexdigest()
@@ -46,6 +46,7 @@ class CSRMatrix(Tensor):
 
     @staticmethod
     def __new__(cls, crow: Tensor, col: Tensor, val: Tensor, size: Sequence[int]):
+        _check_parts("CSRMatrix", crow, col, val, size)
         if val.requires_grad and torch.is_grad_enabled():
             return _FromParts.apply(crow, col, val, tuple(size))
         return cls._wrap(crow, col, val, size)
@@ -94,13 +95,24 @@ class CSRMatrix(Tensor):
     # -- the hot path ---------------------------------------------------------------
 
     def __matmul__(self, other):
-        # Eager ``A @ X`` with an installed kernel: straight to its launch (see _hot_product);
-        # anything else takes torch's route through __torch_function__ below.
+        # Eager ``A @ X`` with an installed kernel: straight to its launch (see _hot_product).
+        # Anything else goes to the same handler as torch.matmul, called here rather than
+        # through Tensor.__matmul__, which turns every TypeError (a wrong dtype, a sparse
+        # operand) into NotImplemented and so into Python's bare "unsupported operand type(s)".
         if type(other) is Tensor:
             out = _hot_product(self, other)
             if out is not None:
                 return out
-        return Tensor.__matmul__(self, other)
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        return _matmul(self, other, "CSRMatrix.matmul")
+
+    def __rmatmul__(self, other):
+        # ``X @ A``: Python asks the subclass's reflected method first, so the library's own
+        # error reaches the user here too (see __matmul__).
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        return _matmul(other, self, "CSRMatrix.matmul")
 
     # -- conveniences --------------------------------------------------------------
 
@@ -190,7 +202,11 @@ def _autocast(val: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
     float32 values and operands are cast to it (float64 ones are not), and the kernels
     accumulate in float32 (:mod:`torch_sparserl.dtypes`)."""
     device_type = X.device.type
-    if not torch.is_autocast_enabled(device_type):
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type with no autocast (meta): the operator's checks speak
+        return val, X
+    if not enabled:
         return val, X
     dtype = torch.get_autocast_dtype(device_type)
     if val.dtype == torch.float32:
@@ -227,10 +243,10 @@ def _remember_installed(A: CSRMatrix, runtime: rt.Runtime, op: str, X: Tensor) -
     n = X.shape[1] if op == "spmm" else 1
     entry = patterns.lookup(A.crow, A.col, A.shape[1])
     state = runtime.state(op, entry, n, A.val.dtype)
-    if isinstance(state, rt.Installed):
+    if isinstance(state, rt.Installed) and not entry.transient:
         hot = A.__dict__.setdefault("_hot", {})
-        hot[(X.dim(), n)] = (runtime, state.launch, patterns.versions(A.crow, A.col), X.device, A.val.dtype,
-                             A.shape[1])
+        hot[(X.dim(), n)] = (runtime, state.launch, patterns.versions(A.crow, A.col), entry.indices(A.crow, A.col),
+                             X.device, A.val.dtype, A.shape[1])
 
 
 def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
@@ -249,14 +265,14 @@ def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
     found = hot.get((dim, X.shape[1] if dim == 2 else 1))
     if found is None:
         return None
-    runtime, launch, versions, device, dtype, ncols = found
-    val, crow, col = A.val, A.crow, A.col
+    runtime, launch, versions, (crow, col), device, dtype, ncols = found
+    val = A.val
     if (runtime is not rt._ACTIVE or X.dtype != dtype or val.dtype != dtype or X.device != device
             or X.shape[0] != ncols or val.shape[0] != col.shape[0]
-            or patterns.versions(crow, col) != versions or not ops.direct_ok(val, X)
+            or patterns.versions(A.crow, A.col) != versions or not ops.direct_ok(val, X)
             or torch.is_autocast_enabled(device.type)):
         return None
-    return runtime.launch(launch, crow, col, val, X)
+    return runtime.launch(launch, crow, col, val, X)  # the indices the pattern validated
 
 
 def _set_requires_grad(A: CSRMatrix, value: bool) -> None:
@@ -356,10 +372,21 @@ def _transpose(A: CSRMatrix, dim0: int, dim1: int) -> CSRMatrix:
     return _t(A)
 
 
+def _indices(op: str, A: CSRMatrix) -> tuple[Tensor, Tensor]:
+    """A's indices as its pattern validated them (:meth:`Pattern.indices`) in eager code, so
+    that every use of a matrix reads the same checked indices; its parts while tracing."""
+    if torch.compiler.is_compiling() or is_fake(A.col):
+        return A.crow, A.col
+    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    entry.validate(op, A.crow, A.col)
+    return entry.indices(A.crow, A.col)
+
+
 def _to_dense(A: CSRMatrix, dtype=None, *, masked_grad=None) -> Tensor:
-    rows = patterns.row_indices(A.crow, A.col.shape[0])
+    crow, col = _indices("CSRMatrix.to_dense", A)
+    rows = patterns.row_indices(crow, col.shape[0])
     dense = torch.zeros(tuple(A.shape), dtype=A.dtype, device=A.device)
-    dense = dense.index_put((rows, A.col.to(torch.int64)), values_of(A), accumulate=True)
+    dense = dense.index_put((rows, col.to(torch.int64)), values_of(A), accumulate=True)
     return dense if dtype is None else dense.to(dtype)
 
 
@@ -370,8 +397,15 @@ def _moved(A: CSRMatrix, *, device=None, dtype=None, non_blocking=False, copy=Fa
         return A
     crow = A.crow.to(device=device, non_blocking=non_blocking, copy=copy)
     col = A.col.to(device=device, non_blocking=non_blocking, copy=copy)
+    _own_copies(A, crow, col)
     val = values_of(A).to(device=device, dtype=dtype, non_blocking=non_blocking, copy=copy)
     return CSRMatrix(crow, col, val, A.shape)
+
+
+def _own_copies(A: CSRMatrix, crow: Tensor, col: Tensor) -> None:
+    """The copies of a library-owned matrix's indices (moves, clones) are the library's too."""
+    if patterns.owned(A.crow) and patterns.owned(A.col):
+        patterns.own(*(t for t, old in ((crow, A.crow), (col, A.col)) if t is not old))
 
 
 def _to(A: CSRMatrix, *args, **kwargs) -> CSRMatrix:
@@ -457,6 +491,8 @@ _FUNCTIONS = {
 def _aten_to_copy(A, *, dtype=None, layout=None, device=None, pin_memory=None,
                   non_blocking=False, memory_format=None):
     moved = [t.to(device=device, non_blocking=non_blocking, copy=True) for t in (A.crow, A.col)]
+    if not is_fake(A.col):
+        _own_copies(A, *moved)
     val = A.val.to(device=device, dtype=dtype, non_blocking=non_blocking, copy=True)
     return CSRMatrix._wrap(*moved, val, A.shape)
 
@@ -485,15 +521,44 @@ _ATEN = {
 # --------------------------------------------------------------------- construction
 
 
+def _check_parts(op: str, crow, col, val, size) -> None:
+    """The metadata of a matrix's parts against its shape (no data read): what every
+    constructor checks, so that no matrix exists whose shape disagrees with its parts."""
+    try:
+        size = tuple(size)
+    except TypeError:
+        raise TypeError(f"{op}: shape must be a pair (nrows, ncols) (got {type(size).__name__})") from None
+    if len(size) != 2 or not all(isinstance(d, (int, torch.SymInt)) and not isinstance(d, bool) for d in size):
+        raise ValueError(f"{op}: shape must be a pair of ints (nrows, ncols) (got {size!r})")
+    check_csr_meta(op, crow, col, val, size[1])
+    require(op, size[0] >= 0, f"shape must be non-negative (got {size})")
+    require(op, crow.shape[0] == size[0] + 1,
+            f"crow must have nrows + 1 = {size[0] + 1} elements for shape {size} (got {crow.shape[0]})")
+
+
 def _tensor(x, name: str) -> Tensor:
+    """``x`` as a tensor. Anything that is not already a torch tensor (NumPy arrays, lists) is
+    copied: torch cannot see writes to memory it shares with NumPy."""
     if isinstance(x, Tensor):
         return x
-    if isinstance(x, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(x))
     try:
-        return torch.as_tensor(x)
+        return torch.tensor(np.asarray(x))
     except Exception as exc:  # noqa: BLE001 - re-raised with the op's name
         raise TypeError(f"torch_sparserl.csr: {name} must be a tensor or array (got {type(x).__name__})") from exc
+
+
+def _as_index_dtype(op: str, name: str, t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in the index dtype ``dtype``, refusing values it cannot hold instead of wrapping them."""
+    if t.dtype == dtype:
+        return t
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{op}: {name} must hold integers (got dtype {t.dtype})")
+    info = torch.iinfo(dtype)
+    if t.numel() and (int(t.min()) < info.min or int(t.max()) > info.max):
+        bad = t[(t < info.min) | (t > info.max)][0]
+        raise ValueError(f"{op}: {name} holds {int(bad)}, which {dtype} cannot represent; "
+                         f"use index_dtype=torch.int64")
+    return t.to(dtype)
 
 
 def _from_torch_sparse(A: Tensor):
@@ -515,10 +580,10 @@ def _from_torch_sparse(A: Tensor):
 
 
 def _from_scipy(A):
+    # Copies: writes to the SciPy matrix (A.data *= 3, A.sort_indices()) must not reach the
+    # CSRMatrix, and torch cannot see writes to memory it shares with NumPy.
     A = A.tocsr()
-    return (torch.from_numpy(np.ascontiguousarray(A.indptr)),
-            torch.from_numpy(np.ascontiguousarray(A.indices)),
-            torch.from_numpy(np.ascontiguousarray(A.data)), tuple(A.shape))
+    return (torch.tensor(A.indptr), torch.tensor(A.indices), torch.tensor(A.data), tuple(A.shape))
 
 
 def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None = None,
@@ -529,8 +594,14 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     matrix, a :class:`CSRMatrix`, or a triple ``(crow, col, val)`` of tensors or arrays
     (then ``shape`` is required). ``dtype``, ``index_dtype`` and ``device`` convert the
     values, the indices and the whole; integer or boolean values become the default float
-    dtype. With ``validate`` (the default) the index data is checked once here (monotone
-    row pointers, columns in range), so later products skip that check.
+    dtype; complex values are refused. With ``validate`` (the default) the index data is
+    checked once here (monotone row pointers, columns in range), so later products skip that
+    check.
+
+    The matrix owns its indices: they are copied (once; a CSRMatrix's own are reused), so
+    that nothing later written to the caller's arrays reaches it. Values given as a torch
+    tensor are shared (every product reads them as they are, and gradients flow to them);
+    values from NumPy or SciPy are copied.
     """
     op = "torch_sparserl.csr"
     if isinstance(data, CSRMatrix):
@@ -543,23 +614,34 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         if shape is None:
             raise ValueError(f"{op}: shape=(nrows, ncols) is required with a (crow, col, val) triple")
         crow, col, val = (_tensor(x, n) for x, n in zip(data, ("crow", "col", "val")))
-        size = tuple(shape)
+        size = shape
     else:
         raise TypeError(f"{op}: expected a torch sparse or dense tensor, a SciPy sparse matrix or "
                         f"a (crow, col, val) triple (got {type(data).__name__})")
-    if shape is not None and tuple(shape) != tuple(size):
-        raise ValueError(f"{op}: shape {tuple(shape)} does not match the matrix's shape {tuple(size)}")
-    if len(size) != 2:
-        raise ValueError(f"{op}: shape must be (nrows, ncols) (got {size})")
+    try:
+        size = tuple(int(d) for d in size)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: shape must be a pair of ints (nrows, ncols) (got {size!r})") from None
+    if shape is not None and tuple(shape) != size:
+        raise ValueError(f"{op}: shape {tuple(shape)} does not match the matrix's shape {size}")
+    if len(size) != 2 or min(size) < 0:
+        raise ValueError(f"{op}: shape must be (nrows, ncols), non-negative (got {size})")
+    if val.is_complex():
+        raise TypeError(f"{op}: complex values are not supported (got {val.dtype}); the products are real: "
+                        f"pass the real and imaginary parts as two matrices")
     if not val.is_floating_point():
         val = val.to(torch.get_default_dtype())
+    if index_dtype is not None and index_dtype not in INDEX_DTYPES:
+        raise TypeError(f"{op}: index_dtype must be torch.int32 or torch.int64 (got {index_dtype})")
+    if index_dtype is None and (crow.dtype != col.dtype or crow.dtype not in INDEX_DTYPES):
+        # SciPy may give int64 indptr with int32 indices: widen both
+        index_dtype = torch.int64
     if index_dtype is not None:
-        if index_dtype not in INDEX_DTYPES:
-            raise TypeError(f"{op}: index_dtype must be torch.int32 or torch.int64 (got {index_dtype})")
-        crow, col = crow.to(index_dtype), col.to(index_dtype)
-    elif crow.dtype != col.dtype and crow.dtype in INDEX_DTYPES and col.dtype in INDEX_DTYPES:
-        # SciPy may give int64 indptr with int32 indices: widen both.
-        crow, col = crow.to(torch.int64), col.to(torch.int64)
+        if index_dtype == torch.int32 and max(size[0], size[1], col.shape[0] if col.dim() else 0) > torch.iinfo(torch.int32).max:
+            raise ValueError(f"{op}: a matrix of shape {size} with {col.numel()} nonzeros needs int64 indices "
+                             f"(got index_dtype=torch.int32)")
+        crow = _as_index_dtype(op, "crow", crow, index_dtype)
+        col = _as_index_dtype(op, "col", col, index_dtype)
     if dtype is not None:
         val = val.to(dtype)
     if device is not None:
@@ -567,6 +649,13 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     check_csr_meta(op, crow, col, val, size[1])
     if crow.shape[0] != size[0] + 1:
         raise ValueError(f"{op}: crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]})")
+    # The matrix owns its indices: a copy, so that no later write to the caller's arrays (in
+    # place, through .data, through NumPy, under inference_mode) reaches it, made an ordinary
+    # tensor with a version counter even under inference_mode (pattern.private_copy).
+    crow, col = (t if patterns.owned(t) else patterns.private_copy(t) for t in (crow, col))
+    if val.is_inference():
+        with torch.inference_mode(False):
+            val = val.clone()
     if validate:
         patterns.lookup(crow, col, size[1]).validate(op, crow, col)
     return CSRMatrix(crow, col, val, size)

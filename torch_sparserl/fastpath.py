@@ -16,9 +16,9 @@ the call (:func:`record`), cuSPARSE too while a decision is still pending. Nothi
 in C++; the registry is emptied whenever the runtime changes or a pending decision lands
 (:func:`forget`).
 
-An entry keeps what it serves with (int32 index copies, the transposed pattern, plan data, the
-transposed values while they stay the same), and only weak references to the call's own
-``crow`` and ``col``: once those die, the entry is dropped at the next recording or when the
+An entry keeps what it serves with (the indices its pattern validated: the pattern's own copy,
+int32 copies or the transposed pattern; plan data), and only weak references to the call's
+own ``crow`` and ``col``, which identify the pattern and are never read: once those die, the entry is dropped at the next recording or when the
 runtime changes, and :func:`forget` drops every entry at once.
 
 The library is built once per machine and torch version with torch's extension builder (C++
@@ -199,7 +199,7 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
 
     runtime = rt.active_or_none()
     entry = patterns.validated(crow, col, ncols)
-    if runtime is None or entry is None:
+    if runtime is None or entry is None or entry.transient:
         return
     transposed = op.endswith("_transposed")
     base = op.removesuffix("_transposed")
@@ -210,7 +210,8 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
     if (mark in entry.fast_recorded or crow.is_inference() or col.is_inference()
             or torch.cuda.is_current_stream_capturing()):
         return
-    used, rowptr, colidx, perm = entry, None, None, None
+    # C++ serves with the indices the pattern validated (Pattern.indices), never the call's own
+    used, (rowptr, colidx), perm = entry, entry.indices(crow, col), None
     if transposed:
         used, rowptr, colidx, perm = entry.transpose(crow, col)
     # the state is read under the lock that forget() takes: a decision landing meanwhile is

@@ -52,10 +52,14 @@ def _product(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: T
 
     The runtime's specialized kernel for this pattern when one is installed (it serves CUDA
     devices); otherwise torch's own sparse kernels: cuSPARSE on CUDA, MKL's or torch's on the CPU.
+    Either reads the indices as the pattern validated them (:meth:`Pattern.indices`), never
+    the caller's tensors again.
     """
-    out = runtime.active().call(op, entry, crow, col, val, X)
-    if out is not None:
-        return out
+    crow, col = entry.indices(crow, col)
+    if not entry.transient:
+        out = runtime.active().call(op, entry, crow, col, val, X)
+        if out is not None:
+            return out
     return getattr(vendor, op)(entry, crow, col, val, X)
 
 
@@ -280,9 +284,11 @@ def _sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
         _check_sddmm(op, crow, col, Y, X)  # includes the metadata checks of the pattern
         entry = patterns.lookup(crow, col, X.shape[0])
         entry.validate(op, crow, col)
-    out = runtime.active().call("sddmm", entry, crow, col, Y, X)  # Y rides in the kernels' val slot
-    if out is not None:
-        return out
+    crow, col = entry.indices(crow, col)
+    if not entry.transient:
+        out = runtime.active().call("sddmm", entry, crow, col, Y, X)  # Y rides in the kernels' val slot
+        if out is not None:
+            return out
     return vendor.sddmm(entry, crow, col, Y, X)
 
 
@@ -510,8 +516,8 @@ def _spmm_epilogue(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor
     scale = scale.reshape(-1) if scale is not None else None
     bias = bias.reshape(-1) if bias is not None else None
     steps = "+".join(step for step, on in zip(EPILOGUE_STEPS, (scale is not None, bias is not None, relu)) if on)
-    if steps and X.device.type == "cuda":
-        out = runtime.active().call_fused(entry, crow, col, val, X, steps, bias, scale)
+    if steps and X.device.type == "cuda" and not entry.transient:
+        out = runtime.active().call_fused(entry, *entry.indices(crow, col), val, X, steps, bias, scale)
         if out is not None:
             return out
     Y = _product("spmm", entry, crow, col, val, X)

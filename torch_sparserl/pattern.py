@@ -4,11 +4,23 @@ A *pattern* is the structure of a CSR matrix: ``crow``, ``col`` and ``ncols``. E
 derived from it alone — the validation verdict, the row index of every nonzero, the
 transposed pattern and the permutation that carries values into it — is computed on first
 use and reused while the same ``crow``/``col`` tensors live unmodified. The cache holds
-weak references only, so it never keeps a user's adjacency alive.
+weak references to the caller's tensors only, so it never keeps a user's adjacency alive.
+
+**The indices are read once.** A pattern's validation reads its indices and, unless the
+library made them itself (:func:`own`: the copies :func:`torch_sparserl.csr` takes, the
+derived patterns below), keeps a private copy of what it validated; every product, kernel,
+plan and derived pattern then reads that copy (:meth:`Pattern.indices`), never the caller's
+tensors again. So whatever later happens to the caller's memory, a product runs on indices
+that were checked: never an out-of-range read, and every product of a pattern (``A @ X``,
+``X @ A``, the backward) sees the same matrix. A new tensor, or an in-place write torch
+counts (its version counter, which in-place operations bump, under ``inference_mode`` too),
+makes a new pattern, validated again. Writes torch does not count — through ``.data``, or
+through a NumPy array sharing a CPU tensor's memory — are not seen: the pattern stays the
+one that was validated. Inference tensors have no version counter at all, so indices that
+are inference tensors are never cached: each call validates them again (:func:`lookup`).
 
 Values are not part of the pattern: they may change every step (attention-weighted
-graphs). The one thing kept about them is the last values carried into the transposed
-order (:meth:`Pattern.transposed_values`), checked by identity and version on every use.
+graphs), and every product reads them as they are.
 
 The cached tensors are computed by :func:`run_kept`, outside any CUDA graph's private
 memory pool: the first product on a pattern may run inside the warm-up of a CUDA graph
@@ -120,13 +132,50 @@ def versions(crow: torch.Tensor, col: torch.Tensor) -> tuple[int, int]:
     return (_version(crow), _version(col))
 
 
+# id -> tensor, for the index tensors the library made itself and never writes: a pattern on
+# them reads them as they are instead of copying them. Weak: the registry keeps nothing alive.
+_OWNED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def own(*tensors: torch.Tensor) -> None:
+    """Mark index tensors that the library made and never writes (its private copies, derived
+    patterns), so that a pattern on them needs no copy of its own. Not for a caller's tensors."""
+    for t in tensors:
+        _OWNED[id(t)] = t
+
+
+def owned(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of the library's own index tensors (:func:`own`)."""
+    return _OWNED.get(id(t)) is t
+
+
+def private_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that the library owns: contiguous, an ordinary tensor (with a version
+    counter) even under ``inference_mode``, and registered by :func:`own`."""
+    with torch.inference_mode(False):
+        copy = t.clone(memory_format=torch.contiguous_format)
+    own(copy)
+    return copy
+
+
+def _intact(tensors: tuple, versions: tuple) -> bool:
+    return all(_version(t) == v for t, v in zip(tensors, versions))
+
+
+def _ordinary(fn, *args):
+    """``fn(*args)`` outside ``inference_mode``: what a pattern keeps must be ordinary tensors,
+    usable by later calls that autograd records."""
+    with torch.inference_mode(False):
+        return fn(*args)
+
+
 class Pattern:
     """Derived data of one CSR pattern. Create through :func:`lookup`."""
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
-                 "_no_diagonal", "_heads", "_heads_t", "_values_t", "_host", "_lock", "fast_recorded", "is_transpose",
-                 "__weakref__")
+                 "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "fast_recorded", "is_transpose",
+                 "_frozen", "_freeze_lock", "transient", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -142,25 +191,69 @@ class Pattern:
         self.fingerprint: str | None = None  # set by fingerprint.fingerprint()
         self.specializations: dict = {}  # (op, n, dtype) -> runtime state (runtime.py)
         self._row_indices: torch.Tensor | None = None
-        self._transpose: tuple[Pattern, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # derived forms, each (value, the index tensors it hands out, their versions): _derived()
+        self._transpose: tuple | None = None
         self._diagonal: tuple | None = None
         self._no_diagonal: tuple | None = None
         self._heads: dict[int, tuple] = {}  # heads -> with_heads(...)
-        self._heads_t: dict[int, tuple] = {}  # heads -> with_heads_transposed(...)
-        self._values_t: tuple | None = None  # (weakref to val, its version, val[perm] or None)
+        self._heads_t: dict[int, tuple] = {}  # heads -> (the form's transpose perm, the order it gives)
         self._host: tuple[torch.Tensor, torch.Tensor] | None = None  # host_indices(), small CUDA patterns
         self._lock = threading.Lock()
         self.fast_recorded: set = set()  # what fastpath.record gave the C++ registry
         self.is_transpose = False  # the transpose of another pattern (Pattern.transpose)
+        # the indices products read (indices()): the private copy validate() takes of a caller's
+        # tensors; None for the library's own tensors, read through the weak references
+        self._frozen: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._freeze_lock = threading.Lock()
+        self.transient = False  # not cached: inference-tensor indices, validated on every call (lookup)
 
     def matches(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> bool:
-        return (self._crow_ref() is crow and self._col_ref() is col and self.ncols == ncols
-                and self._versions == (_version(crow), _version(col)))
+        """Whether ``(crow, col, ncols)`` is this pattern: the tensors it was made for, alive
+        and unmodified by any write torch counts, or its own private copy of them."""
+        if self.ncols != ncols:
+            return False
+        if self._crow_ref() is crow and self._col_ref() is col:
+            return self._versions == (_version(crow), _version(col))
+        frozen = self._frozen
+        return frozen is not None and frozen[0] is crow and frozen[1] is col
 
     def validate(self, op: str, crow: torch.Tensor, col: torch.Tensor) -> None:
+        """Check the index data once (monotone rows, columns in range), on the copy that every
+        later product of this pattern reads (:meth:`indices`)."""
         if not self.validated:
+            crow, col = self._freeze(crow, col)
             check_csr_values(op, crow, col, self.ncols)
             self.validated = True
+
+    def _freeze(self, crow: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indices this pattern reads from now on: the library's own tensors as they are, a
+        caller's copied once (:func:`private_copy`, outside any CUDA graph pool) and registered
+        under the copy's identity too, so that a lookup of the copy finds this entry."""
+        frozen = self._frozen
+        if frozen is not None:
+            return frozen
+        if self.transient or (owned(crow) and owned(col)):
+            return crow, col
+        with self._freeze_lock:
+            if self._frozen is None:
+                copies = run_kept(col.device, lambda: (private_copy(crow), private_copy(col)))
+                self._frozen = copies
+                if not self.transient:
+                    with _CACHE_LOCK:
+                        _CACHE[id(copies[0])] = self
+            return self._frozen
+
+    def indices(self, crow: torch.Tensor | None = None, col: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(crow, col)`` as validated: what every product of this pattern reads. ``crow`` and
+        ``col`` are the tensors the pattern was looked up with (the library's own ones are
+        read through the pattern's weak references when not given)."""
+        frozen = self._frozen
+        if frozen is not None:
+            return frozen
+        if crow is None:
+            crow, col = self._crow_ref(), self._col_ref()
+        return self._freeze(crow, col)
 
     def host_indices(self, crow: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(crow, col)`` on the host (:func:`to_host`). A CUDA pattern of at most
@@ -171,6 +264,7 @@ class Pattern:
         kept = self._host
         if kept is not None:
             return kept
+        crow, col = self.indices(crow, col)
         host = (to_host(crow), to_host(col))
         if crow.is_cuda and crow.numel() + col.numel() <= HOST_KEPT_MAX:
             self._host = host
@@ -179,8 +273,30 @@ class Pattern:
     def row_indices(self, crow: torch.Tensor) -> torch.Tensor:
         """The row of each nonzero, shape (nnz,), int64."""
         if self._row_indices is None:
-            self._row_indices = run_kept(crow.device, row_indices, crow, self.nnz)
+            crow, _ = self.indices(crow, None if self._frozen is None and crow is None else self._col_ref())
+            self._row_indices = run_kept(crow.device, _ordinary, row_indices, crow, self.nnz)
         return self._row_indices
+
+    def _derived(self, name: str, key, compute, crow: torch.Tensor, col: torch.Tensor, *args):
+        """A derived form of this pattern (``compute(self, crow, col, *args)``, run by
+        :func:`run_kept` on the validated indices), cached under ``name`` (and ``key``) while
+        the index tensors it hands out are unmodified: a caller who writes to them in place
+        (``A.t()`` hands them out) gets a new form computed rather than a stale one."""
+        crow, col = self.indices(crow, col)
+        with self._lock:
+            store = getattr(self, name)
+            found = store.get(key) if isinstance(store, dict) else store
+            if found is not None and _intact(found[1], found[2]):
+                return found[0]
+            value = run_kept(col.device, _ordinary, compute, self, crow, col, *args)
+            exposed = value[1:3] if name == "_transpose" else value[0:2]
+            own(*exposed)
+            found = (value, exposed, tuple(_version(t) for t in exposed))
+            if isinstance(store, dict):
+                store[key] = found
+            else:
+                setattr(self, name, found)
+            return value
 
     def transpose(self, crow: torch.Tensor, col: torch.Tensor):
         """``(pattern_t, crow_t, col_t, perm)``: the transposed pattern and its tensors.
@@ -189,49 +305,13 @@ class Pattern:
         transpose, so ``val_t = val[perm]``. Columns within each transposed row stay
         sorted, because the sort by column is stable and rows are visited in order.
         """
-        with self._lock:
-            if self._transpose is None:
-                self._transpose = run_kept(col.device, self._transposed, crow, col)
-                _STATS["transposes"] += 1
-            return self._transpose
+        return self._derived("_transpose", None, _transposed, crow, col)
 
     def transposed_values(self, val: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         """``val[perm]``: values in the order of the transposed pattern (``perm`` from
-        :meth:`transpose`), which the backward of ``A @ X`` needs every step.
-
-        A GCN's adjacency values are the same tensor, unmodified, step after step: values
-        seen twice with the same identity and version are gathered once more into a kept
-        tensor (:func:`run_kept`) and served from it while they stay so. Values that change
-        (attention weights, a new tensor each step) are gathered each call, as are values
-        that need a gradient, inference tensors (no version counter) and calls inside a
-        CUDA graph capture, where a replay must read the values of its own step.
-        """
-        if (val.requires_grad or val.is_inference()
-                or (val.is_cuda and torch.cuda.is_current_stream_capturing())):
-            return val.index_select(0, perm)
-        version = val._version
-        seen = self._values_t
-        if seen is not None and seen[0]() is val and seen[1] == version:
-            if seen[2] is None:
-                seen = self._values_t = (seen[0], version, run_kept(val.device, torch.index_select, val, 0, perm))
-                _STATS["transposed_values"] += 1
-            return seen[2]
-        self._values_t = (weakref.ref(val), version, None)
+        :meth:`transpose`). Gathered on every call: values are read as they are, and no
+        counter says reliably whether they changed (writes through ``.data`` bump none)."""
         return val.index_select(0, perm)
-
-    def _transposed(self, crow: torch.Tensor, col: torch.Tensor):
-        rows = self.row_indices(crow)
-        perm = torch.argsort(col, stable=True)
-        col_t = rows.index_select(0, perm).to(self.index_dtype)
-        counts = torch.bincount(col.to(torch.int64), minlength=self.ncols)
-        crow_t = torch.zeros(self.ncols + 1, dtype=self.index_dtype, device=col.device)
-        crow_t[1:] = counts.cumsum(0)
-        # In the identity cache too (it holds weak references only), so that what reaches the
-        # transposed tensors by lookup (the specializer's host copy) meets this entry.
-        pattern_t = lookup(crow_t, col_t, self.nrows)
-        pattern_t.validated = self.validated
-        pattern_t.is_transpose = True
-        return pattern_t, crow_t, col_t, perm
 
     def with_diagonal(self, crow: torch.Tensor, col: torch.Tensor):
         """``(crow_d, col_d, src_pos, diag_pos)``: the pattern with every diagonal position
@@ -242,21 +322,13 @@ class Pattern:
         first occurrence if repeated). Rows come out with their columns sorted. The new
         tensors are registered in the cache, validated, so products on them skip the checks.
         """
-        with self._lock:
-            if self._diagonal is None:
-                self._diagonal = run_kept(col.device, _with_diagonal, self, crow, col)
-                _STATS["diagonals"] += 1
-            return self._diagonal
+        return self._derived("_diagonal", None, _with_diagonal, crow, col)
 
     def without_diagonal(self, crow: torch.Tensor, col: torch.Tensor):
         """``(crow_n, col_n, keep)``: the pattern with its diagonal entries ``(i, i)`` removed
         (PyG's ``remove_self_loops``); ``keep`` holds the positions of the entries kept, in
         their order. Computed once per pattern and registered, validated, like the others."""
-        with self._lock:
-            if self._no_diagonal is None:
-                self._no_diagonal = run_kept(col.device, _without_diagonal, self, crow, col)
-                _STATS["diagonals"] += 1
-            return self._no_diagonal
+        return self._derived("_no_diagonal", None, _without_diagonal, crow, col)
 
     def with_heads(self, crow: torch.Tensor, col: torch.Tensor, heads: int):
         """``(crow_h, col_h, order, position)``: the pattern of ``heads`` products on this one
@@ -269,11 +341,7 @@ class Pattern:
         order go back through ``position`` (``val = val_h[position].view(nnz, heads)``).
         Computed once per pattern and number of heads, registered and validated like the others.
         """
-        with self._lock:
-            found = self._heads.get(heads)
-            if found is None:
-                found = self._heads[heads] = run_kept(col.device, _with_heads, self, crow, col, heads)
-            return found
+        return self._derived("_heads", heads, _with_heads, crow, col, heads)
 
     def with_heads_transposed(self, crow: torch.Tensor, col: torch.Tensor, heads: int):
         """``(pattern_t, crow_t, col_t, order_t)``: the transpose of :meth:`with_heads`' form
@@ -283,21 +351,47 @@ class Pattern:
         crow_h, col_h, order, _ = self.with_heads(crow, col, heads)
         form_t, crow_t, col_t, perm = lookup(crow_h, col_h, self.ncols * heads).transpose(crow_h, col_h)
         with self._lock:
-            order_t = self._heads_t.get(heads)
-            if order_t is None:
-                order_t = self._heads_t[heads] = run_kept(col.device, torch.index_select, order, 0, perm)
-        return form_t, crow_t, col_t, order_t
+            found = self._heads_t.get(heads)
+            if found is None or found[0] is not perm:
+                found = self._heads_t[heads] = (perm, run_kept(col.device, _ordinary, torch.index_select,
+                                                                    order, 0, perm))
+        return form_t, crow_t, col_t, found[1]
 
     def heads_forms(self) -> list[tuple[int, "Pattern", "Pattern | None"]]:
         """``(heads, pattern, its transpose or None)`` of each block-diagonal form computed so
         far (:meth:`with_heads`), the transpose where a backward has computed it."""
         with self._lock:
-            found = sorted(self._heads.items())
+            found = sorted((heads, kept[0]) for heads, kept in self._heads.items())
         forms = []
         for heads, (crow_h, col_h, _, _) in found:
             entry = lookup(crow_h, col_h, self.ncols * heads)
-            forms.append((heads, entry, entry._transpose[0] if entry._transpose is not None else None))
+            forms.append((heads, entry, entry._transpose[0][0] if entry._transpose is not None else None))
         return forms
+
+
+def _transposed(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
+    rows = pattern.row_indices(crow)
+    perm = torch.argsort(col, stable=True)
+    col_t = rows.index_select(0, perm).to(pattern.index_dtype)
+    counts = torch.bincount(col.to(torch.int64), minlength=pattern.ncols)
+    crow_t = torch.zeros(pattern.ncols + 1, dtype=pattern.index_dtype, device=col.device)
+    crow_t[1:] = counts.cumsum(0)
+    # In the identity cache too (it holds weak references only), so that what reaches the
+    # transposed tensors by lookup (the specializer's host copy) meets this entry.
+    pattern_t = _derived_entry(pattern, crow_t, col_t, pattern.nrows)
+    pattern_t.is_transpose = True
+    _STATS["transposes"] += 1
+    return pattern_t, crow_t, col_t, perm
+
+
+def _derived_entry(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
+    """The cache entry of a form derived from ``pattern``: the library's own tensors, valid
+    when ``pattern`` is."""
+    own(crow, col)
+    entry = lookup(crow, col, ncols)
+    entry.validated = pattern.validated
+    entry.transient = pattern.transient  # a form of an uncached pattern is used once, never specialized
+    return entry
 
 
 def _with_heads(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, heads: int):
@@ -316,8 +410,7 @@ def _with_heads(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, heads: 
     col_h = torch.empty(nnz * heads, dtype=pattern.index_dtype, device=device)
     col_h[position] = (col.to(torch.int64).unsqueeze(1) * heads + head).reshape(-1).to(pattern.index_dtype)
     crow_h = crow_h.to(pattern.index_dtype)
-    entry = lookup(crow_h, col_h, pattern.ncols * heads)
-    entry.validated = pattern.validated
+    _derived_entry(pattern, crow_h, col_h, pattern.ncols * heads)
     # gather indices in the pattern's index dtype: half the memory for int32 patterns, whose
     # form's positions fit int32 by the operators' check
     return crow_h, col_h, order.to(pattern.index_dtype), position.to(pattern.index_dtype)
@@ -330,8 +423,8 @@ def _without_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
     crow_n = torch.zeros(pattern.nrows + 1, dtype=pattern.index_dtype, device=col.device)
     crow_n[1:] = counts.cumsum(0)
     col_n = col.index_select(0, keep)
-    entry = lookup(crow_n, col_n, pattern.ncols)
-    entry.validated = pattern.validated
+    _derived_entry(pattern, crow_n, col_n, pattern.ncols)
+    _STATS["diagonals"] += 1
     return crow_n, col_n, keep
 
 
@@ -358,8 +451,8 @@ def _with_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
     crow_d = torch.zeros(pattern.nrows + 1, dtype=pattern.index_dtype, device=device)
     crow_d[1:] = counts.cumsum(0)
     col_d = all_cols.index_select(0, order).to(pattern.index_dtype)
-    entry = lookup(crow_d, col_d, pattern.ncols)
-    entry.validated = pattern.validated
+    _derived_entry(pattern, crow_d, col_d, pattern.ncols)
+    _STATS["diagonals"] += 1
     return crow_d, col_d, src_pos, diag_pos
 
 
@@ -368,7 +461,7 @@ def _with_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
 # operators look their pattern up on every call.
 _CACHE: dict[int, Pattern] = {}
 _CACHE_LOCK = threading.Lock()
-_STATS = {"lookups": 0, "misses": 0, "transposes": 0, "diagonals": 0, "transposed_values": 0}
+_STATS = {"lookups": 0, "misses": 0, "transposes": 0, "diagonals": 0}
 
 
 def _forget(key: int, ref: weakref.ref, cache: dict[int, Pattern] = _CACHE) -> None:
@@ -378,15 +471,30 @@ def _forget(key: int, ref: weakref.ref, cache: dict[int, Pattern] = _CACHE) -> N
     entry = cache.get(key)
     if entry is not None and entry._crow_ref is ref:
         cache.pop(key, None)
+        _drop_frozen_key(entry, cache)
+
+
+def _drop_frozen_key(entry: Pattern, cache: dict[int, Pattern] = _CACHE) -> None:
+    """Remove the key of ``entry``'s private copy (:meth:`Pattern._freeze`), which would
+    otherwise keep the entry and its copy alive once the caller's key is gone."""
+    frozen = entry._frozen
+    if frozen is not None and cache.get(id(frozen[0])) is entry:
+        cache.pop(id(frozen[0]), None)
 
 
 def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
     """The cached :class:`Pattern` of ``(crow, col, ncols)``, created on first use.
 
     Keyed by the identity of ``crow`` and checked against ``col``'s identity and both
-    version counters, so an in-place change of the indices invalidates the entry.
+    version counters, so an in-place change of the indices invalidates the entry. Indices
+    that are inference tensors have no version counter: their pattern is not cached (a new,
+    ``transient`` one per call, validated again and never specialized).
     """
     _STATS["lookups"] += 1
+    if crow.is_inference() or col.is_inference():
+        entry = Pattern(crow, col, ncols)
+        entry.transient = True
+        return entry
     entry = _CACHE.get(id(crow))
     if entry is not None and entry.matches(crow, col, ncols):
         return entry
@@ -395,6 +503,8 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
         if entry is not None and entry.matches(crow, col, ncols):
             return entry
         _STATS["misses"] += 1
+        if entry is not None:
+            _drop_frozen_key(entry)  # replaced (new tensor at that id, a write, other ncols)
         entry = Pattern(crow, col, ncols, key=id(crow))
         _CACHE[id(crow)] = entry
     if col.is_cuda and not torch.cuda.is_current_stream_capturing():
@@ -425,9 +535,10 @@ def validated(crow, col, ncols) -> Pattern | None:
 def live_patterns() -> list[Pattern]:
     """The cached patterns whose index tensors are still alive."""
     with _CACHE_LOCK:
-        return [entry for entry in list(_CACHE.values()) if entry._crow_ref() is not None]
+        found = {id(entry): entry for entry in list(_CACHE.values()) if entry._crow_ref() is not None}
+        return list(found.values())
 
 
 def stats() -> dict[str, int]:
-    """Counters of cache use (lookups, misses, transposes, diagonals and transposed values kept); for tests and logs."""
+    """Counters of cache use (lookups, misses, transposes, diagonals); for tests and logs."""
     return dict(_STATS)
