@@ -199,8 +199,8 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
 
     runtime = rt.active_or_none()
     entry = patterns.validated(crow, col, ncols)
-    if runtime is None or entry is None or entry.transient:
-        return
+    if runtime is None or entry is None or entry.transient or entry.overfull:
+        return  # what C++ cannot serve: Python serves every call
     transposed = op.endswith("_transposed")
     base = op.removesuffix("_transposed")
     n = X.shape[1] if base == "spmm" else 1

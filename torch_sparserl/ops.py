@@ -56,7 +56,7 @@ def _product(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: T
     the caller's tensors again.
     """
     crow, col = entry.indices(crow, col)
-    if not entry.transient:
+    if not (entry.transient or entry.overfull):
         out = runtime.active().call(op, entry, crow, col, val, X)
         if out is not None:
             return out
@@ -285,7 +285,7 @@ def _sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
         entry = patterns.lookup(crow, col, X.shape[0])
         entry.validate(op, crow, col)
     crow, col = entry.indices(crow, col)
-    if not entry.transient:
+    if not (entry.transient or entry.overfull):
         out = runtime.active().call("sddmm", entry, crow, col, Y, X)  # Y rides in the kernels' val slot
         if out is not None:
             return out
@@ -516,7 +516,7 @@ def _spmm_epilogue(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor
     scale = scale.reshape(-1) if scale is not None else None
     bias = bias.reshape(-1) if bias is not None else None
     steps = "+".join(step for step, on in zip(EPILOGUE_STEPS, (scale is not None, bias is not None, relu)) if on)
-    if steps and X.device.type == "cuda" and not entry.transient:
+    if steps and X.device.type == "cuda" and not (entry.transient or entry.overfull):
         out = runtime.active().call_fused(entry, *entry.indices(crow, col), val, X, steps, bias, scale)
         if out is not None:
             return out

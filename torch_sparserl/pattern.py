@@ -207,6 +207,13 @@ class Pattern:
         self._freeze_lock = threading.Lock()
         self.transient = False  # not cached: inference-tensor indices, validated on every call (lookup)
 
+    @property
+    def overfull(self) -> bool:
+        """More nonzeros than positions (duplicates for sure): cuSPARSE refuses such a matrix
+        and torch's sampled_addmm merges its duplicates, so torch's kernels cannot serve it
+        (:mod:`~torch_sparserl.kernels.vendor` multiplies its dense form, which is smaller)."""
+        return self.nnz > self.nrows * self.ncols
+
     def matches(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> bool:
         """Whether ``(crow, col, ncols)`` is this pattern: the tensors it was made for, alive
         and unmodified by any write torch counts, or its own private copy of them."""

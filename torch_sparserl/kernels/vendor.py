@@ -70,6 +70,10 @@ def _product(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch
     shape = (pattern.nrows, X.shape[1]) if matrix else (pattern.nrows,)
     if pattern.nnz == 0 or pattern.ncols == 0 or 0 in shape:
         return torch.zeros(shape, dtype=val.dtype, device=val.device)
+    if pattern.overfull:  # cuSPARSE refuses it; its dense form is smaller than its nonzeros
+        dense = torch.zeros((pattern.nrows, pattern.ncols), dtype=val.dtype, device=val.device)
+        dense.index_put_((pattern.row_indices(crow), col.to(torch.int64)), val, accumulate=True)
+        return dense @ X
     A = _as_torch_csr(pattern, crow, col, val)
     X = X.contiguous()
     if not intercept.installed():
@@ -102,7 +106,7 @@ def sddmm(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.Tens
     out = torch.zeros(pattern.nnz, dtype=Y.dtype, device=Y.device)
     if pattern.nnz == 0 or Y.shape[1] == 0:
         return out
-    if pattern.nnz > pattern.nrows * pattern.ncols:
+    if pattern.overfull:
         # More nonzeros than positions: duplicates for sure, which torch's sampled_addmm
         # answers by shrinking the output's indices (its out= CSR tensor shares them with the
         # pattern) to one value per position. Each duplicate gets its own value here, as
@@ -118,7 +122,7 @@ def sddmm_out(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.
     """:func:`sddmm` into ``out`` (nnz values of Y's dtype holding finite numbers: cuSPARSE
     computes ``0 * out + Y Xᵀ`` at the nonzeros, and ``0 * NaN`` would stay NaN). Only for
     patterns of at most ``nrows * ncols`` nonzeros (see :func:`sddmm`)."""
-    if pattern.nnz > pattern.nrows * pattern.ncols:
+    if pattern.overfull:
         raise ValueError(f"sddmm_out: {pattern.nnz} nonzeros in a {pattern.nrows}x{pattern.ncols} pattern "
                          "hold duplicates that torch's sampled_addmm would merge")
     A = _as_torch_csr(pattern, crow, col, out)  # shares out's storage: the result lands there
