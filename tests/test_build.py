@@ -236,8 +236,14 @@ def test_inline_is_built_reads_the_completed_marker(tmp_path):
     (tmp_path / name).mkdir()
     (tmp_path / name / f"{name}.so").write_bytes(b"")  # half-linked: no marker yet
     assert not inline.is_built([a], "sm_90", directory=tmp_path)
-    (tmp_path / name / f"{name}.ok").write_text(a.key)
+    (tmp_path / name / f"{name}.ok").write_text(a.key)  # a marker without the library's keyed digest
+    assert not inline.is_built([a], "sm_90", directory=tmp_path)
+    from torch_sparserl import trust
+
+    trust.write_marker(tmp_path / name / f"{name}.so", tmp_path / name / f"{name}.ok")
     assert inline.is_built([a], "sm_90", directory=tmp_path)
     assert inline.is_built([a, a], "sm_90", directory=tmp_path)
     assert not inline.is_built([a], "sm_80", directory=tmp_path)
     assert not inline.is_built([a, b], "sm_90", directory=tmp_path)
+    (tmp_path / name / f"{name}.so").write_bytes(b"\x7fELF changed")  # changed since it was signed
+    assert not inline.is_built([a], "sm_90", directory=tmp_path)

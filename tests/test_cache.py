@@ -14,7 +14,11 @@ from torch_sparserl.fingerprint import SpecializationKey
 KEY = SpecializationKey(pattern="abc", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
 
 
-def entry(key=KEY, source="// sparserl: op=spmm ...", reason="fastest") -> CacheEntry:
+SOURCE = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\n'
+          'extern "C" __global__ void sparserl_kernel(const int* rowptr) {}\n')
+
+
+def entry(key=KEY, source=SOURCE, reason="fastest") -> CacheEntry:
     return CacheEntry(key=key, spec_source=source, family="group_row", params={"lanes": 8},
                       record={"runtime_us": 10.0}, reason=reason)
 
@@ -131,3 +135,130 @@ def test_clear_removes_entries(tmp_path):
     cache = KernelCache(tmp_path)
     cache.put(entry())
     assert cache.clear() == 1 and cache.get(KEY) is None and not cache.entries()
+
+
+# ------------------------------------------------------------------ broken folders (issue 33, class 6)
+
+def test_clear_spares_a_write_in_flight_and_removes_stale_temporary_files(tmp_path):
+    import os
+
+    cache = KernelCache(tmp_path)
+    cache.put(entry())
+    fresh = tmp_path / ".tmp-abc123.json"  # another process's write under way
+    fresh.write_text("{")
+    stale = tmp_path / ".tmp-old456.json"  # left by a process killed long ago
+    stale.write_text("{")
+    os.utime(stale, (time.time() - 2 * 3600, time.time() - 2 * 3600))
+    assert cache.clear() == 1 and fresh.exists() and not stale.exists()
+
+
+def _bad_entry(path, how):
+    """Put something broken where an entry goes."""
+    import os
+
+    if how == "directory":
+        path.mkdir()
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "dev-zero symlink":
+        path.symlink_to("/dev/zero")
+    elif how == "deep json":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif how == "huge":
+        with open(path, "wb") as handle:
+            handle.truncate(64 << 20)
+    elif how == "unreadable":
+        path.write_text("{}")
+        path.chmod(0)
+    return path
+
+
+BROKEN = ["directory", "fifo", "dev-zero symlink", "deep json", "huge", "unreadable", "folder is a file",
+          "read-only folder with a corrupt entry"]
+
+
+def _product_with(cache_root, how):
+    """A CPU product through the runtime (fake specializer and installer, as in test_runtime.py)
+    whose cache folder is broken ``how``; returns (result, expected)."""
+    import torch
+
+    from torch_sparserl import pattern as patterns
+    from torch_sparserl.runtime import Runtime, RuntimeSettings
+
+    from helpers import make_pattern, to_parts
+
+    def specializer(key, crow, col, ncols):
+        return CacheEntry(key, SOURCE, family="fake", params={}, reason="2.0x cuSPARSE")
+
+    def installer(entry, crow, col, ncols):
+        rows = crow.numel() - 1
+        return lambda crow, col, val, X: torch.sparse_csr_tensor(crow, col, val, (rows, ncols)).to_dense() @ X
+
+    A = make_pattern("cora (real)")
+    crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
+    X = torch.randn(A.shape[1], 8)
+    runtime = Runtime(RuntimeSettings(mode="sync"), cache=None if how == "folder is a file" else
+                      KernelCache(cache_root), specializer=specializer, installer=installer, devices=("cpu",))
+    pattern = patterns.lookup(crow, col, A.shape[1])
+    path = runtime.cache.path(runtime._key("spmm", 8, pattern, crow, col, torch.float32))
+    if how == "read-only folder with a corrupt entry":
+        path.write_text("{ corrupt")
+    elif how != "folder is a file":
+        _bad_entry(path, how)
+    out = runtime.call("spmm", pattern, crow, col, val, X)
+    return out, torch.sparse_csr_tensor(crow, col, val, A.shape).to_dense() @ X
+
+
+@pytest.mark.parametrize("how", BROKEN)
+def test_a_broken_cache_folder_costs_one_warning_never_the_product(tmp_path, how, monkeypatch, caplog):
+    import os
+    import signal
+
+    import torch
+
+    from torch_sparserl import paths, trust
+
+    if how == "unreadable" and os.getuid() == 0:
+        pytest.skip("root reads a file of mode 000")
+    root = tmp_path / "kernels"
+    if how == "folder is a file":  # SPARSERL_CACHE_DIR names a file
+        (tmp_path / "afile").write_text("not a folder")
+        monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "afile"))
+        paths.forget_checks()
+        trust.forget_keys()
+    elif how == "read-only folder with a corrupt entry":
+        KernelCache(root)
+        real_unlink = os.unlink
+        # a read-only folder (chmod a-w does not stop root): removing and writing there fail
+        monkeypatch.setattr(os, "unlink", lambda p, *a, **k: (_ for _ in ()).throw(PermissionError(13, "read-only"))
+                            if str(p).startswith(str(root)) else real_unlink(p, *a, **k))
+        import tempfile
+        real_mkstemp = tempfile.mkstemp
+        monkeypatch.setattr(tempfile, "mkstemp", lambda *a, dir=None, **k: (_ for _ in ()).throw(
+            PermissionError(13, "read-only")) if str(dir).startswith(str(root)) else real_mkstemp(*a, dir=dir, **k))
+    signal.alarm(30)  # a FIFO read would block forever
+    try:
+        out, want = _product_with(root, how)
+    finally:
+        signal.alarm(0)
+        paths.forget_checks()
+        trust.forget_keys()
+    torch.testing.assert_close(out, want)
+    warnings = [r for r in caplog.records if r.levelno >= 30]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+@pytest.mark.parametrize("how", ["directory", "fifo", "dev-zero symlink", "deep json", "huge"])
+def test_the_cache_reads_a_broken_entry_as_a_miss(tmp_path, how, caplog):
+    import signal
+
+    _bad_entry(KernelCache(tmp_path).path(KEY), how)
+    signal.alarm(30)
+    try:
+        cache = KernelCache(tmp_path)
+        assert cache.get(KEY) is None
+        assert cache.listing() == [] or cache.listing()[0][1] is None
+        assert cache.get_or_create(KEY, lambda key: entry(key)).family == "group_row"
+    finally:
+        signal.alarm(0)
+    assert len([r for r in caplog.records if r.levelno >= 30]) == 1

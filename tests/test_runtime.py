@@ -16,7 +16,9 @@ from torch_sparserl.runtime import Runtime, RuntimeSettings, SpecializationError
 
 from helpers import make_pattern, to_parts
 
-SOURCE = "// sparserl: op=spmm dtype=f32 block=32 grid=1\n"
+# a source the cache accepts on a hit (the ABI's plan and kernel, device code only); the fake installer ignores it
+SOURCE = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\n'
+          'extern "C" __global__ void sparserl_kernel(const int* rowptr) {}\n')
 
 
 class Fakes:

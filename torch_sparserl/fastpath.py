@@ -24,7 +24,9 @@ runtime changes, and :func:`forget` drops every entry at once.
 The library is built once per machine and torch version with torch's extension builder (C++
 only, about 20 s on the H100 machine: it includes torch's operator headers), in a subprocess
 so that no training loop stalls on the builder, and kept in the kernel cache directory
-(``build/``); later processes load it in milliseconds. Until it is loaded, ``sparserl_fast`` ops run the Python
+(``build/``); later processes load it in milliseconds, once its bytes match the keyed digest
+its build recorded (:func:`~torch_sparserl.build.inline.verified_build`: a library planted or
+changed there is rebuilt, never loaded). Until it is loaded, ``sparserl_fast`` ops run the Python
 implementation. Where torch has no CUDA, or with ``SPARSERL_FAST_PATH=0``, it is never built.
 
     sparserl fastpath        # build and load it now (else the first compiled graph starts that)
@@ -42,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .paths import cache_dir
+from .paths import build_root
 
 log = logging.getLogger("torch_sparserl.fastpath")
 
@@ -87,12 +89,14 @@ def _name() -> str:
 def library(directory: Path | None = None) -> tuple[Path, Path]:
     """``(shared library, marker written after a complete build)``."""
     name = _name()
-    folder = (directory or cache_dir() / "build") / name
+    folder = (directory or build_root()) / name
     return folder / f"{name}.so", folder / f"{name}.ok"
 
 
 def is_built() -> bool:
-    return library()[1].exists()
+    from . import trust
+
+    return trust.is_verified(*library())
 
 
 def status() -> str:
@@ -107,18 +111,20 @@ def status() -> str:
 
 def build() -> Path:
     """Build the library here (:func:`ensure` runs this in a subprocess); returns its path."""
-    from .build.inline import _exclusive
+    from .build.inline import _exclusive, verified_build
 
     path, done = library()
-    with _exclusive(path.parent):
-        if not done.exists():
-            from torch.utils.cpp_extension import load
 
-            source = path.parent / "fastpath.cpp"
-            source.write_text(SOURCE.read_text())
-            load(name=path.stem, sources=[str(source)], build_directory=str(path.parent), with_cuda=True,
-                 is_python_module=False, extra_cflags=["-O2", "-std=c++17"], verbose=False)
-            done.write_text(path.name)
+    def compile_library() -> None:
+        from torch.utils.cpp_extension import load
+
+        source = path.parent / "fastpath.cpp"
+        source.write_text(SOURCE.read_text())
+        load(name=path.stem, sources=[str(source)], build_directory=str(path.parent), with_cuda=True,
+             is_python_module=False, extra_cflags=["-O2", "-std=c++17"], verbose=False)
+
+    with _exclusive(path.parent):
+        verified_build(path, done, compile_library)
     return path
 
 
@@ -127,14 +133,30 @@ def _load() -> bool:
     with _lock:
         if loaded:
             return True
+        from . import trust
+        from .build.inline import load_verified
+
         path, done = library()
-        if not done.exists():
+        data = trust.library_bytes(path, done)
+        if data is None:  # not built, or not verified: built again (in a subprocess) before it loads
             return False
-        torch.ops.load_library(str(path))
+        load_verified(path, data, _load_library)
+        torch.ops.loaded_libraries.add(str(path))
         torch.ops.sparserl_fastpath.bind_counters(COUNTS)
         loaded = True
     log.info("sparserl: C++ fast path loaded from %s", path)
     return True
+
+
+def _load_library(path: str) -> None:
+    """``torch.ops.load_library`` of ``path`` as given (it resolves a path first, which would take a
+    sealed memory file's ``/proc/self/fd`` link to a name that does not exist)."""
+    import ctypes
+
+    from torch._ops import dl_open_guard
+
+    with dl_open_guard():
+        ctypes.CDLL(path)
 
 
 def _build_and_load() -> None:

@@ -28,6 +28,12 @@ background mode, while the specializer's worker builds a kernel's library (secon
 fall back because something failed (a decision that cuSPARSE is faster is not a failure).
 :meth:`Runtime.call` returns None when cuSPARSE should serve the call.
 
+At exit (a hook that runs before Python joins the pools' threads) every runtime stops: new
+work is dropped silently, queued work is skipped, the specializer's worker is stopped, and a
+decision that an interrupted search would have reached is not cached; a cache write already
+under way finishes (atomically: a temporary file, then a rename). Nothing is logged as a
+failure then, so that a process exiting while it specializes exits silently.
+
 Settings come from :func:`configure` or the environment: ``SPARSERL_JIT`` (``background``,
 ``sync``, ``off``), ``SPARSERL_JIT_BUDGET_S``, ``SPARSERL_JIT_MARGIN``, ``SPARSERL_JIT_STRICT``.
 """
@@ -43,6 +49,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -168,6 +175,31 @@ Specializer = Callable[[SpecializationKey, torch.Tensor, torch.Tensor, int], Cac
 Installer = Callable[[CacheEntry, torch.Tensor, torch.Tensor, int], Callable]
 
 _GENERATIONS = itertools.count()
+_RUNTIMES: weakref.WeakSet = weakref.WeakSet()  # every runtime of the process, stopped at exit
+
+
+class _ShuttingDown(Exception):
+    """The process exits: a search cut short decides nothing (nothing is cached)."""
+
+
+def _at_exit() -> None:
+    """Stop every runtime before the interpreter joins the thread pools' workers."""
+    for runtime in list(_RUNTIMES):
+        try:
+            runtime._stop_for_exit()
+        except Exception:  # noqa: BLE001 - exit stays silent
+            pass
+
+
+# threading's exit hooks run before it joins non-daemon threads (atexit's run after), last
+# registered first: this one runs before concurrent.futures' own, which refuses new work.
+_register_exit = getattr(threading, "_register_atexit", None)
+if _register_exit is not None:
+    _register_exit(_at_exit)
+else:  # pragma: no cover - every supported Python has it
+    import atexit
+
+    atexit.register(_at_exit)
 
 
 def _device_arch(device: torch.device) -> str:
@@ -217,6 +249,8 @@ class Runtime:
         self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
         self._idle_timer: threading.Timer | None = None
         self._last_specialized = 0.0
+        self._closing = False  # the process exits (or close() ran): background work is dropped
+        _RUNTIMES.add(self)
         # calls served by a kernel / by cuSPARSE; kernels installed (from the cache or freshly
         # specialized: the cache's own stats count the builds); fallback decisions taken;
         # seconds products waited for decisions (fingerprint, cache, and in sync mode the
@@ -443,7 +477,7 @@ class Runtime:
                     # The pattern's GPU is this thread's current device while specializing, so the
                     # sandbox's worker starts on it (a background thread would otherwise say cuda:0).
                     with self._specialize_lock, _on_device(col):
-                        entry = self.cache.get_or_create(key, lambda k: self.specializer(k, crow, col, pattern.ncols))
+                        entry = self.cache.get_or_create(key, lambda k: self._search(k, crow, col, pattern.ncols))
                     break
                 except TransientFailure as exc:
                     if attempt == TRANSIENT_RETRIES:
@@ -462,6 +496,16 @@ class Runtime:
         finally:
             self._arm_idle_stop()
         return self._install(pattern, slot, key, entry, crow, col)
+
+    def _search(self, key, crow, col, ncols) -> CacheEntry:
+        """The specializer's decision, unless the process began to exit meanwhile: a search the
+        exit cut short (its worker stopped) would decide wrongly, so it decides nothing."""
+        if self._closing:
+            raise _ShuttingDown("the process exits")
+        entry = self.specializer(key, crow, col, ncols)
+        if self._closing:
+            raise _ShuttingDown("the process exits")
+        return entry
 
     def _install(self, pattern, slot, key, entry: CacheEntry, crow, col):
         if entry.spec_source is None:
@@ -494,6 +538,8 @@ class Runtime:
                 except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
                     log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
                              entry.family, exc)
+            if self._closing:  # no build at exit
+                return self._fallback(pattern, slot, key, "the process exits", None)
             installer = self.installer
             if interim is not None and installer is inline_installer:
                 # the interim's plan data and index copies serve the library's kernel too (the same
@@ -504,7 +550,7 @@ class Runtime:
                 # private pool when this runs in its warm-up (sync mode).
                 launch = run_kept(col.device, installer, entry, crow, col, pattern.ncols)
             except Exception as exc:  # noqa: BLE001
-                if interim is not None:  # the same source, built by NVRTC, serves on
+                if interim is not None and not self._closing:  # the same source, built by NVRTC, serves on
                     log.warning("sparserl: %s n=%d: installing %s from its library failed; its NVRTC build serves "
                                 "on: %s", key.op, key.n, entry.family, exc)
                     return interim
@@ -547,6 +593,9 @@ class Runtime:
         self._set(pattern, slot, state)
         self._stats["fallbacks"] += 1
         what = f"{slot[1]} n={slot[2]} {DTYPE_NAMES.get(slot[3], slot[3])}"
+        if self._closing:  # what fails while the process exits is no news: exit is silent
+            log.debug("sparserl: %s: not decided, the process exits (%s)", what, reason)
+            return state
         (log.info if quiet else log.warning)("sparserl: %s falls back to cuSPARSE: %s", what, reason,
                                              exc_info=exc if exc is not None and not quiet else None)
         return state
@@ -572,6 +621,8 @@ class Runtime:
     def _in_background(self, fn: Callable, *args, pool: ThreadPoolExecutor | None = None) -> Future:
         def timed():
             try:
+                if self._closing:  # queued before the exit began: dropped
+                    return None
                 with self._clock("background_s"):
                     return fn(*args)
             finally:
@@ -579,7 +630,34 @@ class Runtime:
                     self._in_flight -= 1
         with self._lock:
             self._in_flight += 1
-        return (pool or self._pool()).submit(timed)
+        future = self._submit(pool or self._pool(), timed)
+        if future.cancelled():
+            with self._lock:
+                self._in_flight -= 1
+        return future
+
+    def _submit(self, pool: ThreadPoolExecutor, fn: Callable) -> Future:
+        """``pool.submit(fn)``, or, once the runtime closes, a cancelled future: new work is dropped."""
+        if not self._closing:
+            try:
+                return pool.submit(fn)
+            except RuntimeError as exc:  # the pool (close()) or the interpreter shut down meanwhile
+                log.debug("sparserl runtime: background work dropped: %s", exc)
+        dropped: Future = Future()
+        dropped.cancel()
+        return dropped
+
+    def _stop_for_exit(self) -> None:
+        """The process exits: drop new and queued work, stop the specializer's worker (a search
+        under way then fails and caches nothing), let a cache write under way finish."""
+        self._closing = True
+        with self._lock:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+        abort = getattr(self.specializer, "abort", None)
+        if abort is not None:
+            abort()
 
     # ------------------------------------------------------------------ the worker's life
     def _arm_idle_stop(self) -> None:
@@ -639,7 +717,7 @@ class Runtime:
             return time.perf_counter() - started
 
         if background:
-            self._pool().submit(work)
+            self._submit(self._pool(), work)
             return None
         return work()
 
@@ -654,7 +732,9 @@ class Runtime:
         builds they started (tests, benchmarks)."""
         for executor in (self._executor, self._library_executor):  # decisions first: they submit builds
             if executor is not None:
-                executor.submit(lambda: None).result(timeout)
+                marker = self._submit(executor, lambda: None)
+                if not marker.cancelled():
+                    marker.result(timeout)
 
     def state(self, op: str, pattern: Pattern, n: int, dtype: torch.dtype):
         """The state of one (op, n, dtype) on ``pattern``, or None when it was never asked for."""
@@ -860,6 +940,13 @@ class autotune_specializer:  # noqa: N801 - used like a function
         if self._sandbox is not None:
             self._sandbox.close()
             self._sandbox = None
+
+    def abort(self) -> None:
+        """At exit: kill the sandbox's worker now (a search under way fails at once); the
+        runtime caches nothing of it."""
+        sandbox = self._sandbox
+        if sandbox is not None:
+            sandbox.abort()
 
 
 class learned_specializer(autotune_specializer):  # noqa: N801 - used like a function

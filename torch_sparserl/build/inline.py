@@ -13,6 +13,10 @@ that parsing ``torch/extension.h`` costs (DESIGN.md, measured).
 * A killed build leaves torch's ``lock`` file behind and torch then waits on it forever.
   Builds here hold an ``flock`` on a separate file, which the OS releases when its holder
   dies; whoever holds it may delete a leftover ``lock``, since no one else can be building.
+  The lock file is opened without following a symbolic link and without truncating it.
+* A library is loaded only when its marker (``<name>.ok``, written after a complete build)
+  holds the keyed digest of its bytes (:mod:`~torch_sparserl.trust`); one without it (planted,
+  changed, from an older version) is rebuilt from scratch, never loaded.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from pathlib import Path
 
 import torch
 
+from .. import trust
 from ..abi import KERNEL_NAME, KernelSpec
-from ..paths import cache_dir
+from ..paths import build_root
 from .errors import CompileError, LaunchError
 from .kernel import Kernel
 
@@ -73,18 +78,49 @@ def module_name(specs: list[KernelSpec], arch: str) -> str:
     return f"sparserl_{h.hexdigest()[:16]}"
 
 
+LOCK_NAME = "sparserl.flock"
+
+
 @contextmanager
 def _exclusive(build_dir: Path):
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "sparserl.flock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    build_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = trust.open_lock(build_dir / LOCK_NAME)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             stale = build_dir / "lock"  # torch's FileBaton file; nobody else can hold it now
             if stale.exists():
                 stale.unlink()
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def verified_build(library: Path, done: Path, compile_fn) -> bytes:
+    """The bytes of ``library``, built by ``compile_fn()`` first unless its marker ``done`` holds
+    their keyed digest; call under :func:`_exclusive`. A library without a valid digest is
+    never reused: its folder is emptied (but for the lock) and it is built again."""
+    data = trust.library_bytes(library, done)
+    if data is None:
+        trust.clear_build(library.parent, keep=(LOCK_NAME,))
+        compile_fn()
+        trust.write_marker(library, done)
+        data = trust.library_bytes(library, done)
+        if data is None:
+            raise OSError(f"{library}: the library changed while it was signed")
+    return data
+
+
+def load_verified(library: Path, data: bytes, load):
+    """``load(path)`` of a path holding exactly ``data`` (:func:`~torch_sparserl.trust.loadable_path`)."""
+    path, fd = trust.loadable_path(library, data)
+    try:
+        return load(path)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _bind(lib: ctypes.CDLL, spec: KernelSpec) -> Kernel:
@@ -119,16 +155,19 @@ def _current_arch() -> str:
 
 def _paths(specs: list[KernelSpec], arch: str, directory: Path | None) -> tuple[str, Path, Path, Path]:
     name = module_name(specs, arch)
-    build_dir = (directory or cache_dir() / "build") / name
+    build_dir = (directory or build_root()) / name
     # the .ok file is written after a complete build: a half-linked .so never loads
     return name, build_dir, build_dir / f"{name}.so", build_dir / f"{name}.ok"
 
 
 def is_built(specs: list[KernelSpec], arch: str, *, directory: Path | None = None) -> bool:
-    """Whether the library of ``specs`` for ``arch`` is on disk, complete: :func:`build` then
-    only loads it (no compiler, no import of torch's extension builder)."""
+    """Whether the library of ``specs`` for ``arch`` is on disk, complete and verified: :func:`build`
+    then only loads it (no compiler, no import of torch's extension builder)."""
     specs = _distinct(specs)
-    return bool(specs) and _paths(specs, arch, directory)[3].exists()
+    if not specs:
+        return False
+    _, _, library, done = _paths(specs, arch, directory)
+    return trust.is_verified(library, done)
 
 
 def prebuild(specs: list[KernelSpec], arch: str) -> str:
@@ -149,29 +188,32 @@ def build(specs: list[KernelSpec], arch: str | None = None, *, directory: Path |
     if arch is None:
         arch = _current_arch()
     name, build_dir, library, done = _paths(specs, arch, directory)
-    with _exclusive(build_dir):
-        if not done.exists():
-            # Imported here: loading a built library must not pay for torch's builder.
-            from torch.utils.cpp_extension import load
+    units = [_translation_unit(spec) for spec in specs]  # every source passes the ABI check first
 
-            sources = []
-            for spec in specs:
-                path = build_dir / f"k_{spec.key}.cu"
-                path.write_text(_translation_unit(spec))
-                sources.append(str(path))
-            try:
-                load(name=name, sources=sources, build_directory=str(build_dir), verbose=verbose,
-                     is_python_module=False, extra_cuda_cflags=["-O3", "-std=c++17", *_arch_flags(arch)],
-                     extra_cflags=["-O2"])
-            except (RuntimeError, OSError, ImportError) as exc:
-                raise CompileError(f"inline build of {len(specs)} kernel(s) as {name} failed "
-                                   f"(build files in {build_dir})", log=str(exc)) from exc
-            done.write_text("\n".join(s.key for s in specs))
-    lib = _load(library)
+    def compile_library() -> None:
+        # Imported here: loading a built library must not pay for torch's builder.
+        from torch.utils.cpp_extension import load
+
+        sources = []
+        for spec, unit in zip(specs, units):
+            path = build_dir / f"k_{spec.key}.cu"
+            path.write_text(unit)
+            sources.append(str(path))
+        try:
+            load(name=name, sources=sources, build_directory=str(build_dir), verbose=verbose,
+                 is_python_module=False, extra_cuda_cflags=["-O3", "-std=c++17", *_arch_flags(arch)],
+                 extra_cflags=["-O2"])
+        except (RuntimeError, OSError, ImportError) as exc:
+            raise CompileError(f"inline build of {len(specs)} kernel(s) as {name} failed "
+                               f"(build files in {build_dir})", log=str(exc)) from exc
+
+    with _exclusive(build_dir):
+        data = verified_build(library, done, compile_library)
+    lib = load_verified(library, data, _load)
     return {spec.key: _bind(lib, spec) for spec in specs}
 
 
-def _load(library: Path) -> ctypes.CDLL:
+def _load(library: Path | str) -> ctypes.CDLL:
     """dlopen the built library (its fatbinary is registered here; with CUDA's lazy loading the
     module itself is loaded by the first call that needs a kernel: ``_bind``'s attribute query)."""
     return ctypes.CDLL(str(library), mode=os.RTLD_LOCAL)

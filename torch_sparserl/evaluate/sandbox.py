@@ -224,6 +224,7 @@ class Sandbox:
         self._worker: _Worker | None = None
         self.starts = 0          # workers started so far (1 + restarts)
         self.closed = False
+        self.aborted = False     # abort(): no worker starts again
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Sandbox:
@@ -236,6 +237,22 @@ class Sandbox:
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def abort(self) -> None:
+        """Kill the worker now, from any thread (the runtime's exit hook): a task waiting on it
+        ends as a crash, and no worker starts again. Its pipe is left to :meth:`close`, which
+        the thread using the sandbox may still be waiting on."""
+        self.aborted = True
+        worker = self._worker
+        if worker is None or worker.exitcode is not None:
+            return
+        try:
+            if os.getpgid(worker.pid) == worker.pid:
+                os.killpg(worker.pid, signal.SIGKILL)
+            else:
+                worker.popen.kill()
+        except (ProcessLookupError, PermissionError):
             pass
 
     def close(self) -> None:
@@ -281,6 +298,8 @@ class Sandbox:
     def _ensure_worker(self) -> _Worker:
         if self.closed:
             raise SandboxError("Sandbox: used after close()")
+        if self.aborted:
+            raise SandboxError("Sandbox: aborted (the process exits)")
         if self._worker is not None and self._worker.exitcode is None:
             return self._worker
         self._drop_worker()

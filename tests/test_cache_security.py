@@ -1,0 +1,246 @@
+"""The kernel cache's trust model: a private folder, signed entries, device code only, verified
+libraries, locks that follow no symbolic link (issue 33, class 7)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from torch_sparserl import paths, trust
+from torch_sparserl.abi import PlanError, check_source
+from torch_sparserl.cache import CacheEntry, KernelCache
+from torch_sparserl.fingerprint import SpecializationKey
+
+KEY = SpecializationKey(pattern="abc", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
+SOURCE = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\n'
+          'extern "C" __global__ void sparserl_kernel(const int* rowptr) {}\n')
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A fresh private cache folder (and key) of this test's own."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(root))
+    paths.forget_checks()
+    trust.forget_keys()
+    yield root
+    paths.forget_checks()
+    trust.forget_keys()
+
+
+def _entry(source=SOURCE):
+    return CacheEntry(KEY, source, family="group_row", params={"lanes": 8}, reason="fastest")
+
+
+def test_the_default_cache_folder_is_created_private(private_cache):
+    KernelCache()
+    assert (os.stat(private_cache).st_mode & 0o777) == 0o700
+    key_file = private_cache / trust.KEY_NAME
+    assert (os.stat(key_file).st_mode & 0o777) == 0o600 and len(key_file.read_bytes()) == trust.KEY_BYTES
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o757, 0o777])
+def test_a_cache_folder_others_can_write_is_refused_with_a_message(private_cache, mode, caplog):
+    private_cache.mkdir()
+    os.chmod(private_cache, mode)
+    with pytest.raises(paths.CacheDirError) as refused:
+        paths.cache_dir()
+    message = str(refused.value)
+    assert str(private_cache) in message and "group or others can write" in message
+    assert f"({mode:o})" in message and "expected a folder owned by uid" in message
+    paths.forget_checks()
+    caplog.clear()
+    cache = KernelCache()  # the library's use: no disk cache, one warning
+    assert not cache.disk and cache.get(KEY) is None
+    cache.put(_entry())
+    assert cache.get(KEY).family == "group_row"  # memory only
+    assert not list(private_cache.iterdir())
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "refusing the kernel cache folder" in warnings[0].getMessage()
+
+
+def test_a_symlinked_cache_folder_is_refused(private_cache, tmp_path):
+    real = tmp_path / "elsewhere"
+    real.mkdir(mode=0o700)
+    private_cache.symlink_to(real)
+    with pytest.raises(paths.CacheDirError, match="symbolic link"):
+        paths.cache_dir()
+
+
+def test_a_cache_folder_of_another_user_is_refused(private_cache, monkeypatch):
+    private_cache.mkdir(mode=0o700)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(private_cache).st_uid + 1)
+    with pytest.raises(paths.CacheDirError, match="belongs to another user"):
+        paths.cache_dir()
+
+
+def test_a_forged_entry_is_rejected_and_removed(private_cache, caplog):
+    cache = KernelCache()
+    path = cache.put(_entry())
+    document = json.loads(path.read_text())
+    document["payload"]["params"] = {"lanes": 16}  # what a writer without the key can do
+    import hashlib
+
+    from torch_sparserl.cache import _canonical
+
+    document["hmac_sha256"] = hashlib.sha256(_canonical(document["payload"])).hexdigest()
+    path.write_text(json.dumps(document))
+    fresh = KernelCache()
+    assert fresh.get(KEY) is None and not path.exists() and fresh.stats["rejected"] == 1
+    assert "bad signature" in caplog.text
+
+
+def test_an_unsigned_entry_of_the_old_format_is_rejected(private_cache, caplog):
+    cache = KernelCache()
+    path = cache.put(_entry())
+    payload = json.loads(path.read_text())["payload"]
+    import hashlib
+
+    from torch_sparserl.cache import _canonical
+
+    path.write_text(json.dumps({"format": 1, "sha256": hashlib.sha256(_canonical(payload)).hexdigest(),
+                                "payload": payload}))
+    assert KernelCache().get(KEY) is None and not path.exists()
+    assert "format 1, expected 2" in caplog.text
+
+
+def test_an_entry_signed_with_another_key_is_rejected(private_cache):
+    path = KernelCache().put(_entry())
+    (private_cache / trust.KEY_NAME).unlink()  # another user's (or machine's) key signed it
+    trust.forget_keys()
+    assert KernelCache().get(KEY) is None and not path.exists()
+
+
+HOSTILE = {
+    "constructor attribute": '__attribute__((constructor)) static void pwn() {}',
+    "host function": 'int pwn() { return 0; }',
+    "extern C host function": 'extern "C" int pwn() { return 0; }',
+    "static initializer": 'static int pwned = 1;',
+    "global constructor": 'struct Pwn { Pwn() {} } pwn;',
+    "asm": '__device__ void f() { asm("trap;"); }',
+    "host header": '#include <cstdlib>',
+    "__host__": '__host__ __device__ int f() { return 0; }',
+    "pragma": '#pragma GCC diagnostic ignored "-Wall"',
+    "macro hiding the qualifier": '#define HIDE(x)\nHIDE(__device__) int pwn() { return 0; }',
+    "conditional qualifier": '#if 0\n__device__\n#endif\nint pwn() { return 0; }',
+    "redefined qualifier": '#define __device__\n__device__ int pwn() { return 0; }',
+    "digraph include": '%:include <cstdlib>',
+    "line splice": '// \\\nint pwn() { return 0; }',
+    "C++ attribute": '[[gnu::constructor]] int pwn() { return 0; }',
+}
+
+
+@pytest.mark.parametrize("code", HOSTILE.values(), ids=HOSTILE.keys())
+def test_an_entry_with_host_code_is_rejected_even_when_signed(private_cache, code, caplog):
+    hostile = SOURCE + code + "\n"
+    with pytest.raises(PlanError, match="not device code only|not allowed"):
+        check_source(hostile)
+    path = KernelCache().put(_entry(hostile))  # signed with the user's own key
+    fresh = KernelCache()
+    assert fresh.get(KEY) is None and not path.exists()
+    assert "fails the ABI check" in caplog.text
+
+
+def test_every_shipped_family_renders_device_code_only():
+    from torch_sparserl import families
+
+    checked = 0
+    for op in families.OPS:
+        for dtype in families.DTYPE_CODES:
+            for n in ((1,) if op == "spmv" else (1, 8, 32, 64, 128)):
+                for family, params in families.space(op, dtype, n):
+                    for compact in (False, True):
+                        check_source(families.render(family, params, op=op, dtype=dtype, n=n,
+                                                     compact=compact).source)
+                        checked += 1
+                    if family in families.EPILOGUE_FAMILIES and op == "spmm":
+                        check_source(families.render(family, {**params, "epilogue": "scale+bias+relu"},
+                                                     op=op, dtype=dtype, n=n).source)
+    assert checked > 500
+    assert set(f'"{name}"' for name in families.HEADERS) <= __import__("torch_sparserl.abi").abi.DEVICE_INCLUDES
+
+
+def test_a_policy_sample_with_host_code_is_a_plan_failure():
+    from torch_sparserl.abi import KernelSpec
+    from torch_sparserl.evaluate.compile_tier import compile_only
+    from torch_sparserl.evaluate.record import ErrorKind
+
+    record = compile_only(KernelSpec(SOURCE + "int pwn() { return 0; }\n"))
+    assert record.error_kind == ErrorKind.PLAN and "device code" in record.log
+
+
+# ------------------------------------------------------------------ libraries
+
+def _planted(folder, name):
+    folder.mkdir(parents=True)
+    library = folder / f"{name}.so"
+    library.write_bytes(b"\x7fELF planted")
+    (folder / f"{name}.ok").write_text(name)  # the marker of the old format: no keyed digest
+    return library
+
+
+def test_a_planted_kernel_library_is_rebuilt_not_loaded(private_cache, tmp_path, monkeypatch):
+    from torch_sparserl import families
+    from torch_sparserl.build import inline
+
+    spec = families.render("group_row", {}, op="spmm", dtype="f32", n=32)
+    name, folder, library, done = inline._paths([spec], "sm_90", tmp_path)
+    _planted(folder, name)
+    loaded, built = [], []
+
+    def fake_compile(**kwargs):  # torch's builder: writes the library it was asked for
+        built.append(kwargs["name"])
+        assert not library.exists(), "the planted library must be gone before a rebuild"
+        library.write_bytes(b"\x7fELF built here")
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "load", fake_compile)
+    monkeypatch.setattr(inline, "_load", lambda path: loaded.append(open(path, "rb").read()) or object())
+    monkeypatch.setattr(inline, "_bind", lambda lib, spec: spec.key)
+    assert not inline.is_built([spec], "sm_90", directory=tmp_path)
+    assert inline.build([spec], "sm_90", directory=tmp_path) == {spec.key: spec.key}
+    assert built == [name] and loaded == [b"\x7fELF built here"]
+    assert inline.is_built([spec], "sm_90", directory=tmp_path)
+    inline.build([spec], "sm_90", directory=tmp_path)  # verified now: loaded without a build
+    assert built == [name] and loaded == [b"\x7fELF built here"] * 2
+
+
+def test_a_planted_fast_path_library_is_not_loaded(private_cache, monkeypatch):
+    from torch_sparserl import fastpath
+
+    library, done = fastpath.library()
+    _planted(library.parent, library.stem)
+    opened = []
+    monkeypatch.setattr(fastpath, "_load_library", opened.append)
+    monkeypatch.setattr(fastpath, "loaded", False)
+    assert not fastpath.is_built() and fastpath._load() is False and opened == []
+    trust.write_marker(library, done)  # what a build by this user records
+    assert fastpath.is_built()
+    monkeypatch.setattr(fastpath.torch.ops, "sparserl_fastpath", type("Ops", (), {"bind_counters": print}),
+                        raising=False)
+    assert fastpath._load() is True and len(opened) == 1
+
+
+# ------------------------------------------------------------------ locks
+
+@pytest.mark.parametrize("which", ["cache", "build"])
+def test_a_symlinked_lock_is_not_followed_nor_its_target_truncated(tmp_path, which):
+    from torch_sparserl.build import inline
+
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    if which == "cache":
+        cache = KernelCache(folder)
+        (folder / f"{KEY.digest()}.lock").symlink_to(target)
+        assert cache.get_or_create(KEY, lambda key: _entry()).family == "group_row"  # memory only, no raise
+    else:
+        (folder / inline.LOCK_NAME).symlink_to(target)
+        with pytest.raises(OSError):
+            with inline._exclusive(folder):
+                pass
+    assert target.read_text() == "keep me"
