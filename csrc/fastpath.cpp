@@ -64,7 +64,7 @@ struct Entry {
   int64_t op = SPMM, ncols = 0, n = 0, nnz = 0, in_rows = 0, out_rows = 0;
   c10::ScalarType dtype = c10::ScalarType::Float;
   // what serves it
-  at::Tensor rowptr, colidx;  // the indices to read: the pattern's validated ones (int32 copies, the transpose)
+  at::Tensor rowptr, colidx;  // the validated indices to read when not the call's own (a private copy, int32 copies, the transpose)
   at::Tensor perm;            // transposed ops: val_t = val[perm]
   bool vendor = false;        // cuSPARSE through at::addmm / at::addmv
   int64_t vendor_cols = 0;    // columns of the matrix cuSPARSE multiplies
@@ -142,13 +142,15 @@ void zero_fill(const at::Tensor& t, cudaStream_t stream) {
   if (t.numel()) C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), stream));
 }
 
-// Serves a call with the indices its pattern validated (the entry's rowptr and colidx: the
-// pattern's own copy, int32 copies or the transpose), never the call's crow and col, which
-// only identify the pattern.
-at::Tensor serve(const Entry& e, const at::Tensor& val_in, const at::Tensor& X_in) {
+// Serves a call with the indices its pattern validated: the entry's rowptr and colidx (the
+// pattern's private copy of a caller's tensors, int32 copies, the transpose), or the call's
+// crow and col where those are the library's own validated tensors (none recorded then, so
+// that the entry holds no strong reference to them).
+at::Tensor serve(const Entry& e, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val_in,
+                 const at::Tensor& X_in) {
   const bool matrix = (e.op == SPMM || e.op == SPMM_T);
-  const at::Tensor& rowptr = e.rowptr;
-  const at::Tensor& colidx = e.colidx;
+  const at::Tensor& rowptr = e.rowptr.defined() ? e.rowptr : crow;
+  const at::Tensor& colidx = e.colidx.defined() ? e.colidx : col;
   c10::cuda::CUDAGuard guard(X_in.device());
   if (e.vendor) {
     count(1);
@@ -210,7 +212,7 @@ at::Tensor product(const at::Tensor& crow, const at::Tensor& col, const at::Tens
   // the values in the transposed order, gathered on every call (Pattern.transposed_values):
   // values are read as they are, and no counter says reliably whether they changed
   if (e && (OP == SPMM_T || OP == SPMV_T)) values = at::index_select(val, 0, e->perm);
-  if (e) return serve(*e, values, X);
+  if (e) return serve(*e, crow, col, values, X);
   static auto slow = c10::Dispatcher::singleton()
                          .findSchemaOrThrow((std::string("sparserl_direct::") + kOpNames[OP]).c_str(), "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
@@ -251,10 +253,8 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   e->nnz = nnz;
   e->in_rows = in_rows;
   e->out_rows = out_rows;
-  TORCH_CHECK(rowptr.has_value() && rowptr->defined() && colidx.has_value() && colidx->defined(),
-              "sparserl_fastpath.install: the pattern's validated indices (rowptr, colidx) are required");
-  e->rowptr = *rowptr;
-  e->colidx = *colidx;
+  if (rowptr.has_value()) e->rowptr = *rowptr;
+  if (colidx.has_value()) e->colidx = *colidx;
   if (perm.has_value()) e->perm = *perm;
   e->vendor = launcher == 0 && function == 0;
   e->vendor_cols = vendor_cols;

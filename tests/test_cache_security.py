@@ -244,3 +244,27 @@ def test_a_symlinked_lock_is_not_followed_nor_its_target_truncated(tmp_path, whi
             with inline._exclusive(folder):
                 pass
     assert target.read_text() == "keep me"
+
+
+def test_libraries_loaded_one_after_another_keep_their_own_symbols(tmp_path):
+    """Each verified library is loaded from a memory file of its own that stays open: dlopen
+    knows a library by its path, so a reused /proc/self/fd/N would hand back the first
+    library, without the second's symbols (seen on the H100: 'undefined symbol')."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from torch_sparserl.build.inline import load_verified
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build two shared libraries")
+    loaded = []
+    for i in range(3):
+        source = tmp_path / f"lib{i}.c"
+        source.write_text(f"int sparserl_test_{i}(void) {{ return {i + 40}; }}\n")
+        library = tmp_path / f"lib{i}.so"
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+        lib = load_verified(library, library.read_bytes(), lambda path: ctypes.CDLL(path))
+        loaded.append((i, lib))
+    for i, lib in loaded:
+        assert getattr(lib, f"sparserl_test_{i}")() == i + 40

@@ -232,8 +232,12 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
     if (mark in entry.fast_recorded or crow.is_inference() or col.is_inference()
             or torch.cuda.is_current_stream_capturing()):
         return
-    # C++ serves with the indices the pattern validated (Pattern.indices), never the call's own
+    # C++ serves with the indices the pattern validated (Pattern.indices): its private copy of a
+    # caller's tensors; where they are the call's own (the library's tensors), none is handed
+    # over, so that the entry keeps no strong reference to them
     used, (rowptr, colidx), perm = entry, entry.indices(crow, col), None
+    if rowptr is crow and colidx is col:
+        rowptr = colidx = None
     if transposed:
         used, rowptr, colidx, perm = entry.transpose(crow, col)
     # the state is read under the lock that forget() takes: a decision landing meanwhile is

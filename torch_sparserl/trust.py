@@ -226,10 +226,16 @@ def clear_build(folder: Path, keep: tuple[str, ...]) -> None:
             pass
 
 
+_LOADED_FDS: list[int] = []
+"""Memory files of loaded libraries, open for the process's life: dlopen knows a library by its
+path, so a closed descriptor's number, and with it the path ``/proc/self/fd/N``, reused by the
+next library would be taken for the library already loaded (its symbols then missing)."""
+
+
 def loadable_path(library: Path, data: bytes) -> tuple[str, int | None]:
     """A path to dlopen that holds exactly ``data`` (the verified bytes): a sealed memory file
-    where the system has them, else ``library`` itself (its folder is private to the user).
-    Returns ``(path, fd to close after loading or None)``."""
+    where the system has them (kept open: :data:`_LOADED_FDS`), else ``library`` itself (its
+    folder is private to the user). Returns ``(path, None)``: nothing for the caller to close."""
     memfd_create = getattr(os, "memfd_create", None)
     if memfd_create is None or not os.path.isdir("/proc/self/fd"):
         return str(library), None
@@ -253,4 +259,5 @@ def loadable_path(library: Path, data: bytes) -> tuple[str, int | None]:
     except OSError:
         os.close(fd)
         return str(library), None
-    return f"/proc/self/fd/{fd}", fd
+    _LOADED_FDS.append(fd)
+    return f"/proc/self/fd/{fd}", None

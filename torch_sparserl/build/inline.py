@@ -115,12 +115,8 @@ def verified_build(library: Path, done: Path, compile_fn) -> bytes:
 
 def load_verified(library: Path, data: bytes, load):
     """``load(path)`` of a path holding exactly ``data`` (:func:`~torch_sparserl.trust.loadable_path`)."""
-    path, fd = trust.loadable_path(library, data)
-    try:
-        return load(path)
-    finally:
-        if fd is not None:
-            os.close(fd)
+    path, _ = trust.loadable_path(library, data)
+    return load(path)
 
 
 def _bind(lib: ctypes.CDLL, spec: KernelSpec) -> Kernel:
