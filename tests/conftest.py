@@ -48,3 +48,13 @@ def fresh_intercept():
     intercept.deactivate_backend()
     intercept.reset_warnings()
     assert not intercept.installed()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Each test compiles from nothing: no code, guards or counters of an earlier test (use it
+    through ``pytest.mark.usefixtures("fresh_dynamo")``)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()

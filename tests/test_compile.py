@@ -15,7 +15,7 @@ from torch_sparserl.dtypes import assert_close_to_reference
 
 from helpers import make_pattern
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 class GCN(torch.nn.Module):
@@ -37,14 +37,6 @@ def _graph_data(device, dtype=torch.float32):
 
 def _grads(model):
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def test_gcn_fullgraph_matches_eager(device):

@@ -14,10 +14,15 @@ plain placeholders and the matrix is rebuilt from them at the top of the graph (
 operators on the parts, as before). The compiled function it returns takes Dynamo's
 arguments and passes the parts on, a tuple per matrix.
 
-Only matrices whose values need no gradient and whose shape is static are flattened: a
-gradient for ``A.val`` must reach the user's values through the matrix's own autograd link,
-which only the subclass path keeps. Under CUDA graphs the backend leaves the graph as it is
-(its replays have no per-call cost to save, and the parts would not be known as static).
+Only matrices whose values need no gradient are flattened: a gradient for ``A.val`` must
+reach the user's values through the matrix's own autograd link, which only the subclass path
+keeps. The matrix's shape lives only in the wrapper (``ncols`` is in no part's size), so the
+rebuilt matrix takes it from Dynamo's graph, never from the example in hand: a size Dynamo
+holds static (its guards check it) is a constant, a dynamic one (automatic dynamic shapes
+after a second size, or ``dynamic=True``) is the graph input Dynamo lifted for its symbol. A
+matrix with a dynamic size that has no such input is left to the subclass path. Under CUDA
+graphs the backend leaves the graph as it is (its replays have no per-call cost to save, and
+the parts would not be known as static).
 """
 
 from __future__ import annotations
@@ -37,8 +42,37 @@ def from_parts(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, size: S
 
 
 def _flattenable(x) -> bool:
-    return (type(x) is CSRMatrix and not x.requires_grad and not x.val.requires_grad
-            and all(type(s) is int for s in x.shape))
+    return type(x) is CSRMatrix and not x.requires_grad and not x.val.requires_grad
+
+
+def _symbol_inputs(placeholders) -> dict:
+    """The placeholders Dynamo lifted for the basic symbols of its inputs' sizes, by symbol."""
+    found = {}
+    for node in placeholders:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) and value.node.expr.is_Symbol:
+            found.setdefault(value.node.expr, node)
+    return found
+
+
+def _graph_size(node: torch.fx.Node, symbols: dict) -> tuple | None:
+    """The matrix's size as Dynamo's graph has it: per dimension the int Dynamo specialized
+    on (and guards), or the placeholder of its symbol; None when Dynamo's value for the
+    matrix is missing or a symbolic size has no placeholder. Never the size of the example
+    in hand: under dynamic shapes that is one call's size, and a constant of it would be
+    reused for every later size."""
+    fake = node.meta.get("example_value")
+    if not isinstance(fake, CSRMatrix) or fake.dim() != 2:
+        return None
+    size = []
+    for dim in fake.shape:
+        if isinstance(dim, int):
+            size.append(dim)
+        elif isinstance(dim, torch.SymInt) and dim.node.expr in symbols:
+            size.append(symbols[dim.node.expr])
+        else:
+            return None
+    return tuple(size)
 
 
 def flatten_matrix_inputs(gm: torch.fx.GraphModule, example_inputs: list):
@@ -51,7 +85,10 @@ def flatten_matrix_inputs(gm: torch.fx.GraphModule, example_inputs: list):
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(example_inputs):
         return None
-    slots = {i for i, x in enumerate(example_inputs) if _flattenable(x)}
+    symbols = _symbol_inputs(placeholders)
+    sizes = {i: _graph_size(node, symbols) for i, (node, x) in enumerate(zip(placeholders, example_inputs))
+             if _flattenable(x)}
+    slots = {i for i, size in sizes.items() if size is not None}
     if not slots:
         return None
     by_source = {node._dynamo_source: node for node in placeholders if getattr(node, "_dynamo_source", None) is not None}
@@ -92,8 +129,9 @@ def flatten_matrix_inputs(gm: torch.fx.GraphModule, example_inputs: list):
     for i, node in enumerate(placeholders):
         if i in slots:
             parts = [env.get(part, part) for part in parts_of[i]]
-            env[node] = graph.call_function(from_parts, (*parts, tuple(example_inputs[i].shape)))
-            env[node].meta["val"] = example_inputs[i]
+            size = tuple(env[dim] if isinstance(dim, torch.fx.Node) else dim for dim in sizes[i])
+            env[node] = graph.call_function(from_parts, (*parts, size))
+            env[node].meta["example_value"] = node.meta["example_value"]
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
