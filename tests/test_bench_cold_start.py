@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
+import torch._inductor.config
 
 from helpers import load_benchmark
 
@@ -159,15 +160,13 @@ class SlowSpecializer:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("off_first", [False, True])
+@torch._inductor.config.patch(force_disable_caches=True)
 def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path, monkeypatch, off_first):
-    import torch._inductor.config
-
     from torch_sparserl import runtime as rt
     from torch_sparserl.cache import KernelCache
 
     cold = load_benchmark("bench_cold_start")
     bench = load_benchmark("bench_gnn")
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
     specializer = SlowSpecializer()
     runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path / "cache"),

@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch._inductor.config
 
 from helpers import load_benchmark
 
@@ -99,13 +100,11 @@ def test_losses_that_differ_are_reported():
 
 
 @pytest.mark.slow
+@torch._inductor.config.patch(force_disable_caches=True)  # the pass must run, not a cache hit
 def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
-    import torch._inductor.config
-
     bench = _bench()
     out = tmp_path / "gnn.json"
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # the pass must run, not a cache hit
     from torch_sparserl import passes
 
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse

@@ -54,25 +54,25 @@ def test_graphs_are_recorded_again_at_the_forward_after_the_last_decision(made):
 
 
 @pytest.mark.parametrize("trees", [True, False])
-def test_graphs_decided_before_they_recorded_are_not_made_again(made, monkeypatch, trees):
+def test_graphs_decided_before_they_recorded_are_not_made_again(made, trees):
     """Under CUDA graph trees a callable's first call warms up and its second records: decisions
     that land after the warm-up step leave the callables as they are (they record with the
     kernels). Without trees the first call records, so the graphs are made again."""
     import torch._inductor.config as config
 
-    monkeypatch.setattr(config.triton, "cudagraph_trees", trees)
-    future = Future()
-    decisions = cudagraphs.Decisions([future])
-    forward, backward = _graphs(decisions)
-    assert forward(1) == (1, 2) and backward(3) == (2, 6)  # the compile's step
-    future.set_result(rt.Installed(None, None))
-    if trees:
-        assert forward(1) == (1, 2) and backward(3) == (2, 6) and len(made) == 2
-        assert decisions.rerecorded == 0 and decisions.decided_before_recording
-    else:
-        assert forward(1) == (3, 2) and backward(3) == (4, 6) and len(made) == 4
-        assert decisions.rerecorded == 1 and not decisions.decided_before_recording
-    assert not decisions.waiting
+    with config.patch({"triton.cudagraph_trees": trees}):  # the callables read it when they run
+        future = Future()
+        decisions = cudagraphs.Decisions([future])
+        forward, backward = _graphs(decisions)
+        assert forward(1) == (1, 2) and backward(3) == (2, 6)  # the compile's step
+        future.set_result(rt.Installed(None, None))
+        if trees:
+            assert forward(1) == (1, 2) and backward(3) == (2, 6) and len(made) == 2
+            assert decisions.rerecorded == 0 and decisions.decided_before_recording
+        else:
+            assert forward(1) == (3, 2) and backward(3) == (4, 6) and len(made) == 4
+            assert decisions.rerecorded == 1 and not decisions.decided_before_recording
+        assert not decisions.waiting
 
 
 @pytest.mark.parametrize("outcome", ["fallback", "failed"])

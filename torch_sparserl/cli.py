@@ -9,22 +9,156 @@ one it generates the candidate kernels and compiles them with nvcc.
 ``tune`` searches the kernel space for a matrix; ``bench`` measures the runtime end to end;
 ``explain`` says which kernel serves a matrix's products and why; ``cache`` manages the
 specialization cache. ``SPARSERL_LOG=info`` (or ``debug``) logs the runtime's decisions.
+
+A bad invocation (an argument out of range, a file that is not a matrix, a broken cache
+folder) prints one line, ``sparserl COMMAND: what was expected (got what came)``, and exits
+with status 2; ``SPARSERL_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import stat
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .datasets import DEFAULT_MATRIX, list_matrices, load_matrix
 from .dtypes import close_to_reference
+
+MAX_N = 65536  # dense columns: --n beyond this is a typo, not a product anyone runs
+
+
+class CommandError(Exception):
+    """A bad invocation found after parsing; its message is the line the user sees."""
+
+
+# What a bad invocation or a broken file raises: one line, exit status 2 (the library's own
+# errors too: any exception class defined in torch_sparserl). Anything else is a bug.
+_EXPECTED = (CommandError, ValueError, TypeError, OSError, EOFError, RecursionError)
+
+
+def _matrix(name: str, what: str = "matrix"):
+    """A matrix named on the command line, loaded and checked: a real-valued CSR matrix with at
+    least one row, one column and one nonzero."""
+    try:
+        M = load_matrix(name).tocsr()
+    except (FileNotFoundError, ValueError) as exc:
+        raise CommandError(f"{what}: {str(exc).removeprefix('load_matrix: ')}") from exc
+    if M.dtype.kind not in "biuf":
+        raise CommandError(f"{what}: expected real values in {name!r} (got {M.dtype})")
+    if min(M.shape) == 0 or M.nnz == 0:
+        raise CommandError(f"{what}: expected a matrix with at least one row, column and nonzero in {name!r} "
+                           f"(got {M.shape[0]} x {M.shape[1]}, {M.nnz} nonzeros)")
+    return M
+
+
+def _columns(text: str) -> int:
+    """--n: dense columns."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_N:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_N} (got {text!r})")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds (got {text!r})")
+    return value
+
+
+def _device(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:INDEX or auto (got {text!r})")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"expected a CUDA device this machine has ({torch.cuda.device_count()} "
+                                         f"visible) (got {text!r})")
+    return text
+
+
+def _families(text: str) -> list[str]:
+    from .families import FAMILIES
+
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names among {', '.join(FAMILIES)} "
+                                         f"(got {', '.join(map(repr, unknown))})")
+    return names
+
+
+def _folder(text: str) -> str:
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a folder (got a file: {text!r})")
+    return text
+
+
+def _output_file(text: str) -> str:
+    parent = os.path.dirname(text) or "."
+    if os.path.isdir(text) or not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"expected a file to write in an existing folder (got {text!r})")
+    return text
+
+
+def _cache(args):
+    """The command's cache folder (--dir, else $SPARSERL_CACHE_DIR or the default)."""
+    from .cache import KernelCache
+
+    try:
+        return KernelCache(args.dir) if args.dir else KernelCache()
+    except OSError as exc:
+        where = (f"--dir {args.dir!r}" if args.dir else f"$SPARSERL_CACHE_DIR={os.environ['SPARSERL_CACHE_DIR']!r}"
+                 if os.environ.get("SPARSERL_CACHE_DIR") else "the default cache folder")
+        got = (f"a file in the way: {exc.filename}" if isinstance(exc, (FileExistsError, NotADirectoryError))
+               else _describe(exc))
+        raise CommandError(f"expected a usable cache folder at {where} (got {got})") from exc
+
+
+def _entry(cache, path: Path) -> Path:
+    """``path`` once checked to be a file: a FIFO would block its read, a link to /dev/zero
+    would never end."""
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise CommandError(f"expected cache entries to be files in {cache.root} (got "
+                           f"{'a folder' if path.is_dir() else 'a FIFO or device'} {path.name}: remove it)")
+    return path
+
+
+def _listing(cache):
+    """``cache.listing()``, every entry checked first (:func:`_entry`)."""
+    for path in cache.entries():
+        _entry(cache, path)
+    try:
+        return cache.listing()
+    except RecursionError as exc:
+        raise CommandError(f"expected JSON cache entries in {cache.root} (got one nested too deeply to read: "
+                           f"`sparserl cache clear` removes the entries)") from exc
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as part of one line."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _time_ms(fn, device: torch.device, repeats: int = 50) -> float:
@@ -64,7 +198,7 @@ def demo(args) -> int:
     import torch_sparserl as ts
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    M = load_matrix(args.matrix)
+    M = _matrix(args.matrix, "--matrix")
     lengths = np.diff(M.indptr)
     print(f"matrix   {args.matrix}: {M.shape[0]} x {M.shape[1]}, nnz {M.nnz}, "
           f"row length mean {lengths.mean():.1f} max {lengths.max()}")
@@ -226,14 +360,20 @@ def tune_command(args) -> int:
     from .autotune import candidates, tune
     from .features import structural_features
 
-    A = load_matrix(args.matrix).tocsr()
+    from .families import FAMILIES
+
+    A = _matrix(args.matrix)
     n = 1 if args.op == "spmv" else args.n
+    serving = [name for name, family in FAMILIES.items() if args.op in family.ops]
+    if args.families and not set(args.families) <= set(serving):
+        raise CommandError(f"--families: expected families that serve {args.op} ({', '.join(serving)}) "
+                           f"(got {', '.join(f for f in args.families if f not in serving)})")
     features = structural_features(A.indptr, A.indices, A.shape)
     print(f"matrix   {args.matrix}: {A.shape[0]} x {A.shape[1]}, {A.nnz} nonzeros, "
           f"row mean {features['row_mean']:.1f}, max {features['row_max']}, cv {features['row_cv']:.2f}")
     if torch.cuda.is_available() and not args.compile_only:
         result = tune(A, op=args.op, n=n, dtype=args.dtype, budget_s=args.budget_s,
-                      families=args.families.split(",") if args.families else None, progress=_progress("screening"))
+                      families=args.families, progress=_progress("screening"))
         finals = sorted((r for r in result.table if r.timing.get("stage") == "final" and r.ok),
                         key=lambda r: r.runtime_us)
         for r in finals:
@@ -247,8 +387,7 @@ def tune_command(args) -> int:
 
     from .evaluate.compile_tier import compile_only
 
-    families = args.families.split(",") if args.families else None
-    specs = candidates(args.op, n, args.dtype, features, families)
+    specs = candidates(args.op, n, args.dtype, features, args.families)
     print(f"note     no GPU{' (or --compile-only)' if torch.cuda.is_available() else ''}: compiling the "
           f"{len(specs)} candidates with nvcc for sm_90, not running them")
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -268,16 +407,16 @@ def bench_command(args) -> int:
     from . import runtime as rt
     from .dtypes import VALUE_DTYPES
 
+    matrices = {name: _matrix(name) for name in args.matrices}  # every name checked before any work
     if not torch.cuda.is_available():
-        print("sparserl bench: needs a CUDA GPU (the runtime specializes CUDA kernels); "
-              "`sparserl tune MATRIX` compiles the kernel space without one", file=sys.stderr)
-        return 2
+        raise CommandError("needs a CUDA GPU (the runtime specializes CUDA kernels); "
+                           "`sparserl tune MATRIX` compiles the kernel space without one")
     dtype = {str(d).replace("torch.", ""): d for d in VALUE_DTYPES}[args.dtype]
     runtime = rt.configure(mode="sync", budget_s=args.budget_s)
     n = 1 if args.op == "spmv" else args.n
     rows, failures = [], 0
     for name in args.matrices:
-        result = {"matrix": name, **measure.product(load_matrix(name), args.op, n, dtype, runtime=runtime)}
+        result = {"matrix": name, **measure.product(matrices[name], args.op, n, dtype, runtime=runtime)}
         rows.append(result)
         failures += not result["correct"]
         print(f"{name:24s} {args.op} n={n:<4d} cold {result['cold_s']:6.1f} s  A@X {result['hot_us']:9.1f} us  "
@@ -291,10 +430,9 @@ def bench_command(args) -> int:
 
 def explain_command(args) -> int:
     """What the cache says about a matrix: which kernel serves each product, or why none does."""
-    from .cache import KernelCache
     from .fingerprint import pattern_hash
 
-    M = load_matrix(args.matrix).tocsr()
+    M = _matrix(args.matrix)
     if args.transposed:
         M = M.T.tocsr()
     hashes = {}
@@ -302,11 +440,12 @@ def explain_command(args) -> int:
         crow = torch.from_numpy(M.indptr.astype(np.int64)).to(index_dtype)
         col = torch.from_numpy(M.indices.astype(np.int64)).to(index_dtype)
         hashes[pattern_hash(crow, col, M.shape[1])] = str(index_dtype).replace("torch.", "")
-    cache = KernelCache(args.dir) if args.dir else KernelCache()
+    cache = _cache(args)
+    listing = _listing(cache)
     print(f"matrix   {args.matrix}{' (transposed)' if args.transposed else ''}: {M.shape[0]} x {M.shape[1]}, "
           f"{M.nnz} nonzeros; fingerprints " + ", ".join(f"{h[:12]} ({d})" for h, d in hashes.items()))
     found = 0
-    for path, entry, _ in cache.listing():
+    for path, entry, _ in listing:
         if entry is None:
             continue
         key = entry.key
@@ -328,14 +467,12 @@ def explain_command(args) -> int:
 
 
 def cache_command(args) -> int:
-    from .cache import KernelCache
-
-    cache = KernelCache(args.dir) if args.dir else KernelCache()
+    cache = _cache(args)
     if args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.root}")
         return 0
     if args.action == "list":
-        listing = cache.listing()
+        listing = _listing(cache)
         print(f"{len(listing)} entries in {cache.root}")
         for path, entry, problem in listing:
             if entry is None:
@@ -346,23 +483,54 @@ def cache_command(args) -> int:
             print(f"{path.stem}  {key.op} n={key.n} {key.dtype} {key.arch} "
                   f"pattern={key.pattern[:12]}  -> {what}  ({entry.reason})")
         return 0
-    matches = [p for p in cache.entries() if p.stem.startswith(args.key or "")]
+    matches = [path for path in cache.entries() if path.stem.startswith(args.key or "")]
     if len(matches) != 1:
-        print(f"sparserl cache info: expected one entry starting with {args.key!r}, found {len(matches)}",
-              file=sys.stderr)
-        return 2
-    print(json.dumps(json.loads(matches[0].read_text()), indent=1))
+        raise CommandError(f"info: expected one entry starting with {args.key!r}, found {len(matches)}")
+    try:
+        document = json.loads(_entry(cache, matches[0]).read_text())
+    except (ValueError, RecursionError) as exc:
+        raise CommandError(f"info: expected JSON in {matches[0]} (got {_describe(exc)})") from exc
+    print(json.dumps(document, indent=1))
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors as one line too (``sparserl tune: argument --n: ...``), status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {' '.join(message.split())} (`{self.prog} --help` for usage)\n")
+
+
+def _run(args) -> int:
+    """Run a subcommand: an expected error is one line on stderr and exit status 2, anything
+    else (a bug) one line and status 1; ``SPARSERL_DEBUG=1`` raises either with its traceback."""
+    command = f"sparserl {args.command}"
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("SPARSERL_DEBUG") == "1":
+            raise
+        if isinstance(exc, _EXPECTED) or type(exc).__module__.startswith(__package__ + "."):
+            print(f"{command}: {_describe(exc)}", file=sys.stderr)
+            return 2
+        print(f"{command}: internal error, {type(exc).__name__}: {_describe(exc)} "
+              "(SPARSERL_DEBUG=1 shows its traceback)", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="sparserl", description=__doc__.splitlines()[0],
+                     epilog="A bad invocation prints one line and exits with status 2; "
+                            "SPARSERL_DEBUG=1 shows the traceback of any error.")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="check, compile and time the operators on a shipped matrix")
     p.add_argument("--matrix", default=DEFAULT_MATRIX, help=f"shipped name or .npz/.mtx path (default {DEFAULT_MATRIX})")
-    p.add_argument("--n", type=int, default=32, help="dense columns N (default 32)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    p.add_argument("--budget-s", type=float, default=20.0, help="autotuning budget of the JIT (default 20)")
+    p.add_argument("--n", type=_columns, default=32, help=f"dense columns N, 1 to {MAX_N} (default 32)")
+    p.add_argument("--device", type=_device, default="auto", help="cpu, cuda, cuda:INDEX or auto (default)")
+    p.add_argument("--budget-s", type=_seconds, default=20.0, help="autotuning budget of the JIT (default 20)")
     p.add_argument("--show-source", action="store_true", help="print the whole specialized kernel")
     p.set_defaults(run=demo)
     p = commands.add_parser("info", help="versions, operators and shipped matrices")
@@ -370,37 +538,38 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("tune", help="search the kernel space for a matrix (GPU), or compile it (no GPU)")
     p.add_argument("matrix", help="shipped name or .npz/.mtx path")
     p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
-    p.add_argument("--n", type=int, default=32, help="dense columns for spmm (default 32)")
+    p.add_argument("--n", type=_columns, default=32, help=f"dense columns for spmm, 1 to {MAX_N} (default 32)")
     p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
-    p.add_argument("--budget-s", type=float, default=60.0, help="screening budget in seconds (default 60)")
-    p.add_argument("--families", help="comma-separated families to search (default: all)")
+    p.add_argument("--budget-s", type=_seconds, default=60.0, help="screening budget in seconds (default 60)")
+    p.add_argument("--families", type=_families, help="comma-separated families to search (default: all)")
     p.add_argument("--compile-only", action="store_true", help="only the compile tier, even with a GPU")
     p.add_argument("--show-source", action="store_true", help="print the best kernel's source")
     p.set_defaults(run=tune_command)
     p = commands.add_parser("bench", help="the runtime end to end against torch.sparse.mm (GPU)")
     p.add_argument("matrices", nargs="+", help="shipped names or .npz/.mtx paths")
     p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
-    p.add_argument("--n", type=int, default=32, help="dense columns for spmm (default 32)")
+    p.add_argument("--n", type=_columns, default=32, help=f"dense columns for spmm, 1 to {MAX_N} (default 32)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--budget-s", type=float, default=20.0, help="autotuning budget per product (default 20)")
-    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--budget-s", type=_seconds, default=20.0, help="autotuning budget per product (default 20)")
+    p.add_argument("--json", type=_output_file, help="write the results to this file")
     p.set_defaults(run=bench_command)
     p = commands.add_parser("explain", help="why a kernel was or was not installed for a matrix")
     p.add_argument("matrix", help="shipped name or .npz/.mtx path")
     p.add_argument("--op", choices=["spmm", "spmv"], help="only this op")
-    p.add_argument("--n", type=int, help="only this N")
+    p.add_argument("--n", type=_columns, help="only this N")
     p.add_argument("--transposed", action="store_true", help="the transposed pattern (what the backward uses)")
-    p.add_argument("--dir", help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
+    p.add_argument("--dir", type=_folder,
+                   help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
     p.set_defaults(run=explain_command)
     p = commands.add_parser("fastpath", help="build and load the C++ fast path of compiled products now (CUDA torch)")
     p.set_defaults(run=fastpath_command)
     p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear")
     p.add_argument("action", choices=["list", "info", "clear"])
     p.add_argument("key", nargs="?", help="entry digest (or its prefix) for info")
-    p.add_argument("--dir", help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
+    p.add_argument("--dir", type=_folder,
+                   help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
     p.set_defaults(run=cache_command)
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return _run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

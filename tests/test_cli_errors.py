@@ -1,0 +1,284 @@
+"""Every bad invocation of the CLI is one line on stderr, ``sparserl COMMAND: ...``, and exit
+status 2: no traceback (issue 33, class 9). Bad matrices and files, numbers out of range, bad
+folders, unknown families, broken cache folders; ``SPARSERL_DEBUG=1`` still shows tracebacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from torch_sparserl import cli
+from torch_sparserl.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _no_debug(monkeypatch):
+    monkeypatch.delenv("SPARSERL_DEBUG", raising=False)  # it would turn every line into a traceback
+
+
+def _run(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_one_line(code, err, command):
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(" ".join(["sparserl", command]).strip() + ":"), err
+    assert code == 2, (code, err)
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """Files that are not usable matrices, by name."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "random.npz").write_bytes(np.random.default_rng(0).bytes(1000))
+    (d / "empty.npz").write_bytes(b"")
+    sp.save_npz(d / "zero.npz", sp.csr_matrix((0, 0)))
+    sp.save_npz(d / "no_rows.npz", sp.csr_matrix((0, 5)))
+    sp.save_npz(d / "no_nonzeros.npz", sp.csr_matrix((5, 5)))
+    np.savez(d / "not_a_matrix.npz", a=np.arange(3))
+    np.save(d / "array.npy", np.eye(2))
+    os.replace(d / "array.npy", d / "array.npz")  # a .npy under a .npz name
+    np.savez(d / "column_out_of_range.npz", indptr=np.array([0, 1]), indices=np.array([7]), data=np.array([1.0]),
+             shape=np.array([1, 1]))
+    np.savez(d / "bad_indptr.npz", indptr=np.array([0, 5]), indices=np.array([0]), data=np.array([1.0]),
+             shape=np.array([1, 1]))
+    np.savez(d / "negative_shape.npz", indptr=np.array([0]), indices=np.array([], dtype=np.int64),
+             data=np.array([]), shape=np.array([-1, -1]))
+    np.savez(d / "complex.npz", indptr=np.array([0, 1]), indices=np.array([0]), data=np.array([1j]),
+             shape=np.array([1, 1]))
+    np.savez(d / "strings.npz", indptr=np.array([0, 1]), indices=np.array([0]), data=np.array(["x"]),
+             shape=np.array([1, 1]))
+    (d / "garbage.mtx").write_text("hello\n")
+    (d / "matrix.txt").write_text("1 2 3\n")
+    (d / "folder.npz").mkdir()
+    os.mkfifo(d / "fifo.npz")  # reading it would wait forever
+    os.symlink("/dev/zero", d / "zeros.npz")  # reading it would never end
+    (d / "a_file").write_text("not a folder\n")
+    return d
+
+
+BAD_MATRICES = ["random.npz", "empty.npz", "zero.npz", "no_rows.npz", "no_nonzeros.npz", "not_a_matrix.npz",
+                "array.npz", "column_out_of_range.npz", "bad_indptr.npz", "negative_shape.npz", "complex.npz",
+                "strings.npz", "garbage.mtx", "matrix.txt", "folder.npz", "fifo.npz", "zeros.npz",
+                "no-such-file.npz", "no-such-shipped-matrix"]
+MATRIX_COMMANDS = {"demo": ["demo", "--device", "cpu", "--matrix"], "tune": ["tune"], "bench": ["bench"],
+                   "explain": ["explain"]}
+
+
+@pytest.mark.parametrize("name", BAD_MATRICES)
+@pytest.mark.parametrize("command", list(MATRIX_COMMANDS))
+def test_a_bad_matrix_is_one_line(bad, capsys, command, name):
+    code, out, err = _run(MATRIX_COMMANDS[command] + [str(bad / name) if "." in name else name], capsys)
+    _assert_one_line(code, err, command)
+    assert "matrix" in err and (name in err or "shipped" in err), err
+
+
+def test_bench_checks_every_matrix_before_any_work(bad, capsys):
+    code, out, err = _run(["bench", "cora", str(bad / "random.npz")], capsys)
+    _assert_one_line(code, err, "bench")
+    assert "random.npz" in err and "not a .npz archive" in err and out == ""
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "10**12", "1000000000000", "65537", "1.5", "abc", ""])
+@pytest.mark.parametrize("command", ["demo", "tune cora", "bench cora", "explain cora"])
+def test_n_out_of_range_is_one_line(capsys, command, value):
+    code, out, err = _run(command.split() + ["--n", value], capsys)
+    _assert_one_line(code, err, command.split()[0])
+    assert f"--n: expected a positive integer up to {cli.MAX_N} (got {value!r})" in err
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+@pytest.mark.parametrize("command", ["demo", "tune cora", "bench cora"])
+def test_a_bad_budget_is_one_line(capsys, command, value):
+    code, out, err = _run(command.split() + ["--budget-s", value], capsys)
+    _assert_one_line(code, err, command.split()[0])
+    assert f"--budget-s: expected a positive number of seconds (got {value!r})" in err
+
+
+@pytest.mark.parametrize("value", ["nosuch", "meta", "cuda:99", "cpu:x"])
+def test_a_bad_device_is_one_line(capsys, value):
+    code, out, err = _run(["demo", "--device", value], capsys)
+    _assert_one_line(code, err, "demo")
+    assert "--device: expected" in err and repr(value) in err
+
+
+def test_a_missing_gpu_is_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, out, err = _run(["demo", "--device", "cuda"], capsys)
+    _assert_one_line(code, err, "demo")
+    code, out, err = _run(["bench", "cora"], capsys)
+    _assert_one_line(code, err, "bench")
+    assert "needs a CUDA GPU" in err
+
+
+@pytest.mark.parametrize("families, expected", [
+    ("nosuchfamily", "expected comma-separated names among"),
+    ("group_row,nosuchfamily", "(got 'nosuchfamily')"),
+    ("group_row,", "(got '')"),
+    ("", "(got '')"),
+    ("vector_row", "expected families that serve spmm"),  # an SpMV family
+])
+def test_an_unknown_family_is_refused(capsys, families, expected):
+    code, out, err = _run(["tune", "cora", "--families", families], capsys)
+    _assert_one_line(code, err, "tune")
+    assert "--families" in err and expected in err, err
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["explain", "cora", "--dir", "{file}"], "explain"),
+    (["cache", "list", "--dir", "{file}"], "cache"),
+    (["cache", "info", "abc", "--dir", "{file}"], "cache"),
+    (["cache", "clear", "--dir", "{file}"], "cache"),
+    (["cache", "list", "--dir", "{file}/below"], "cache"),
+    (["explain", "cora", "--dir", "{file}/below"], "explain"),
+    (["bench", "cora", "--json", "{folder}"], "bench"),
+    (["bench", "cora", "--json", "{folder}/no/such/folder/out.json"], "bench"),
+])
+def test_a_bad_folder_or_output_is_one_line(bad, capsys, argv, command):
+    argv = [a.format(file=bad / "a_file", folder=bad) for a in argv]
+    code, out, err = _run(argv, capsys)
+    _assert_one_line(code, err, command)
+    assert "expected" in err, err
+
+
+@pytest.mark.parametrize("argv, command", [
+    ([], ""), (["nosuchcommand"], ""), (["tune"], "tune"), (["tune", "cora", "--op", "sddmm"], "tune"),
+    (["tune", "cora", "--dtype", "f64"], "tune"), (["bench", "cora", "--dtype", "f32"], "bench"),
+    (["bench"], "bench"), (["explain", "cora", "--op", "spmv2"], "explain"), (["cache"], "cache"),
+    (["cache", "purge"], "cache"), (["info", "extra"], ""), (["demo", "--no-such-flag"], ""),
+])
+def test_usage_errors_are_one_line(capsys, argv, command):
+    code, out, err = _run(argv, capsys)
+    _assert_one_line(code, err, command)
+
+
+def test_cache_info_without_a_single_match_is_one_line(tmp_path, capsys):
+    code, out, err = _run(["cache", "info", "zzzz", "--dir", str(tmp_path)], capsys)
+    _assert_one_line(code, err, "cache")
+    assert "expected one entry starting with 'zzzz', found 0" in err
+
+
+# ---------------------------------------------------------------- broken cache folders
+def _entry(root, name="0" * 64):
+    kernels = root / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    return kernels / f"{name}.json"
+
+
+def _cache_file(tmp_path):
+    (tmp_path / "cache").write_text("a file where the folder should be\n")
+    return tmp_path / "cache"
+
+
+def _kernels_file(tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").write_text("a file where the folder should be\n")
+    return tmp_path / "cache"
+
+
+def _fifo_entry(tmp_path):
+    os.mkfifo(_entry(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _dev_zero_entry(tmp_path):
+    os.symlink("/dev/zero", _entry(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _folder_entry(tmp_path):
+    _entry(tmp_path / "cache").mkdir()
+    return tmp_path / "cache"
+
+
+def _nested_entry(tmp_path):
+    _entry(tmp_path / "cache").write_text("[" * 100000 + "]" * 100000)
+    return tmp_path / "cache"
+
+
+BROKEN = {"cache folder is a file": _cache_file, "kernels folder is a file": _kernels_file,
+          "FIFO entry": _fifo_entry, "/dev/zero entry": _dev_zero_entry, "folder entry": _folder_entry,
+          "nested JSON entry": _nested_entry}
+
+
+@pytest.mark.parametrize("argv", [["cache", "list"], ["cache", "info", "0000"], ["explain", "cora"]],
+                         ids=" ".join)
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_a_broken_cache_folder_is_one_line(tmp_path, monkeypatch, capsys, broken, argv):
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(BROKEN[broken](tmp_path)))
+    code, out, err = _run(argv, capsys)
+    _assert_one_line(code, err, argv[0])
+    assert "expected" in err, err
+
+
+def test_a_read_only_cache_with_a_corrupt_entry_is_listed(tmp_path, monkeypatch, capsys):
+    entry = _entry(tmp_path / "cache")
+    entry.write_text("{not json")
+    entry.parent.chmod(0o555)
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
+    try:
+        code, out, err = _run(["cache", "list"], capsys)
+        assert code == 0 and "Traceback" not in err and "unreadable" in out, (out, err)
+        code, out, err = _run(["explain", "cora"], capsys)
+        assert code == 0 and "Traceback" not in err and "no decision in" in out, (out, err)
+        code, out, err = _run(["cache", "info", "0000"], capsys)
+        _assert_one_line(code, err, "cache")
+        assert "expected JSON" in err
+    finally:
+        entry.parent.chmod(0o755)
+
+
+def test_cache_clear_removes_a_fifo_entry(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(_fifo_entry(tmp_path)))
+    code, out, err = _run(["cache", "clear"], capsys)
+    assert code == 0 and "removed 1 entries" in out, (out, err)
+
+
+# ---------------------------------------------------------------- bugs and the real process
+def test_a_bug_is_one_line_with_status_1_and_its_traceback_under_sparserl_debug(monkeypatch, capsys):
+    def broken(args):
+        raise AttributeError("a bug")
+
+    monkeypatch.setattr(cli, "info", broken)
+    code, out, err = _run(["info"], capsys)
+    assert code == 1 and err.splitlines() == [
+        "sparserl info: internal error, AttributeError: a bug (SPARSERL_DEBUG=1 shows its traceback)"]
+    monkeypatch.setenv("SPARSERL_DEBUG", "1")
+    with pytest.raises(AttributeError, match="a bug"):
+        main(["info"])
+    with pytest.raises(cli.CommandError, match="expected families that serve spmm"):  # an expected one too
+        main(["tune", "cora", "--families", "vector_row"])
+
+
+@pytest.mark.slow
+def test_the_installed_command_prints_one_line(bad):
+    env = {k: v for k, v in os.environ.items() if k != "SPARSERL_DEBUG"}
+    for argv, command in [(["tune", "cora", "--n", "-5"], "tune"),
+                          (["demo", "--device", "cpu", "--matrix", str(bad / "random.npz")], "demo"),
+                          (["tune", "cora", "--families", "nosuchfamily"], "tune")]:
+        done = subprocess.run([sys.executable, "-m", "torch_sparserl", *argv], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith(f"sparserl {command}:") and len(done.stderr.splitlines()) == 1, done.stderr
+    done = subprocess.run([sys.executable, "-m", "torch_sparserl", "demo", "--device", "cpu", "--matrix",
+                           str(bad / "random.npz")], capture_output=True, text=True, timeout=300,
+                          env={**env, "SPARSERL_DEBUG": "1"})
+    assert done.returncode != 0 and "Traceback" in done.stderr and "not a .npz archive" in done.stderr
+
+
+def test_the_help_names_sparserl_debug(capsys):
+    code, out, err = _run(["--help"], capsys)
+    assert code == 0 and "SPARSERL_DEBUG=1" in out
