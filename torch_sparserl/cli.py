@@ -124,14 +124,17 @@ def _cache(args):
     """The command's cache folder (--dir, else $SPARSERL_CACHE_DIR or the default)."""
     from .cache import KernelCache
 
+    where = (f"--dir {args.dir!r}" if args.dir else f"$SPARSERL_CACHE_DIR={os.environ['SPARSERL_CACHE_DIR']!r}"
+             if os.environ.get("SPARSERL_CACHE_DIR") else "the default cache folder")
     try:
-        return KernelCache(args.dir) if args.dir else KernelCache()
+        cache = KernelCache(args.dir) if args.dir else KernelCache()
     except OSError as exc:
-        where = (f"--dir {args.dir!r}" if args.dir else f"$SPARSERL_CACHE_DIR={os.environ['SPARSERL_CACHE_DIR']!r}"
-                 if os.environ.get("SPARSERL_CACHE_DIR") else "the default cache folder")
         got = (f"a file in the way: {exc.filename}" if isinstance(exc, (FileExistsError, NotADirectoryError))
                else _describe(exc))
         raise CommandError(f"expected a usable cache folder at {where} (got {got})") from exc
+    if not cache.disk:  # the library runs on without it (memory only); a command about it cannot
+        raise CommandError(f"expected a usable cache folder at {where} (got {cache.root}: {cache.problem})")
+    return cache
 
 
 def _entry(cache, path: Path) -> Path:
