@@ -175,7 +175,7 @@ class Pattern:
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
                  "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "fast_recorded", "is_transpose",
-                 "_frozen", "_freeze_lock", "transient", "__weakref__")
+                 "_frozen", "_owned", "_freeze_lock", "transient", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -204,6 +204,7 @@ class Pattern:
         # the indices products read (indices()): the private copy validate() takes of a caller's
         # tensors; None for the library's own tensors, read through the weak references
         self._frozen: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._owned = owned(crow) and owned(col)  # read as they are: no copy (known once, not per call)
         self._freeze_lock = threading.Lock()
         self.transient = False  # not cached: inference-tensor indices, validated on every call (lookup)
 
@@ -239,7 +240,7 @@ class Pattern:
         frozen = self._frozen
         if frozen is not None:
             return frozen
-        if self.transient or (owned(crow) and owned(col)):
+        if self.transient or self._owned:
             return crow, col
         with self._freeze_lock:
             if self._frozen is None:
