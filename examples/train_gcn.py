@@ -10,11 +10,7 @@ The same two-layer ``GCNConv`` model trains twice from the same start: on PyG's 
 product (the first epoch waits for it: ``mode="sync"``). Prints both losses and epoch times.
 On small graphs (tens of thousands of nodes) an epoch is a few milliseconds of CPU work
 (Python, dispatch, launches) and the GPU mostly waits: ``--mode reduce-overhead`` compiles with
-CUDA graphs, which replay the epoch's kernels without that work (1.94× eager ``torch.sparse``
-over five graphs on an H100, against 1.41× in the default mode: benchmarks/README.md). This
-script on pubmed (H100, 200 epochs, each synchronized by its ``loss.item()``): 3.6 ms per epoch
-in the default mode against PyG's 2.9 ms, 2.4 ms with ``--mode reduce-overhead`` against 2.7
-(``benchmarks/results/h100-2026-11-23-train-gcn-example.log``).
+CUDA graphs, which replay the epoch's kernels without that work.
 Needs ``torch_geometric`` (``pip install torch_geometric``).
 """
 

@@ -348,10 +348,7 @@ def test_a_steady_compiled_training_step_never_waits_for_the_gpu(runtime, fast_p
     """Once its products are decided, a compiled step (forward, backward, Adam) makes no
     synchronizing CUDA call, with the C++ fast path and without it. A small graph's epoch is
     bound by the CPU; one host-device sync in it would stop the CPU queueing the next kernels
-    while the GPU drains, adding the GPU's time to every epoch. On the H100, pubmed GCN's and
-    SAGE's compiled epochs took 2.5-2.6 ms of CPU while their kernels kept the GPU busy
-    0.2-0.3 ms, and eager's made 2 and 1 such calls
-    (``benchmarks/results/phases-h100-2026-11-24-syncs.json``)."""
+    while the GPU drains, adding the GPU's time to every epoch."""
     M = sp.random(400, 400, density=0.02, random_state=np.random.default_rng(2), format="csr")
     generator = torch.Generator().manual_seed(0)
     model = _GCN(ts.csr(M, dtype=torch.float32, device="cuda"), 24, generator).cuda()

@@ -324,7 +324,7 @@ def test_the_first_run_builds_its_libraries_out_of_the_training_process(tmp_path
     """A first run (fresh caches) specializes in the sandbox's worker and has the installed
     kernel's library built there too: the training process never imports torch's extension
     builder (whose import and build hold the interpreter lock for hundreds of milliseconds,
-    stalling a training loop's steps; benchmarks/profile_first_run.py). The product is served
+    stalling a training loop's steps). The product is served
     by the installed kernel and matches float64."""
     import subprocess
     import sys

@@ -33,12 +33,9 @@ log = logging.getLogger("torch_sparserl.autotune")
 
 # The runtime's evaluations share the GPU with the training loop they serve. Timed in bursts
 # of N runs (about 1 ms of GPU work for N=4) with 1 ms gaps, the loop's kernels could run
-# between them instead of waiting behind a whole timing loop. Off (0): on an H100 the first
-# run's stalls were the same within noise with bursts of 4 (the decision window's epochs over
-# twice the median took 108 and 99 ms in excess, against 199 and 47 ms without, on fb100 GCN
-# and uk SAGE) while the kernels took 35-40% longer to decide
-# (benchmarks/results/first-run-h100-2026-11-23-bursts-*.json). SPARSERL_EVAL_BURST_REPS=N
-# turns them on (benchmarks/profile_first_run.py compares).
+# between them instead of waiting behind a whole timing loop. Off (0) by default: on an H100
+# the first run's stalls were the same within noise with bursts of 4, while the kernels took
+# longer to decide. SPARSERL_EVAL_BURST_REPS=N turns them on.
 
 
 def _burst_reps_from_env() -> int:

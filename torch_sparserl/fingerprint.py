@@ -10,8 +10,7 @@ small GPU kernels of the hash delayed a loop's epochs by about 2 ms (about 50 ms
 time in a process), a side-stream copy of pubmed's indices by about 1 ms, and numpy's host
 arithmetic by nothing measurable. A copy grows with the pattern (about 9 ms for
 fb100_Cornell5's 6.4 MB, 7-12 ms for uk-2007-05_100000's 12.6 MB), so larger patterns are
-hashed on the GPU, where only two 64-bit sums cross to the host
-(``benchmarks/results/fingerprint-stall-h100-2026-11-23.md``). The hash is cached on the
+hashed on the GPU, where only two 64-bit sums cross to the host. The hash is cached on the
 pattern's entry, keyed by tensor identity and version counter, so repeated calls on the same
 adjacency pay a dictionary lookup.
 
@@ -77,9 +76,7 @@ def _host_lane_sums(values: torch.Tensor, salt: int) -> list[int]:
     """:func:`_lane_sums` of host indices, in numpy's wrapping uint64 arithmetic (the same
     bits), on the calling thread. torch's CPU ops spread each step over every core, beside the
     training or compiling loop this runs next to; they took 2.7 ms for pubmed-sized indices
-    where numpy takes 0.6 ms (CI's 2 cores), and on an H100 host the runtime's fingerprint of
-    pubmed (its host copy, then this hash with torch's ops) took 69-339 ms of wall time in the
-    background thread during a compile (``benchmarks/results/first-waits-h100-2026-11-24-*.log``)."""
+    where numpy takes 0.6 ms (CI's 2 cores)."""
     array = values.numpy()
     sums = [0] * len(_SEEDS)
     with np.errstate(over="ignore"):

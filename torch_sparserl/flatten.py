@@ -3,9 +3,7 @@
 A CSRMatrix that reaches the backend as a graph input (a module attribute, a global, an
 argument) is a tensor subclass to AOTAutograd, which then unwraps it through
 ``__tensor_flatten__`` on every call and keeps subclass bookkeeping in the forward and the
-backward. On torch 2.11 that cost about 170 µs per training step on an H100 host (1000 µs
-against 828 flattened and 840 for the same graph given the matrix's ``crow``, ``col`` and
-``val``; ``benchmarks/profile_compiled_ab.py --flatten-only``); torch 2.13 generates those
+backward, a host cost paid on every training step on torch 2.11; torch 2.13 generates those
 wrappers and the two forms cost the same.
 
 :func:`flatten_matrix_inputs` rewrites Dynamo's graph so that each such input becomes three

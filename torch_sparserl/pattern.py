@@ -518,7 +518,7 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
     if col.is_cuda and not torch.cuda.is_current_stream_capturing():
         # The pattern's data and host copy are made on this side stream (run_kept, to_host).
         # Its first creation in a process sets up torch's CUDA stream pool, which holds the
-        # interpreter lock for 3-5 ms (H100, benchmarks/profile_first_waits.py): made here, on
+        # interpreter lock for milliseconds: made here, on
         # the thread registering the pattern, rather than in the runtime's background thread
         # while the training loop waits for the lock.
         _side_stream(col.device.index if col.device.index is not None else torch.cuda.current_device())

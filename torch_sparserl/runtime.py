@@ -1147,14 +1147,10 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, 
     # (Pattern.host_indices), then copied over. On the device, prepare() would launch torch
     # kernels (a sort, a scan, repeat_interleave) that a training process has mostly never
     # launched, and CUDA's lazy module loading holds every launch in the process while it loads
-    # them: the training step beside the background install of fb100_Cornell5's first kernel
-    # took 40-50 ms on an H100 (2.3 ms and no stall with CUDA_MODULE_LOADING=EAGER;
-    # benchmarks/results/first-run-h100-2026-11-24-lazy-loading.md). On the host it takes
+    # them, stalling the training step beside the background install. On the host it takes
     # 0.3-20 ms for the benchmarks' graphs (up to 3 M nonzeros, 2 CPU cores), mostly in torch
-    # ops that release the interpreter lock. They run on one core (one_cpu_thread): on all 16
-    # cores of the H100 host, uk-2007's prepares took 76-292 ms beside training steps of 11-23
-    # ms (2.6 ms median); on one core they took 3-23 ms
-    # (benchmarks/results/first-run-h100-2026-11-24-uk-{stalls,one-thread}.log).
+    # ops that release the interpreter lock. They run on one core (one_cpu_thread), so that they
+    # do not take the cores the training thread launches from.
     plan_data = (spec.key, n, ncols, crow.data_ptr(), col.data_ptr(), col.device)
     reused = getattr(like, "plan_data", None)
     if reused is not None and reused[0] == plan_data:

@@ -9,8 +9,7 @@ compares logits, losses, gradients and cached decoding with ``transformers``' mo
 It exists because the policy is loaded on the runtime's critical path: the sandbox's worker
 loads it before the first kernel of a first run can be decided, while the training loop runs
 on cuSPARSE. Importing ``transformers``' Llama (which imports ``torch._dynamo``, sympy and,
-where installed, scikit-learn) took 3.5-5.5 s of that on the H100 host, importing this module
-takes milliseconds (``benchmarks/results/first-run-h100-2026-11-24-worker-start.md``).
+where installed, scikit-learn) takes seconds; this module imports only torch.
 
 Only what the policy calls is here: a forward over token ids or embeddings, an optional padding
 mask (right padding: positions are counted from the start, as ``transformers`` does), the

@@ -127,10 +127,9 @@ POLICY_DEVICES = ("cuda", "cpu")
 def worker_policy_device() -> str:
     """Where the sandbox's worker samples the policy: the GPU when there is one, unless
     ``SPARSERL_POLICY_DEVICE=cpu`` (an experiment switch: the policy's small kernels then stay
-    off the GPU that a training loop uses while its kernels are decided). On an H100 host
-    (``benchmarks/results/first-run-h100-2026-11-24-policy-{cuda,cpu}.log``, pubmed and
-    uk-2007 SAGE) the kernels were decided 3.4-3.5 s later on the CPU and the loop's epochs
-    while deciding were no faster beyond the host's drift, so the GPU stays the default.
+    off the GPU that a training loop uses while its kernels are decided). The GPU is the
+    default: on the CPU the kernels are decided later, and the loop's epochs meanwhile were
+    not measurably faster.
     A named error for anything else."""
     text = os.environ.get("SPARSERL_POLICY_DEVICE", "").strip().lower()
     if text and text not in POLICY_DEVICES:
