@@ -13,13 +13,15 @@ Three ways in, one runtime:
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from . import ops  # registers the torch.ops.sparserl operators
+from . import config, ops  # ops: registers the torch.ops.sparserl operators
 from .intercept import intercept_sparse
 from .settings import Settings
 
 __version__ = "0.1.0"
 
-__all__ = ["CSRMatrix", "Settings", "compile", "csr", "intercept_sparse", "list_matrices",
+config.warn_unknown_variables()  # a mistyped SPARSERL_* variable is named, not ignored
+
+__all__ = ["CSRMatrix", "Settings", "compile", "config", "csr", "intercept_sparse", "list_matrices",
            "load_matrix", "ops"]
 
 # Loaded on first use: the tensor subclass imports torch._dynamo (seconds on some hosts), which

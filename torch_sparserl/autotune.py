@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from . import config
 from .abi import KernelSpec
 from .evaluate.config import EvalConfig
 from .evaluate.record import EvalRecord, dtype_name
@@ -38,18 +38,7 @@ log = logging.getLogger("torch_sparserl.autotune")
 # longer to decide. SPARSERL_EVAL_BURST_REPS=N turns them on.
 
 
-def _burst_reps_from_env() -> int:
-    text = os.environ.get("SPARSERL_EVAL_BURST_REPS", "0")
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"SPARSERL_EVAL_BURST_REPS: expected a whole number of timed runs >= 0 (got {text!r})")
-    return value
-
-
-RUNTIME_BURST_REPS = _burst_reps_from_env()
+RUNTIME_BURST_REPS = config.read("specializer.eval_burst_reps")
 # Screening shares one cuSPARSE timing per problem (taken in the final stage), not one per candidate.
 SCREEN_CONFIG = EvalConfig(trials=1, reps=10, warmup=2, check_determinism=False, baseline=False,
                            burst_reps=RUNTIME_BURST_REPS)

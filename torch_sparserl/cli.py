@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import config
 from .datasets import DEFAULT_MATRIX, list_matrices, load_matrix
 from .dtypes import close_to_reference
 
@@ -124,8 +125,9 @@ def _cache(args):
     """The command's cache folder (--dir, else $SPARSERL_CACHE_DIR or the default)."""
     from .cache import KernelCache
 
-    where = (f"--dir {args.dir!r}" if args.dir else f"$SPARSERL_CACHE_DIR={os.environ['SPARSERL_CACHE_DIR']!r}"
-             if os.environ.get("SPARSERL_CACHE_DIR") else "the default cache folder")
+    configured = None if args.dir else config.read("cache.dir")
+    where = (f"--dir {args.dir!r}" if args.dir else f"$SPARSERL_CACHE_DIR={str(configured)!r}"
+             if configured is not None else "the default cache folder")
     try:
         cache = KernelCache(args.dir) if args.dir else KernelCache()
     except OSError as exc:
@@ -509,12 +511,17 @@ def _run(args) -> int:
     else (a bug) one line and status 1; ``SPARSERL_DEBUG=1`` raises either with its traceback."""
     command = f"sparserl {args.command}"
     try:
+        debug = config.read("log.debug")
+    except ValueError as exc:  # SPARSERL_DEBUG itself cannot be read
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
+    try:
         return args.run(args)
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if os.environ.get("SPARSERL_DEBUG") == "1":
+        if debug:
             raise
         if isinstance(exc, _EXPECTED) or type(exc).__module__.startswith(__package__ + "."):
             print(f"{command}: {_describe(exc)}", file=sys.stderr)

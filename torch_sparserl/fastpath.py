@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from . import config
 from .paths import build_root
 
 log = logging.getLogger("torch_sparserl.fastpath")
@@ -70,7 +70,7 @@ _epoch = 0  # bumped by forget(): a pattern's recorded marks of an older epoch a
 
 def unavailable() -> str | None:
     """Why the fast path cannot run in this process, or None."""
-    if os.environ.get("SPARSERL_FAST_PATH", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not config.read("fast_path.enabled"):
         return "turned off by SPARSERL_FAST_PATH"
     if torch.version.cuda is None:
         return "this torch has no CUDA"

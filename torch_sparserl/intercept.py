@@ -30,6 +30,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import config
 from .dtypes import VALUE_DTYPES
 from .settings import Settings, logger
 
@@ -229,7 +230,7 @@ def _run(settings: Settings, name: str, product, delegate):
         _counts["routed"] += 1
         return result
     except Exception as exc:
-        if settings.strict:
+        if _strict(settings):
             raise
         _counts["fallbacks"] += 1
         logger.warning("torch_sparserl: %s on a sparse CSR tensor fell back to torch's kernel: %s",
@@ -237,6 +238,17 @@ def _run(settings: Settings, name: str, product, delegate):
     finally:
         _local.busy = False
     return delegate()
+
+
+def _strict(settings: Settings) -> bool:
+    """The model's ``strict`` option, else the runtime's (``jit.strict``: the active runtime's,
+    or the environment's before there is one)."""
+    if settings.strict is not None:
+        return settings.strict
+    from . import runtime
+
+    active = runtime.active_or_none()
+    return active.settings.strict if active is not None else config.read("jit.strict")
 
 
 _OUT_OVERLOADS = {"addmm": torch.addmm, "addmv": torch.addmv, "mv": torch.mv}

@@ -18,6 +18,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from . import config
+
 log = logging.getLogger("torch_sparserl.paths")
 
 _CHECKED: dict[str, Path | CacheDirError] = {}  # configured folder -> checked folder, or why refused
@@ -32,8 +34,9 @@ class CacheDirError(OSError):
 def configured_cache_dir() -> Path:
     """``$SPARSERL_CACHE_DIR``, else ``$XDG_CACHE_HOME/torch_sparserl``, else ``~/.cache/torch_sparserl``
     (not checked, not created)."""
-    if os.environ.get("SPARSERL_CACHE_DIR"):
-        return Path(os.environ["SPARSERL_CACHE_DIR"])
+    configured = config.read("cache.dir")
+    if configured is not None:
+        return Path(configured)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_sparserl"
 
 

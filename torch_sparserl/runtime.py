@@ -34,8 +34,9 @@ decision that an interrupted search would have reached is not cached; a cache wr
 under way finishes (atomically: a temporary file, then a rename). Nothing is logged as a
 failure then, so that a process exiting while it specializes exits silently.
 
-Settings come from :func:`configure` or the environment: ``SPARSERL_JIT`` (``background``,
-``sync``, ``off``), ``SPARSERL_JIT_BUDGET_S``, ``SPARSERL_JIT_MARGIN``, ``SPARSERL_JIT_STRICT``.
+Settings (:class:`RuntimeSettings`, which is :class:`torch_sparserl.config.JitOptions`) come
+from :func:`configure` or the ``SPARSERL_JIT*`` environment variables, read when the process's
+runtime is created (:mod:`torch_sparserl.config` lists them).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -57,16 +57,15 @@ from types import SimpleNamespace
 
 import torch
 
-from . import fastpath
+from . import config, fastpath
 from .abi import DTYPES
 from .cache import CacheEntry, KernelCache
+from .config import MODES, POLICIES, JitOptions  # noqa: F401 - MODES and POLICIES: their former home
 from .fingerprint import SpecializationKey, fingerprint
 from .pattern import Pattern, host_indices, run_kept
 
 log = logging.getLogger("torch_sparserl.runtime")
 
-POLICIES = ("learned", "autotune")
-MODES = ("background", "sync", "off")
 OPS = ("spmm", "spmv", "sddmm")  # kernel ops; the transposed operators use these on the transposed pattern
 POLICY_OPS = ("spmm", "spmv")  # what the learned policy was trained on; the autotuner specializes the rest
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
@@ -79,74 +78,9 @@ class SpecializationError(RuntimeError):
     """Raised instead of falling back when ``strict=True``."""
 
 
-@dataclass(frozen=True)
-class RuntimeSettings:
-    mode: str = "background"
-    """``background``: cuSPARSE serves while a kernel is specialized in a thread; ``sync``:
-    specialize before returning; ``off``: always cuSPARSE."""
-    strict: bool = False
-    """Raise instead of falling back after a failure (tests)."""
-    margin: float = 1.05
-    """Install a kernel only when it is at least this much faster than cuSPARSE."""
-    budget_s: float = 20.0
-    """Autotuning budget per key."""
-    policy: str = "learned"
-    """Where candidates come from: ``learned`` (the shipped policy's K samples, the default;
-    the autotuner when no checkpoint loads) or ``autotune`` (the family grid under the budget).
-    Part of the cache key, with the checkpoint's hash."""
-    k: int = 4
-    """Candidates the learned policy samples per key."""
-    idle_s: float = 30.0
-    """Seconds without a specialization after which the specializer's worker process (the
-    sandbox, with the policy on the GPU) is stopped, giving back its GPU memory and context;
-    the next specialization starts it again, in the background (about 17 s on an H100, so the
-    default waits about twice that). 0: keep it for the runtime's life."""
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"RuntimeSettings: mode must be one of {MODES} (got {self.mode!r})")
-        if not isinstance(self.strict, bool):
-            raise TypeError(f"RuntimeSettings: strict must be a bool (got {self.strict!r})")
-        if not self.margin >= 1.0:
-            raise ValueError(f"RuntimeSettings: margin must be >= 1.0 (got {self.margin})")
-        if not self.budget_s > 0:
-            raise ValueError(f"RuntimeSettings: budget_s must be > 0 (got {self.budget_s})")
-        if self.policy not in POLICIES:
-            raise ValueError(f"RuntimeSettings: policy must be one of {POLICIES} (got {self.policy!r})")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 64:
-            raise ValueError(f"RuntimeSettings: k must be an integer in 1..64 (got {self.k!r})")
-        if not self.idle_s >= 0:
-            raise ValueError(f"RuntimeSettings: idle_s must be >= 0 (got {self.idle_s})")
-
-    @classmethod
-    def from_env(cls, environ=os.environ) -> RuntimeSettings:
-        """Defaults, overridden by ``SPARSERL_JIT``, ``SPARSERL_JIT_BUDGET_S``, ``SPARSERL_JIT_MARGIN``,
-        ``SPARSERL_JIT_STRICT``, ``SPARSERL_JIT_POLICY``, ``SPARSERL_JIT_K`` and ``SPARSERL_JIT_IDLE_S``."""
-        changes = {}
-        for name, field_name, parse in (("SPARSERL_JIT", "mode", str), ("SPARSERL_JIT_BUDGET_S", "budget_s", float),
-                                        ("SPARSERL_JIT_MARGIN", "margin", float),
-                                        ("SPARSERL_JIT_STRICT", "strict", _parse_bool),
-                                        ("SPARSERL_JIT_POLICY", "policy", str), ("SPARSERL_JIT_K", "k", int),
-                                        ("SPARSERL_JIT_IDLE_S", "idle_s", float)):
-            raw = environ.get(name)
-            if raw:
-                try:
-                    changes[field_name] = parse(raw)
-                except ValueError:
-                    raise ValueError(f"{name}: cannot read {raw!r} as {parse.__name__}") from None
-        return cls(**changes)
-
-
-def _parse_bool(raw: str) -> bool:
-    lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(raw)
-
-
-_parse_bool.__name__ = "bool"
+RuntimeSettings = JitOptions
+"""The runtime's settings: :class:`torch_sparserl.config.JitOptions` (mode, strict, margin,
+budget_s, policy, k, idle_s)."""
 
 
 @dataclass
@@ -800,7 +734,7 @@ def active() -> Runtime:
     if runtime is None:
         with _ACTIVE_LOCK:
             if _ACTIVE is None:
-                _ACTIVE = Runtime(RuntimeSettings.from_env())
+                _ACTIVE = Runtime(config.from_environment().jit)
             runtime = _ACTIVE
     return runtime
 
@@ -826,14 +760,19 @@ def active_or_none() -> Runtime | None:
 def configure(settings: RuntimeSettings | None = None, **changes) -> Runtime:
     """Replace the process's runtime: ``configure(mode="sync")``, ``configure(strict=True)``.
 
-    Unnamed settings keep their current values. Decisions of the previous runtime are not
-    reused (they may have been taken under other settings); its disk cache is.
+    ``changes`` name fields of :class:`RuntimeSettings` (``mode``, ``strict``, ``margin``,
+    ``budget_s``, ``policy``, ``k``, ``idle_s``); another name is a TypeError listing them.
+    Unnamed settings keep their current values (the environment's, before the first runtime).
+    Decisions of the previous runtime are not reused (they may have been taken under other
+    settings); its disk cache is.
     """
     global _ACTIVE
+    if settings is not None and not isinstance(settings, RuntimeSettings):
+        raise TypeError(f"configure: settings must be a RuntimeSettings (got {type(settings).__name__})")
     with _ACTIVE_LOCK:
         previous = _ACTIVE
-        base = settings or (previous.settings if previous is not None else RuntimeSettings.from_env())
-        new_settings = dataclasses.replace(base, **changes)
+        base = settings or (previous.settings if previous is not None else config.from_environment().jit)
+        new_settings = base.replace("configure", **changes)
         _ACTIVE = Runtime(new_settings, cache=previous._cache if previous is not None else None)
     if previous is not None:
         previous.close()  # which empties the C++ registry of its decisions

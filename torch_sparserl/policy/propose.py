@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import config
 from ..abi import KernelSpec, PlanError
 from ..autotune import FINAL_CONFIG, SCREEN_CONFIG, TuneResult, _problem
 from ..evaluate.config import EvalConfig
@@ -121,7 +122,7 @@ class SandboxedPolicy:
         return [Sample(**fields) for fields in found]
 
 
-POLICY_DEVICES = ("cuda", "cpu")
+POLICY_DEVICES = config.POLICY_DEVICES
 
 
 def worker_policy_device() -> str:
@@ -131,10 +132,7 @@ def worker_policy_device() -> str:
     default: on the CPU the kernels are decided later, and the loop's epochs meanwhile were
     not measurably faster.
     A named error for anything else."""
-    text = os.environ.get("SPARSERL_POLICY_DEVICE", "").strip().lower()
-    if text and text not in POLICY_DEVICES:
-        raise ValueError(f"SPARSERL_POLICY_DEVICE: expected one of {POLICY_DEVICES} (got {text!r})")
-    if text == "cpu" or not torch.cuda.is_available():
+    if config.read("specializer.policy_device") == "cpu" or not torch.cuda.is_available():
         return "cpu"
     return "cuda"
 
