@@ -136,8 +136,8 @@ at::Tensor aligned(const at::Tensor& t) {
 }
 
 // Zeroes a fresh contiguous tensor with one cudaMemsetAsync on the launch's stream: in a
-// CPU-bound epoch at::zeros (a fill kernel through TensorIterator) cost about two thirds of a
-// product's host time (torch.profiler, pubmed SAGE: 44 of 65 us a call).
+// CPU-bound epoch at::zeros (a fill kernel through TensorIterator) would be most of a
+// product's host time.
 void zero_fill(const at::Tensor& t, cudaStream_t stream) {
   if (t.numel()) C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), stream));
 }

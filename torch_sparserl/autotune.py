@@ -32,10 +32,9 @@ from .fingerprint import pattern_hash
 log = logging.getLogger("torch_sparserl.autotune")
 
 # The runtime's evaluations share the GPU with the training loop they serve. Timed in bursts
-# of N runs (about 1 ms of GPU work for N=4) with 1 ms gaps, the loop's kernels could run
-# between them instead of waiting behind a whole timing loop. Off (0) by default: on an H100
-# the first run's stalls were the same within noise with bursts of 4, while the kernels took
-# longer to decide. SPARSERL_EVAL_BURST_REPS=N turns them on.
+# of N runs with 1 ms gaps, the loop's kernels could run between them instead of waiting
+# behind a whole timing loop. Off (0) by default: with bursts of 4 a first run's stalls were
+# no fewer, while the kernels took longer to decide. SPARSERL_EVAL_BURST_REPS=N turns them on.
 
 
 RUNTIME_BURST_REPS = config.read("specializer.eval_burst_reps")
@@ -119,8 +118,9 @@ def _runtime(record: EvalRecord) -> float:
 def _problem(matrix, box: Sandbox, features: dict | None, matrix_key: str | None):
     """``(rowptr, col, shape, features, key)`` of a tuning problem, the matrix registered with
     ``box`` under ``key``. A caller that already has the pattern's features and hash (the
-    runtime, which specializes several keys of one pattern) passes them: on a 37 M-nonzero
-    graph each costs 1.5–2 s on the host; a matrix the sandbox already holds is not sent again."""
+    runtime, which specializes several keys of one pattern) passes them: on a graph of tens of
+    millions of nonzeros each costs seconds on the host; a matrix the sandbox already holds is
+    not sent again."""
     rowptr, col, shape = _pattern_arrays(matrix)
     if features is None:
         features = structural_features(rowptr, col, shape)

@@ -5,7 +5,7 @@ backward) as a CUDA graph on its first calls and then only replays it: the kerne
 a sparse product while the graph was recorded is the one every later step runs. The runtime
 decides its kernels in the background, seconds after the first step; a graph recorded before
 then would replay cuSPARSE for good, and waiting for the decisions at compile time costs
-those seconds (10–20 s for a first run on an H100) before the first step.
+those seconds before the first step.
 
 Instead, the backend has the graph recorded at once, with cuSPARSE serving, and recorded
 again when its decisions are taken: :class:`Decisions` holds the futures of one compiled

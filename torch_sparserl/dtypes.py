@@ -58,7 +58,7 @@ def close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype 
     The comparison runs on ``out``'s device (``ref`` is moved there), in chunks of
     ``_CHECK_CHUNK`` elements, and reads back only scalars: a GPU output of a large graph
     (4 M rows × 128) is checked in milliseconds instead of the tens of seconds a float64 copy
-    on the host took (measured on the H100: that copy was most of a key's JIT time).
+    on the host takes, which would be most of a key's JIT time.
     """
     dtype = dtype or out.dtype
     tol = TOLERANCES[dtype]

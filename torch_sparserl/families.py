@@ -412,11 +412,10 @@ def _grid_nnz_split(op, dtype, n, features):
             chunks_v = tuple(sorted({max(ch, 256) for ch in chunks_v} | {2048}))
         return [{"chunk": ch, "block": 256} for ch in chunks_v]
     if op == "spmm" and dtype in HALF_DTYPES:
-        # Its half kernels (float32 hubs) render and are correct, but lost every half-precision
-        # cell of the five real matrices, by 1.2-2.2x, to rowchunks or group_row
-        # (kernels-h100-80gb-hbm3-2026-11-24-nnz-split-half.md): nearly every chunk shares its
-        # first and last rows, and each shared row pays the workspace's fence, counter and
-        # re-read. The screened space leaves them out; a policy may still write one.
+        # Its half kernels (float32 hubs) render and are correct, but lose the half-precision
+        # cells of the real matrices to rowchunks or group_row (benchmarks/bench_kernels.py):
+        # nearly every chunk shares its first and last rows, and each shared row pays the
+        # workspace's fence, counter and re-read. The screened space leaves them out; a policy may still write one.
         return []
     return [{"lanes": lanes, "vec": vec, "chunk": ch, "block": 256, "unroll": 2}
             for lanes, vec in _spmm_shapes(dtype, n, limit=2) for ch in chunks_m]

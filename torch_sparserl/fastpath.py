@@ -22,7 +22,7 @@ own ``crow`` and ``col``, which identify the pattern and are never read: once th
 runtime changes, and :func:`forget` drops every entry at once.
 
 The library is built once per machine and torch version with torch's extension builder (C++
-only, about 20 s on the H100 machine: it includes torch's operator headers), in a subprocess
+only, tens of seconds: it includes torch's operator headers), in a subprocess
 so that no training loop stalls on the builder, and kept in the kernel cache directory
 (``build/``); later processes load it in milliseconds, once its bytes match the keyed digest
 its build recorded (:func:`~torch_sparserl.build.inline.verified_build`: a library planted or

@@ -5,14 +5,12 @@ numpy on the host (the same arithmetic, on the calling thread). The runtime's
 :func:`fingerprint` hashes a small CUDA pattern (at most
 :data:`~torch_sparserl.pattern.HOST_KEPT_MAX` index elements) on the host, from the copy that
 the specializer's search reads too (:meth:`~torch_sparserl.pattern.Pattern.host_indices`).
-It runs in the background thread while a training loop runs: on the H100, the four dozen
-small GPU kernels of the hash delayed a loop's epochs by about 2 ms (about 50 ms the first
-time in a process), a side-stream copy of pubmed's indices by about 1 ms, and numpy's host
-arithmetic by nothing measurable. A copy grows with the pattern (about 9 ms for
-fb100_Cornell5's 6.4 MB, 7-12 ms for uk-2007-05_100000's 12.6 MB), so larger patterns are
-hashed on the GPU, where only two 64-bit sums cross to the host. The hash is cached on the
-pattern's entry, keyed by tensor identity and version counter, so repeated calls on the same
-adjacency pay a dictionary lookup.
+It runs in the background thread while a training loop runs: the hash's few dozen small GPU
+kernels (the first time in a process most of all) and a side-stream copy of the indices
+delay the loop's epochs, while numpy's host arithmetic does not measurably. A copy grows with
+the pattern, so larger patterns are hashed on the GPU, where only two 64-bit sums cross to
+the host. The hash is cached on the pattern's entry, keyed by tensor identity and version
+counter, so repeated calls on the same adjacency pay a dictionary lookup.
 
 Every element ``a[i]`` of ``crow`` and ``col`` is mixed with its position by the splitmix64
 finalizer, and the mixes are summed modulo 2^64 (two lanes with different seeds): the sum
@@ -75,8 +73,8 @@ def _lane_sums(values: torch.Tensor, salt: int) -> list[int]:
 def _host_lane_sums(values: torch.Tensor, salt: int) -> list[int]:
     """:func:`_lane_sums` of host indices, in numpy's wrapping uint64 arithmetic (the same
     bits), on the calling thread. torch's CPU ops spread each step over every core, beside the
-    training or compiling loop this runs next to; they took 2.7 ms for pubmed-sized indices
-    where numpy takes 0.6 ms (CI's 2 cores)."""
+    training or compiling loop this runs next to, and are slower than numpy on a host of few
+    cores."""
     array = values.numpy()
     sums = [0] * len(_SEEDS)
     with np.errstate(over="ignore"):

@@ -262,8 +262,8 @@ def _delegate(name: str, *args, **kwargs):
     dense) plus the ``out=`` kernel, so calling the ``out=`` overload on such a result is the
     same call, for the cost of an allocation. Taking the override out and putting it back
     (:func:`_suspended`) instead costs a registration round trip on every eager sparse
-    product of the process (``benchmarks/bench_intercept.py``: on a CPU, 105 µs against 44 µs
-    this way and 32 µs without the override); it stays only for what the ``out=`` call refuses,
+    product of the process, several times this way's overhead (``benchmarks/bench_intercept.py``
+    times both against no override); it stays only for what the ``out=`` call refuses,
     so that torch's own error (or result) comes back.
     """
     _counts["delegated"] += 1

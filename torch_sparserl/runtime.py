@@ -477,7 +477,7 @@ class Runtime:
             installer = self.installer
             if interim is not None and installer is inline_installer:
                 # the interim's plan data and index copies serve the library's kernel too (the same
-                # source): no second host preparation (2-25 ms) and synchronize in this process
+                # source): no second host preparation and synchronize in this process
                 installer = functools.partial(inline_installer, like=interim.launch)
             try:
                 # The plan data and index copies outlive the step: kept out of a CUDA graph's
@@ -498,7 +498,7 @@ class Runtime:
     def _install_interim(self, pattern, slot, key, entry: CacheEntry, crow, col) -> Installed | None:
         """Serve ``entry``'s kernel from its NVRTC build while its library is built. NVRTC
         compiled the specializer's candidates too, in tens of milliseconds; the library takes
-        nvcc seconds (1.3-2.3 s per kernel on the H100 host), which a first run's loop would
+        nvcc seconds per kernel, which a first run's loop would
         otherwise spend on cuSPARSE, often after its compile has ended. The library's kernel
         replaces it when built (:meth:`_install_library`, in a thread of its own), or, if that
         install fails, it serves on. A failure here only means no interim."""
@@ -624,7 +624,7 @@ class Runtime:
 
     def prewarm(self, device=None, *, background: bool = False) -> float | None:
         """Start now what the first specialization of a process waits for: the sandbox's
-        worker and the learned policy (4-6 s on the H100 machines). In ``background``, a training
+        worker and the learned policy, which take seconds to start. In ``background``, a training
         script overlaps it with loading its data; specializations queue behind it. Returns the
         seconds it took (None in background, or without CUDA). Failures are logged: the first
         specialization then tries again and falls back as usual."""
@@ -792,8 +792,8 @@ class autotune_specializer:  # noqa: N801 - used like a function
         self._sandbox = None
         self._features: dict[str, dict] = {}  # pattern hash -> structural features
         # (pattern hash, host indices) of the last search: the keys of one pattern (its widths)
-        # come one after another, and a large pattern's copy holds a training loop up (about
-        # 10 ms for 3 M nonzeros); dropped when the worker stops (close)
+        # come one after another, and a large pattern's copy holds a training loop up; dropped
+        # when the worker stops (close)
         self._matrix: tuple[str, tuple] | None = None
 
     def _problem(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int):
@@ -1086,10 +1086,9 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, 
     # (Pattern.host_indices), then copied over. On the device, prepare() would launch torch
     # kernels (a sort, a scan, repeat_interleave) that a training process has mostly never
     # launched, and CUDA's lazy module loading holds every launch in the process while it loads
-    # them, stalling the training step beside the background install. On the host it takes
-    # 0.3-20 ms for the benchmarks' graphs (up to 3 M nonzeros, 2 CPU cores), mostly in torch
-    # ops that release the interpreter lock. They run on one core (one_cpu_thread), so that they
-    # do not take the cores the training thread launches from.
+    # them, stalling the training step beside the background install. On the host its time
+    # goes mostly to torch ops that release the interpreter lock. They run on one core
+    # (one_cpu_thread), so that they do not take the cores the training thread launches from.
     plan_data = (spec.key, n, ncols, crow.data_ptr(), col.data_ptr(), col.device)
     reused = getattr(like, "plan_data", None)
     if reused is not None and reused[0] == plan_data:

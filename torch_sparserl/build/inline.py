@@ -4,8 +4,8 @@ Each kernel source keeps its own translation unit (its ``#define``s and helpers 
 in one file), with ``sparserl_kernel`` renamed to ``sparserl_kernel_<key>`` and a C launcher
 appended; all of them link into one shared library built by torch's extension builder
 (``torch.utils.cpp_extension.load``, the files-on-disk sibling of ``load_inline``). The
-sources include no torch header, which keeps a build at seconds instead of the ~30–50 s
-that parsing ``torch/extension.h`` costs (DESIGN.md, measured).
+sources include no torch header, which keeps a build at seconds instead of the tens of
+seconds that parsing ``torch/extension.h`` adds.
 
 * The module name is a hash of the sources, the architecture and the torch/CUDA versions,
   so a changed kernel can never reuse a stale library, and an unchanged one is loaded from

@@ -260,13 +260,13 @@ def _time(functions: list[Callable[[], object]], reps: int, warmup: int, flush: 
     The flush (a memset far larger than L2) and then a GPU-side spin run on the stream just
     before the start event, so the GPU is still busy when the host has enqueued the event and
     the launch: what is timed is the GPU's work, never the host's launch path. Without the
-    spin, a 128 MB flush (~45 us) did not always cover a Python launch: ncu measured a
-    dblp-2010 SpMV kernel at 22 us that these events had timed at 34 us (H100).
+    spin, the flush alone did not always cover a Python launch, and the events then timed a
+    short kernel's launch path with it (well above what a profiler gives the kernel).
 
     With ``burst``, every ``burst`` runs the host waits for the GPU and sleeps ``gap_ms``: each
     run is timed on its own, so the gaps change no sample, and another process's kernels get
     the GPU between bursts (the 30 runs of a final validation with its cuSPARSE baseline are
-    ~12 ms of back-to-back GPU work, which a training step on the same GPU may wait behind).
+    otherwise back-to-back GPU work, which a training step on the same GPU may wait behind).
     """
     for _ in range(warmup):
         for fn in functions:

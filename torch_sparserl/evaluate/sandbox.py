@@ -271,8 +271,8 @@ class Sandbox:
         """Ask a running worker to drop what it keeps between evaluations (inputs and float64
         references shared by the candidates of one problem, cached GPU blocks) and return the
         bytes its device allocator still reserves; None without a worker (none is started).
-        Tuners call it after each problem: on a 65 M-nonzero graph the worker otherwise kept
-        ~68 GB of GPU memory from the training it was specializing for (measured on the H100)."""
+        Tuners call it after each problem: on a graph of tens of millions of nonzeros the
+        worker otherwise keeps most of the GPU's memory from the training it specializes for."""
         if self.release_task is None or self._worker is None or self._worker.exitcode is not None:
             return None
         outcome = self.run(self.release_task, timeout_s=timeout_s)

@@ -2,10 +2,9 @@
 
 On CUDA they are NVIDIA's cuSPARSE: the baseline every specialized kernel is timed against,
 and what serves a product until one is installed. On the CPU they are MKL's or torch's native
-CSR kernels, which serve every CPU product: 1.15–19× faster than the gather and ``index_add_``
-of :mod:`~torch_sparserl.kernels.reference` on our CI's 2 cores (``benchmarks/bench_cpu.py``,
-``benchmarks/results/cpu-products-2026-11-23.md``). SDDMM goes through
-``torch.sparse.sampled_addmm`` (``cusparseSDDMM`` on CUDA).
+CSR kernels, which serve every CPU product: they are faster than the gather and ``index_add_``
+of :mod:`~torch_sparserl.kernels.reference` (``benchmarks/bench_cpu.py`` compares them).
+SDDMM goes through ``torch.sparse.sampled_addmm`` (``cusparseSDDMM`` on CUDA).
 
 Products go through the functional ``torch.sparse.mm`` / ``torch.mv``, as a user's would.
 While :mod:`torch_sparserl.intercept` overrides those for CSR tensors, calls go through the
@@ -63,8 +62,8 @@ def _as_torch_csr(pattern: Pattern, crow, col, val) -> torch.Tensor:
 def _product(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """``A @ X`` for a matrix X (nrows, N) or ``A @ x`` for a vector x."""
     if val.dtype in HALF_DTYPES:
-        # Measured on an H100 (torch 2.11): cuSPARSE through torch sums a row of 4096
-        # float16 ones to 4768, so half inputs are widened and summed in float32.
+        # cuSPARSE through torch sums a row of 4096 float16 ones to 4768, so half inputs
+        # are widened and summed in float32.
         return _product(pattern, crow, col, val.float(), X.float()).to(val.dtype)
     matrix = X.dim() == 2
     shape = (pattern.nrows, X.shape[1]) if matrix else (pattern.nrows,)
