@@ -22,8 +22,8 @@ first and copied into each row's empty cache.
   as the cold run. It is also the break-even's control: a compiled run with no JIT to repay,
   judged by the same rule, shows what the rule makes of the host's drift alone;
 * ``eager`` again, last: eager's reference epoch is the median over both of its runs, which
-  bracket the compiled ones (a launch-bound epoch drifts by up to about 10% within minutes on
-  the benchmark's VMs).
+  bracket the compiled ones (a launch-bound epoch can drift by several percent within minutes
+  on a virtual machine).
 
 ``--mode reduce-overhead`` compiles both compiled ways under CUDA graphs (eager stays eager):
 the graphs are recorded with cuSPARSE, and recorded again once the kernels are decided.
@@ -36,11 +36,12 @@ Break-even: the first epoch k from which, for every later epoch j of the run,
 waited for the runtime (``Runtime.stats["jit_s"]``: fingerprints, cache, and in sync mode the
 whole specialization), the t are the cold run's epochs after its first (the first holds the
 compile, which every compiled way pays and is reported apart), and the e are eager's epochs
-after its first as measured, then its reference epoch beyond them. Rows since 2026-11-24 also
-give it against eager's epochs measured over the whole span: eager's run after the compiled
-ones lasts as many epochs as the cold run had beyond eager's first, and the two eager runs end
-to end are the e (some hosts stall every process for ~70 ms about once a second, which the
-cold run meets over its 10-15 s and a median of eager leaves out). Losses of the first 20
+after its first as measured, then its reference epoch beyond them. Rows with ``eager_span``
+(every row this script writes) also give it against eager's epochs measured over the whole
+span: eager's run after the compiled ones lasts as many epochs as the cold run had beyond
+eager's first, and the two eager runs end to end are the e (some hosts stall every process
+for tens of milliseconds about once a second, which the cold run meets over its span and a
+median of eager leaves out). Losses of the first 20
 epochs are compared with eager's.
 
     python benchmarks/bench_cold_start.py --graphs pubmed,dblp-2010 --models gcn,sage --hidden 128 --out benchmarks/results
@@ -130,8 +131,8 @@ def slow_runs(epochs_ms: list[float], pending: list[int] | None = None, start_ov
 
 def steal_s() -> float:
     """Seconds of steal time summed over the machine's CPUs (``/proc/stat``: time the hypervisor did
-    not run a virtual CPU that had work; on some of the benchmark's VM hosts every process stalls
-    for 30-90 ms at a time then); nan where the kernel does not say."""
+    not run a virtual CPU that had work; on some virtual machines every process then stalls for
+    tens of milliseconds at a time); nan where the kernel does not say."""
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()
         return int(fields[8]) / os.sysconf("SC_CLK_TCK")
@@ -352,7 +353,7 @@ def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: st
     if off_first:
         # The process's first compiled model is a runtime-off one (not timed against the rule):
         # the cold run and the control then both come after it, so the cold run does not pay the
-        # process's first CUDA graph recording (40-70 ms on small graphs, 15-40 ms for a second one)
+        # process's first CUDA graph recording (which costs more than a later one)
         row["off_first"] = run_off(model, hidden, graph, device, 3 * LOSS_EPOCHS, mode=mode)
         row["order"].insert(1, "off")
     # Otherwise the cold run first: it pays what the first compiled model of a process pays.
@@ -365,11 +366,11 @@ def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: st
                              mode=mode)
         row["off_span"] = True
         row["order"].append("off")
-    # Eager again at the end: on a launch-bound graph (2-3 ms epochs) a VM's epoch time drifts
-    # by up to about 10% within minutes, so eager's reference brackets the compiled runs. It
-    # runs as many epochs as the cold run had beyond eager's first run, so that a break-even is
-    # also found against eager's measured epochs over the whole span (some hosts stall every
-    # process for ~70 ms every second or so, which eager's median leaves out).
+    # Eager again at the end: on a launch-bound graph a VM's epoch time drifts within minutes,
+    # so eager's reference brackets the compiled runs. It runs as many epochs as the cold run
+    # had beyond eager's first run, so that a break-even is also found against eager's measured
+    # epochs over the whole span (some hosts stall every process for tens of milliseconds every
+    # second or so, which eager's median leaves out).
     span = len(row["cold"]["epochs_ms"]) - len(row["eager"]["epochs_ms"]) + 1
     row["eager_after"] = run_eager(model, hidden, graph, device, max(EAGER_AFTER_EPOCHS, span))
     row["eager_span"] = True
@@ -534,8 +535,8 @@ def save(doc: dict, path: Path) -> None:
 
 
 def _fast_path_library(device: str) -> Path | None:
-    """The folder of the C++ fast path's library, built here first if need be (about 20 s once
-    per machine and torch version); None where it cannot be built. Each row's empty cache gets
+    """The folder of the C++ fast path's library, built here first if need be (once per machine
+    and torch version); None where it cannot be built. Each row's empty cache gets
     a copy: the row measures the first run on a graph, not on a machine."""
     if not str(device).startswith("cuda"):
         return None

@@ -29,7 +29,7 @@ specializing (policy, validation, build), summed over every key.
 
     python benchmarks/bench_gnn.py --out benchmarks/results                       # everything
     python benchmarks/bench_gnn.py --graphs pubmed --models gcn --hidden 128 --out /tmp/g
-    python benchmarks/bench_gnn.py --report benchmarks/results/gnn-h100-....json  # re-render
+    python benchmarks/bench_gnn.py --report benchmarks/results/gnn-<gpu>-....json # re-render
     python benchmarks/bench_gnn.py --compare run1.json run2.json --out runs.md      # repeated runs
 
 Results go to ``gnn-<gpu>-<date>.json`` (``--resume`` adds to an existing file) with ``.md``

@@ -10,7 +10,7 @@ times eager products on the shipped ``cora`` matrix, per call, three ways:
 * ``installed, old delegate``: installed, handing back as before the fix: taking the override
   out and putting it back around each call.
 
-    python benchmarks/bench_intercept.py --out benchmarks/results/intercept-cpu-2026-11-22.json
+    python benchmarks/bench_intercept.py --out benchmarks/results/intercept-cpu-<date>.json
 """
 
 from __future__ import annotations

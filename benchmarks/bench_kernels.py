@@ -546,8 +546,8 @@ def run_grid(matrices: list[MatrixEntry], cells: list[Cell], tune_fn: Callable, 
 def _warm_up(tune_fn: Callable, sandbox) -> None:
     """Start the sandbox's worker (CUDA context, imports, the build stage) before the grid.
 
-    tune's budget clock includes that start: measured on an H200, the first cell of a run
-    screened 1 candidate of 36 in its budget, the later ones all of them. Not recorded."""
+    tune's budget clock includes that start, which would leave the first cell of a run time
+    to screen few of its candidates where the later cells screen all of theirs. Not recorded."""
     import scipy.sparse
 
     started = time.monotonic()

@@ -15,7 +15,7 @@ runtime in ``sync`` mode:
 then **warm** starts (a new process, decisions on disk: the first ``A @ X`` of each cell)
 and the **dispatch overhead** per layer on a small matrix.
 
-    python benchmarks/bench_runtime.py --out benchmarks/results/runtime-h100.json            # everything
+    python benchmarks/bench_runtime.py --out benchmarks/results/runtime-<gpu>.json           # everything
     python benchmarks/bench_runtime.py --out R.json --resume --max-time-s 500                # in chunks
     python benchmarks/bench_runtime.py --matrices cora --ops spmm --n 32 --out /tmp/r.json   # one cell
 

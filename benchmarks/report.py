@@ -3,7 +3,7 @@
 Pure functions of the results document, no GPU and no torch needed, so a results file can be
 re-rendered anywhere::
 
-    python benchmarks/report.py benchmarks/results/kernels-h100-80gb-hbm3-2026-11-21.json
+    python benchmarks/report.py benchmarks/results/kernels-<gpu>-<date>.json
 
 writes the ``.md`` and ``.svg`` beside it.
 
