@@ -1,4 +1,5 @@
-"""The hierarchical reward (DESIGN.md): a pure function of an :class:`EvalRecord`."""
+"""The hierarchical reward of the SparseRL method (compiles → correct → fast): a pure function of
+an :class:`EvalRecord`."""
 
 from __future__ import annotations
 
