@@ -43,7 +43,7 @@ def test_complex_values_are_refused(dtype):
 
 
 @pytest.mark.parametrize("size, message", [
-    ((5, 2), r"CSRMatrix: crow must have nrows \+ 1 = 6 elements for shape \(5, 2\) \(got 2\)"),
+    ((5, 2), r"CSRMatrix: crow must have nrows \+ 1 = 6 elements \(got 2\) for shape \(5, 2\)"),
     ((1, -1), r"CSRMatrix: ncols must be >= 0 \(got -1\)"),
     ((1,), r"CSRMatrix: shape must be a pair of ints \(nrows, ncols\) \(got \(1,\)\)"),
     ((1, 2.5), r"CSRMatrix: shape must be a pair of ints"),

@@ -533,7 +533,7 @@ def _check_parts(op: str, crow, col, val, size) -> None:
     check_csr_meta(op, crow, col, val, size[1])
     require(op, size[0] >= 0, f"shape must be non-negative (got {size})")
     require(op, crow.shape[0] == size[0] + 1,
-            f"crow must have nrows + 1 = {size[0] + 1} elements for shape {size} (got {crow.shape[0]})")
+            f"crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]}) for shape {size}")
 
 
 def _tensor(x, name: str) -> Tensor:
@@ -646,9 +646,7 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         val = val.to(dtype)
     if device is not None:
         crow, col, val = crow.to(device), col.to(device), val.to(device)
-    check_csr_meta(op, crow, col, val, size[1])
-    if crow.shape[0] != size[0] + 1:
-        raise ValueError(f"{op}: crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]})")
+    _check_parts(op, crow, col, val, size)
     # The matrix owns its indices: a copy, so that no later write to the caller's arrays (in
     # place, through .data, through NumPy, under inference_mode) reaches it, made an ordinary
     # tensor with a version counter even under inference_mode (pattern.private_copy).
