@@ -114,15 +114,14 @@ def test_the_stats_say_how_long_products_waited_for_decisions(tmp_path):
 def test_the_keys_of_one_pattern_share_its_features_and_sandbox(monkeypatch):
     from torch_sparserl import features as features_module
     from torch_sparserl.fingerprint import SpecializationKey
-    from torch_sparserl.runtime import autotune_specializer
-
-    from torch_sparserl import runtime as runtime_module
+    from torch_sparserl import specializers
+    from torch_sparserl.specializers import autotune_specializer
 
     computed, copied = [], []
     monkeypatch.setattr(features_module, "structural_features",
                         lambda rowptr, col, shape: computed.append(shape) or {"rows": shape[0]})
-    real_copy = runtime_module.host_indices
-    monkeypatch.setattr(runtime_module, "host_indices", lambda *a: copied.append(1) or real_copy(*a))
+    real_copy = specializers.host_indices
+    monkeypatch.setattr(specializers, "host_indices", lambda *a: copied.append(1) or real_copy(*a))
     specializer = autotune_specializer(RuntimeSettings())
     A = make_pattern("cora (real)")
     crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")

@@ -235,23 +235,27 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
 
 
 def _remember_installed(A: CSRMatrix, runtime: rt.Runtime, op: str, X: Tensor) -> None:
-    """After a direct product a kernel served, keep it on the matrix itself, so the next
-    ``A @ X`` of this shape skips torch's function dispatch, the checks and the pattern
-    lookup (:func:`_hot_product`)."""
+    """After a direct product a kernel served, keep its decision record on the matrix itself,
+    so the next ``A @ X`` of this shape skips torch's function dispatch, the checks and the
+    pattern lookup (:func:`_hot_product`). The record, not its kernel, is kept: the runtime
+    may replace the kernel (its library's build after the interim NVRTC build), and the next
+    call reads what the record says then."""
     if A.requires_grad:
         return
     n = X.shape[1] if op == "spmm" else 1
     entry = patterns.lookup(A.crow, A.col, A.shape[1])
-    state = runtime.state(op, entry, n, A.val.dtype)
-    if isinstance(state, rt.Installed) and not entry.transient:
+    decision = runtime.decision(op, entry, n, A.val.dtype)
+    if isinstance(decision.state, rt.Installed) and not entry.transient:
         hot = A.__dict__.setdefault("_hot", {})
-        hot[(X.dim(), n)] = (runtime, state.launch, patterns.versions(A.crow, A.col), entry.indices(A.crow, A.col),
-                             X.device, A.val.dtype, A.shape[1])
+        # the pattern is kept too: the record lives as long as it does
+        hot[(X.dim(), n)] = (runtime, decision, entry, patterns.versions(A.crow, A.col),
+                             entry.indices(A.crow, A.col), X.device, A.val.dtype, A.shape[1])
 
 
 def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
-    """``A @ X`` by the kernel :func:`_remember_installed` kept, when every condition of the
-    direct path still holds and the pattern is unchanged; None otherwise.
+    """``A @ X`` by the kernel the decision record :func:`_remember_installed` kept names,
+    when every condition of the direct path still holds and the pattern is unchanged; None
+    otherwise.
 
     Every check here is a plain attribute read: a property of the wrapper itself (its
     shape, its requires_grad) would cost a torch function dispatch, so what is fixed for
@@ -265,14 +269,15 @@ def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
     found = hot.get((dim, X.shape[1] if dim == 2 else 1))
     if found is None:
         return None
-    runtime, launch, versions, (crow, col), device, dtype, ncols = found
+    runtime, decision, _, versions, (crow, col), device, dtype, ncols = found
+    state = decision.state
     val = A.val
-    if (runtime is not rt._ACTIVE or X.dtype != dtype or val.dtype != dtype or X.device != device
+    if (runtime is not rt.active_or_none() or state.__class__ is not rt.Installed or X.dtype != dtype or val.dtype != dtype or X.device != device
             or X.shape[0] != ncols or val.shape[0] != col.shape[0]
             or patterns.versions(A.crow, A.col) != versions or not ops.direct_ok(val, X)
             or torch.is_autocast_enabled(device.type)):
         return None
-    return runtime.launch(launch, crow, col, val, X)  # the indices the pattern validated
+    return runtime.launch(state.launch, crow, col, val, X)  # the indices the pattern validated
 
 
 def _set_requires_grad(A: CSRMatrix, value: bool) -> None:

@@ -13,8 +13,11 @@ built, the NVRTC build's CUfunction through the driver), or runs cuSPARSE where 
 decided that no kernel beats it. Anything else goes to ``sparserl_direct::<op>``, the Python
 implementation, which checks, raises the operators' errors, decides, and records what served
 the call (:func:`record`), cuSPARSE too while a decision is still pending. Nothing is decided
-in C++; the registry is emptied whenever the runtime changes or a pending decision lands
-(:func:`forget`).
+in C++: an entry repeats one of the runtime's decision records
+(:class:`~torch_sparserl.decisions.Decision`), and the registry is emptied by the runtime's one
+invalidation hook (:meth:`Runtime.invalidate <torch_sparserl.runtime.Runtime.invalidate>`:
+the runtime changes, or a record's pending or installed state is replaced) through
+:func:`forget`.
 
 An entry keeps what it serves with (the indices its pattern validated: the pattern's own copy,
 int32 copies or the transposed pattern; plan data), and only weak references to the call's
@@ -44,6 +47,7 @@ from pathlib import Path
 import torch
 
 from . import config
+from .decisions import Fallback, Installed, Pending
 from .paths import build_root
 
 log = logging.getLogger("torch_sparserl.fastpath")
@@ -65,7 +69,7 @@ _builder: threading.Thread | None = None
 _failure: str | None = None
 _owner = None  # the runtime whose decisions the registry holds
 _taken = [0, 0]  # COUNTS already folded into _owner's stats
-_epoch = 0  # bumped by forget(): a pattern's recorded marks of an older epoch are stale
+_epoch = 0  # bumped by forget(): a decision's marks (Decision.fast) of an older epoch are stale
 
 
 def unavailable() -> str | None:
@@ -207,45 +211,46 @@ def driver_functions() -> bool:
     return _driver_functions
 
 
-def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, ncols: int, X: torch.Tensor) -> None:
+def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, ncols: int,
+           X: torch.Tensor) -> None:
     """After the Python implementation served ``sparserl_fast::<op>`` (or ``sparserl_direct``)
-    on these CUDA operands, let the C++ path serve the next such call the same way: the
-    runtime's installed kernel, or cuSPARSE where it decided for cuSPARSE, where the decision
-    is still pending (the runtime drops the registry when it lands: :meth:`Runtime._set`), or
-    where the runtime is off. Nothing is recorded inside a CUDA graph capture, or for what C++
-    does not serve (half-precision cuSPARSE products, inference-mode indices, kernels with neither
-    a C launcher nor a CUfunction it can launch)."""
+    on these CUDA operands, let the C++ path serve the next such call the same way, as
+    ``runtime``'s decision record says: its installed kernel, or cuSPARSE where it decided for
+    cuSPARSE, where the decision is still pending (the runtime's invalidation hook drops the
+    registry when it lands), or where the runtime is off. Nothing is recorded inside a CUDA
+    graph capture, or for what C++ does not serve (half-precision cuSPARSE products,
+    inference-mode indices, kernels with neither a C launcher nor a CUfunction it can launch)."""
     global _owner
     from . import pattern as patterns
-    from . import runtime as rt
 
-    runtime = rt.active_or_none()
     entry = patterns.validated(crow, col, ncols)
     if runtime is None or entry is None or entry.transient or entry.overfull:
         return  # what C++ cannot serve: Python serves every call
     transposed = op.endswith("_transposed")
     base = op.removesuffix("_transposed")
     n = X.shape[1] if base == "spmm" else 1
-    mark = (_epoch, runtime.generation, op, n, val.dtype)
+    used = entry.transpose(crow, col)[0] if transposed else entry
+    decision = runtime.decision(base, used, n, val.dtype)
     # recorded already: the common case of a call C++ leaves to Python (a fast_path=False
     # graph, a half-precision cuSPARSE product), so it is checked first
-    if (mark in entry.fast_recorded or crow.is_inference() or col.is_inference()
+    if ((_epoch, op) in decision.fast or crow.is_inference() or col.is_inference()
             or torch.cuda.is_current_stream_capturing()):
         return
     # C++ serves with the indices the pattern validated (Pattern.indices): its private copy of a
     # caller's tensors; where they are the call's own (the library's tensors), none is handed
     # over, so that the entry keeps no strong reference to them
-    used, (rowptr, colidx), perm = entry, entry.indices(crow, col), None
+    (rowptr, colidx), perm = entry.indices(crow, col), None
     if rowptr is crow and colidx is col:
         rowptr = colidx = None
     if transposed:
-        used, rowptr, colidx, perm = entry.transpose(crow, col)
+        _, rowptr, colidx, perm = entry.transpose(crow, col)
     # the state is read under the lock that forget() takes: a decision landing meanwhile is
     # either read here or empties the registry after this entry is in
     with _lock:
-        state = runtime.state(base, used, n, val.dtype)
+        state = decision.state
+        epoch = _epoch
         args = None
-        if isinstance(state, rt.Installed):
+        if isinstance(state, Installed):
             fast = getattr(state.launch, "fast", None)
             if fast is not None:
                 if fast.copies is not None:
@@ -254,8 +259,8 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
                     args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints),
                             fast.init_zero, fast.work_numel, fast.function)
         elif val.dtype not in _HALF and (
-                (isinstance(state, rt.Fallback) and (state.decided or not runtime.settings.strict))
-                or isinstance(state, rt.Pending)
+                (isinstance(state, Fallback) and (state.decided or not runtime.settings.strict))
+                or isinstance(state, Pending)
                 or (state is None and not runtime.decides_on(X.device))):
             args = (0, [0, 0, 0], None, [0] * 5, False, 0, 0)
         if args is None:
@@ -264,10 +269,11 @@ def record(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nc
         if _owner is not runtime:
             _forget_locked()
             _owner = runtime
+            epoch = _epoch
         torch.ops.sparserl_fastpath.install(
             crow, col, ncols, OPS.index(op), n, val.dtype, entry.nnz, X.shape[0], used.nrows, rowptr, colidx,
             perm, launcher, geometry, aux, ints, init_zero, work_numel, used.ncols, function)
-        entry.fast_recorded.add((_epoch, runtime.generation, op, n, val.dtype))
+        decision.fast.add((epoch, op))
 
 
 def _forget_locked() -> None:

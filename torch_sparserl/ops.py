@@ -23,10 +23,31 @@ run one product per attention head as a single product on the pattern's block-di
 (computed once per pattern and number of heads). The products close under differentiation
 (the plain ones among themselves, the heads ones likewise), so higher-order gradients work too.
 
-Each has an implementation-only twin, ``sparserl_direct::<op>`` (:data:`DIRECT_OPS`): the same
-schema, checks, kernels and fake, registered without an autograd kernel. Compiled graphs call
-the twins (the backend's post-grad pass retargets them), since AOTAutograd has differentiated
-those graphs already.
+**The doors.** Every door below runs the same implementation (the same checks, errors and
+kernels) and asks the same decision record of the runtime
+(:class:`~torch_sparserl.decisions.Decision`); each exists for one kind of caller, because
+what the caller has already done (differentiate, trace, dispatch) is not paid for twice:
+
+=============================  ===================================================================
+door                           who calls it, and why it exists
+=============================  ===================================================================
+``sparserl::<op>``             users, tracers and ``torch.compile`` before AOTAutograd: the public,
+                               differentiable operator with its fake and autograd formulas.
+``sparserl_direct::<op>``      graphs AOTAutograd has differentiated (the backend's post-grad pass
+                               retargets them, :data:`DIRECT_OPS`): the implementation only, no
+                               autograd kernel, whose layers would cost several times the dispatch.
+``sparserl_fast::<op>``        the same graphs' CUDA ``spmm``/``spmv`` and their transposes when the
+                               backend's ``fast_path`` is on (:data:`FAST_OPS`): served in C++ from
+                               the registry that repeats the runtime's records
+                               (:mod:`~torch_sparserl.fastpath`), else ``sparserl_direct``.
+:func:`direct`                 eager ``CSRMatrix`` products with nothing to differentiate, trace or
+                               dispatch (:func:`direct_ok`): the implementation without the
+                               dispatcher. ``A @ X`` then keeps the record on the matrix, and its
+                               next call launches what the record names without a lookup.
+:func:`eager_product`          eager ``CSRMatrix`` products that autograd records
+                               (:func:`eager_ok`): one ``autograd.Function`` node around the
+                               implementation instead of custom_op's autograd wrapper.
+=============================  ===================================================================
 """
 
 from __future__ import annotations
@@ -658,7 +679,9 @@ def _recording(op: str, impl):
     def run(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
         out = impl(crow, col, val, ncols, X)
         if fastpath.loaded and X.is_cuda:
-            fastpath.record(op, crow, col, val, ncols, X)
+            active = runtime.active_or_none()
+            if active is not None:
+                fastpath.record(active, op, crow, col, val, ncols, X)
         return out
 
     run.__name__ = impl.__name__

@@ -173,8 +173,8 @@ class Pattern:
     """Derived data of one CSR pattern. Create through :func:`lookup`."""
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
-                 "validated", "fingerprint", "specializations", "_row_indices", "_transpose", "_diagonal",
-                 "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "fast_recorded", "is_transpose",
+                 "validated", "fingerprint", "_row_indices", "_transpose", "_diagonal",
+                 "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "is_transpose",
                  "_frozen", "_owned", "_freeze_lock", "transient", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
@@ -189,7 +189,6 @@ class Pattern:
         self.index_dtype = col.dtype
         self.validated = False
         self.fingerprint: str | None = None  # set by fingerprint.fingerprint()
-        self.specializations: dict = {}  # (op, n, dtype) -> runtime state (runtime.py)
         self._row_indices: torch.Tensor | None = None
         # derived forms, each (value, the index tensors it hands out, their versions): _derived()
         self._transpose: tuple | None = None
@@ -199,7 +198,6 @@ class Pattern:
         self._heads_t: dict[int, tuple] = {}  # heads -> (the form's transpose perm, the order it gives)
         self._host: tuple[torch.Tensor, torch.Tensor] | None = None  # host_indices(), small CUDA patterns
         self._lock = threading.Lock()
-        self.fast_recorded: set = set()  # what fastpath.record gave the C++ registry
         self.is_transpose = False  # the transpose of another pattern (Pattern.transpose)
         # the indices products read (indices()): the private copy validate() takes of a caller's
         # tensors; None for the library's own tensors, read through the weak references
@@ -538,13 +536,6 @@ def validated(crow, col, ncols) -> Pattern | None:
         _STATS["lookups"] += 1
         return entry
     return None
-
-
-def live_patterns() -> list[Pattern]:
-    """The cached patterns whose index tensors are still alive."""
-    with _CACHE_LOCK:
-        found = {id(entry): entry for entry in list(_CACHE.values()) if entry._crow_ref() is not None}
-        return list(found.values())
 
 
 def stats() -> dict[str, int]:
