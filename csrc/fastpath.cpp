@@ -1,11 +1,17 @@
 // The C++ fast path of the sparse products in compiled graphs (torch_sparserl/fastpath.py).
 //
-// A compiled GNN epoch on a small graph is bound by the CPU, and a product's Python
-// implementation (argument checks, pattern lookup, the runtime's decision, the launch through
-// ctypes) costs tens to hundreds of microseconds there. This library registers C++ kernels for
-// the CUDA key of `sparserl_fast::{spmm,spmv,spmm_transposed,spmv_transposed}`, operators the
-// Python package defines (same schemas as `sparserl_direct::*`). A call looks its operands up in
-// a registry that the Python implementation fills after it has served the same call itself:
+// On a small graph a product is bound by the CPU, and its Python implementation (argument
+// checks, pattern lookup, the runtime's decision, the launch through ctypes) costs tens of
+// microseconds. This library serves the CUDA products in C++, through three doors:
+//
+//   - the CUDA kernels of `sparserl::{spmm,spmv,spmm_transposed,spmv_transposed}` (eager calls
+//     of the operators, under autograd too, and the backward products);
+//   - the same for `sparserl_fast::*` (compiled graphs, after AOTAutograd);
+//   - `serve()`, a Python function of this module, which an eager `A @ X` on a CSRMatrix calls
+//     without the dispatcher (it declines what needs autograd, autocast or a mode).
+//
+// Every door looks its operands up in a registry that the Python implementation fills after it
+// has served the same call itself:
 //
 //   hit   the same crow and col tensors (identity, alive, unmodified: version counters), the
 //         same op, ncols, N and dtype, operands of the recorded sizes  -> the installed kernel is
@@ -13,7 +19,8 @@
 //         serves from its NVRTC build while that library is built, through the driver's
 //         cuLaunchKernel (or cuSPARSE, where the runtime decided no kernel beats it);
 //   miss  anything else  -> `sparserl_direct::<op>`, the Python implementation, which checks,
-//         raises the operators' errors, decides, and records what served the call.
+//         raises the operators' errors, decides, and records what served the call (serve()
+//         returns None instead: its caller runs the Python path).
 //
 // Nothing here decides or validates a pattern: an entry only repeats what the Python path did
 // for the same operands. The registry is emptied whenever the runtime changes.
@@ -22,6 +29,9 @@
 // through the C launchers of the libraries torch_sparserl.build.inline builds, or as driver
 // functions (CUfunction) of NVRTC builds; no CUDA code is compiled here).
 
+#include <Python.h>
+
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_sparse_csr_tensor_unsafe.h>
@@ -33,8 +43,11 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -121,7 +134,7 @@ std::shared_ptr<Entry> find(int64_t op, const at::Tensor& crow, const at::Tensor
     // by another tensor; expired: the tensor died (its entry is swept at the next install).
     if (!is_alive(e->crow) || !is_alive(e->col)) return nullptr;
     if (crow._version() != e->crow_version || col._version() != e->col_version) return nullptr;
-    if (val.size(0) != e->nnz || X.size(0) != e->in_rows || X.scalar_type() != e->dtype ||
+    if (val.size(0) != e->nnz || X.size(0) != e->in_rows || X.scalar_type() != e->dtype || !val.is_cuda() ||
         val.device() != X.device() || crow.device() != X.device())
       return nullptr;
     return e;
@@ -196,23 +209,29 @@ at::Tensor serve(const Entry& e, const at::Tensor& crow, const at::Tensor& col, 
   return y;
 }
 
-template <int64_t OP>
-at::Tensor product(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
-                   const at::Tensor& X) {
+// The call served from the registry, or nothing (a miss).
+std::optional<at::Tensor> hit(int64_t op, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
+                              int64_t ncols, const at::Tensor& X) {
   std::shared_ptr<Entry> e;
-  at::Tensor values = val;
   {
     std::lock_guard<std::mutex> hold(registry_lock);
     // Inside a CUDA graph capture the Python path runs: it keeps what outlives the step out
     // of the graph's private memory pool, and a replay must read the values of its own step.
     if (!registry.empty() && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
-      e = find(OP, crow, col, val, ncols, X);
+      e = find(op, crow, col, val, ncols, X);
     }
   }
+  if (!e) return std::nullopt;
   // the values in the transposed order, gathered on every call (Pattern.transposed_values):
   // values are read as they are, and no counter says reliably whether they changed
-  if (e && (OP == SPMM_T || OP == SPMV_T)) values = at::index_select(val, 0, e->perm);
-  if (e) return serve(*e, crow, col, values, X);
+  if (op == SPMM_T || op == SPMV_T) return serve(*e, crow, col, at::index_select(val, 0, e->perm), X);
+  return serve(*e, crow, col, val, X);
+}
+
+template <int64_t OP>
+at::Tensor product(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
+                   const at::Tensor& X) {
+  if (auto out = hit(OP, crow, col, val, ncols, X)) return *std::move(out);
   static auto slow = c10::Dispatcher::singleton()
                          .findSchemaOrThrow((std::string("sparserl_direct::") + kOpNames[OP]).c_str(), "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
@@ -299,7 +318,72 @@ void bind_counters(const at::Tensor& t) {
   counters = t;
 }
 
+// ------------------------------------------------------------------ the eager door
+
+// Whether t is a plain strided tensor that nothing but its backend kernel needs to see: no
+// tensor subclass (Python key), no functorch wrapper, no functionalization, no lazy conjugate.
+bool plain(const at::Tensor& t) {
+  constexpr c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                         c10::DispatchKey::Functionalize, c10::DispatchKey::Conjugate,
+                                         c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
+  return t.layout() == c10::kStrided && !t.key_set().has_any(wrapped);
+}
+
+// serve(op, crow, col, val, ncols, X) -> Tensor | None: an eager product of a CSRMatrix served
+// from the registry without the dispatcher (op: 0..3 as in kOpNames). None where the call is
+// not the registry's (a miss), or where something other than the backend kernel must see it:
+// autograd (grad mode with an operand that requires grad), autocast, a dispatch mode, wrapped
+// operands. The caller then runs the Python path, which checks, decides and records.
+PyObject* py_serve(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_Format(PyExc_TypeError, "sparserl fast path serve(): expected 6 arguments (op, crow, col, val, ncols, X), "
+                 "got %zd", nargs);
+    return nullptr;
+  }
+  const long long op = PyLong_AsLongLong(args[0]);
+  const long long ncols = PyLong_AsLongLong(args[4]);
+  if ((op == -1 || ncols == -1) && PyErr_Occurred()) return nullptr;
+  if (op < SPMM || op > SPMV_T) {
+    PyErr_Format(PyExc_ValueError, "sparserl fast path serve(): op must be 0..3 (got %lld)", op);
+    return nullptr;
+  }
+  for (int i : {1, 2, 3, 5}) {
+    if (!THPVariable_CheckExact(args[i])) Py_RETURN_NONE;  // a subclass or not a tensor: Python's path
+  }
+  try {
+    const at::Tensor& crow = THPVariable_Unpack(args[1]);
+    const at::Tensor& col = THPVariable_Unpack(args[2]);
+    const at::Tensor& val = THPVariable_Unpack(args[3]);
+    const at::Tensor& X = THPVariable_Unpack(args[5]);
+    if (!X.is_cuda() || !plain(X) || !plain(val) || c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+        at::autocast::is_autocast_enabled(at::kCUDA) ||
+        (c10::GradMode::is_enabled() && (X.requires_grad() || val.requires_grad())))
+      Py_RETURN_NONE;
+    auto out = hit(op, crow, col, val, ncols, X);
+    if (!out) Py_RETURN_NONE;
+    return THPVariable_Wrap(*std::move(out));
+  } catch (const std::exception& exc) {
+    PyErr_SetString(PyExc_RuntimeError, exc.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef methods[] = {
+    {"serve", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&py_serve)), METH_FASTCALL,
+     "serve(op, crow, col, val, ncols, X) -> Tensor | None: an eager CSRMatrix product from the registry"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "sparserl_fastpath", nullptr, -1, methods};
+
 }  // namespace
+
+#define SPARSERL_CONCAT_(a, b) a##b
+#define SPARSERL_CONCAT(a, b) SPARSERL_CONCAT_(a, b)
+
+// The module is imported under the library's name (fastpath.py: its build and load); importing
+// it also registers the operators below.
+PyMODINIT_FUNC SPARSERL_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }
 
 TORCH_LIBRARY(sparserl_fastpath, m) {
   m.def(
@@ -314,6 +398,15 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
 }
 
 TORCH_LIBRARY_IMPL(sparserl_fast, CUDA, m) {
+  m.impl("spmm", &product<SPMM>);
+  m.impl("spmv", &product<SPMV>);
+  m.impl("spmm_transposed", &product<SPMM_T>);
+  m.impl("spmv_transposed", &product<SPMV_T>);
+}
+
+// The public operators' CUDA kernels: below their autograd (custom_op's, in Python), above
+// their Python implementation, which a miss reaches through sparserl_direct.
+TORCH_LIBRARY_IMPL(sparserl, CUDA, m) {
   m.impl("spmm", &product<SPMM>);
   m.impl("spmv", &product<SPMV>);
   m.impl("spmm_transposed", &product<SPMM_T>);

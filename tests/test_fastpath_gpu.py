@@ -382,3 +382,80 @@ def test_a_steady_compiled_training_step_never_waits_for_the_gpu(runtime, fast_p
         assert (_counts() != before) == fast_path  # C++ served the products, where it is on
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ the eager doors
+
+
+def _csr(name="random", seed=0):
+    M = make_pattern(name)
+    M.data = np.random.default_rng(seed).standard_normal(M.nnz)
+    return M, ts.csr(M, dtype=torch.float32, device="cuda")
+
+
+# a kernel (KERNEL_N, and spmv's), cuSPARSE as decided (16)
+@pytest.mark.parametrize("spelling, n", [(s, n) for s in ("matmul", "mm", "sparse.mm") for n in (KERNEL_N, 16)]
+                         + [("matmul", 1), ("mv", 1)])
+def test_an_eager_product_of_a_matrix_is_served_in_cxx_after_the_first(runtime, poison_uninitialized, n, spelling):
+    M, A = _csr()
+    product = {"matmul": lambda X: A @ X, "mm": lambda X: torch.mm(A, X),
+               "sparse.mm": lambda X: torch.sparse.mm(A, X), "mv": lambda X: torch.mv(A, X)}[spelling]
+    for call in range(3):
+        X = _operand("spmv" if n == 1 else "spmm", A, n, seed=call)
+        before = _counts()
+        got = product(X)
+        torch.cuda.synchronize()
+        served = tuple(a - b for a, b in zip(_counts(), before))
+        want = torch.from_numpy(np.asarray(M @ X.cpu().double().numpy()))
+        assert_close_to_reference(got, want, torch.float32)
+        if call == 0:
+            assert served == (0, 0)  # the Python path decides and records
+        else:  # C++: the installed kernel (KERNEL_N and spmv), else cuSPARSE as decided
+            assert served == ((1, 0) if n in (KERNEL_N, 1) else (0, 1))
+
+
+def test_the_eager_door_declines_what_python_must_see(runtime, poison_uninitialized):
+    M, A = _csr()
+    dense = torch.from_numpy(M.toarray()).float().cuda()
+    X = _operand("spmm", A, KERNEL_N, seed=1)
+    A @ X  # recorded
+    before = _counts()
+
+    Xg = X.clone().requires_grad_()
+    (A @ Xg).sum().backward()  # autograd sees it: the gradient is right
+    torch.testing.assert_close(Xg.grad, dense.t() @ torch.ones(M.shape[0], KERNEL_N, device="cuda"))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert (A @ X).dtype == torch.bfloat16  # autocast's dtype, as torch.mm gives
+    with torch.no_grad():
+        A.col[0] = (A.col[0] + 1) % M.shape[1]  # an in-place change of the pattern
+    changed = torch.sparse_csr_tensor(A.crow.cpu(), A.col.cpu(), A.val.cpu(), tuple(A.shape)).to_dense().cuda()
+    torch.testing.assert_close(A @ X, changed @ X)  # the new pattern, validated and decided again
+    torch.cuda.synchronize()
+    assert _counts() == before  # every one of them ran through Python
+
+    B = ts.csr(M, dtype=torch.float32, device="cuda")
+    B.requires_grad = True
+    B @ X
+    assert "_eager_ncols" not in B.__dict__  # a matrix that requires grad never takes the eager door
+
+
+@pytest.mark.parametrize("op", ["spmm", "spmv", "spmm_transposed", "spmv_transposed"])
+def test_the_public_operators_run_their_cuda_calls_in_cxx(runtime, poison_uninitialized, op):
+    """``torch.ops.sparserl.<op>`` eager, then under autograd: C++ serves from the second call."""
+    M = make_pattern("random")
+    crow, col, val = to_parts(M, torch.float32, torch.int32, "cuda")
+    public = getattr(torch.ops.sparserl, op)
+    served = []
+    for call in range(3):
+        X = _operand(op, M, KERNEL_N, seed=call).requires_grad_(call == 2)
+        before = _counts()
+        got = public(crow, col, val, M.shape[1], X)
+        torch.cuda.synchronize()
+        served.append(sum(a - b for a, b in zip(_counts(), before)))
+        assert_close_to_reference(got, _want(op, crow, col, val, M.shape[1], X), torch.float32)
+    assert served == [0, 1, 1]
+    got.sum().backward()  # the backward's products are right too
+    ones = torch.ones(got.shape, dtype=torch.float64)
+    want = _want(op.replace("_transposed", "") if op.endswith("_transposed") else op + "_transposed",
+                 crow, col, val, M.shape[1], ones.cuda().float())
+    assert_close_to_reference(X.grad, want.reshape(X.shape), torch.float32)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from . import ops
+from . import fastpath, ops
 from . import pattern as patterns
 from . import runtime as rt
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES
@@ -100,7 +100,9 @@ class CSRMatrix(Tensor):
         # through Tensor.__matmul__, which turns every TypeError (a wrong dtype, a sparse
         # operand) into NotImplemented and so into Python's bare "unsupported operand type(s)".
         if type(other) is Tensor:
-            out = _hot_product(self, other)
+            out = _served_in_cpp(self, other)
+            if out is None:
+                out = _hot_product(self, other)
             if out is not None:
                 return out
         if not isinstance(other, Tensor):
@@ -221,17 +223,55 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
     when nothing (autograd, a tracer, a mode) needs to see the operator
     (:func:`ops.direct_ok`), or with a lean autograd node when only autograd does
     (:func:`ops.eager_product`)."""
+    if type(X) is Tensor:
+        out = _served_in_cpp(A, X)
+        if out is not None:
+            return out
     val, X = _autocast(values_of(A), X)
     if ops.direct_ok(val, X):
         runtime = rt.active_or_none()
         served = runtime.stats["installed_calls"] if runtime is not None else None
         out = ops.direct(op, A.crow, A.col, val, A.shape[1], X)
-        if op in ("spmm", "spmv") and runtime is not None and runtime.stats["installed_calls"] != served:
-            _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
+        if op in ("spmm", "spmv") and runtime is not None:
+            if X.is_cuda and fastpath.loaded:
+                _record_in_cpp(A, runtime, op, val, X)
+            elif runtime.stats["installed_calls"] != served:
+                _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
         return out
     if ops.eager_ok(val, X):
         return ops.eager_product(op, A.crow, A.col, val, A.shape[1], X)
     return getattr(_ops, op)(A.crow, A.col, val, A.shape[1], X)
+
+
+_FAST_OP = {2: fastpath.OPS.index("spmm"), 1: fastpath.OPS.index("spmv")}  # X.dim() -> the C++ op
+
+
+def _served_in_cpp(A: CSRMatrix, X: Tensor) -> Tensor | None:
+    """``A @ X`` served by the C++ fast path's eager door (:data:`fastpath.serve`), or None.
+
+    Only for a matrix whose earlier product the Python path recorded there
+    (:func:`_record_in_cpp`: a CUDA product of a matrix that needs no gradient); C++ then
+    declines whatever the Python path must see (autograd, autocast, a mode, a changed
+    pattern, other operands), and a Python tracer never reaches it."""
+    ncols = A.__dict__.get("_eager_ncols")
+    if ncols is None:
+        return None
+    serve = fastpath.serve
+    op = _FAST_OP.get(X.dim())
+    if serve is None or op is None or torch.compiler.is_compiling():
+        return None
+    return serve(op, A.crow, A.col, A.val, ncols, X)
+
+
+def _record_in_cpp(A: CSRMatrix, runtime: rt.Runtime, op: str, val: Tensor, X: Tensor) -> None:
+    """After the Python path served a CUDA product of ``A``, let C++ serve the next one the same
+    way (:func:`torch_sparserl.fastpath.record`, which repeats the runtime's decision record:
+    its kernel, or cuSPARSE). Not for a matrix that requires grad: C++ would not record the
+    product for autograd."""
+    if val is not A.val or A.requires_grad:
+        return  # autocast cast the values, or autograd must see the product
+    fastpath.record(runtime, op, A.crow, A.col, val, A.shape[1], X)
+    A.__dict__["_eager_ncols"] = A.shape[1]
 
 
 def _remember_installed(A: CSRMatrix, runtime: rt.Runtime, op: str, X: Tensor) -> None:
@@ -282,6 +322,7 @@ def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
 
 def _set_requires_grad(A: CSRMatrix, value: bool) -> None:
     A.__dict__.pop("_hot", None)  # remembered kernels were for a matrix without gradient
+    A.__dict__.pop("_eager_ncols", None)  # and so was the C++ door
     with torch._C.DisableTorchFunctionSubclass():
         Tensor.requires_grad.__set__(A, value)
 

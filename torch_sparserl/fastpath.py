@@ -37,6 +37,7 @@ implementation. Where torch has no CUDA, or with ``SPARSERL_FAST_PATH=0``, it is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import subprocess
@@ -59,6 +60,12 @@ _HALF = (torch.float16, torch.bfloat16)  # cuSPARSE products of these widen in P
 loaded = False
 """Whether the library is loaded in this process (the ops' Python implementations read it on
 every call: a plain attribute)."""
+
+serve = None
+"""Once the library is loaded, its ``serve(op, crow, col, val, ncols, X) -> Tensor | None``: an
+eager CSRMatrix product (``op`` an index into :data:`OPS`) served from the registry without
+the dispatcher, or None where the call is not the registry's or needs autograd, autocast or a
+mode (the caller then runs the Python path, which records it)."""
 
 COUNTS = torch.zeros(2, dtype=torch.int64)
 """Calls the C++ path served with a kernel, with cuSPARSE (the runtime folds them into its stats)."""
@@ -83,9 +90,15 @@ def unavailable() -> str | None:
     return None
 
 
+# Hidden symbols: the library exports its module's init function only, so the pybind11 and
+# torch inline functions it instantiates never interpose on another library's (it is loaded
+# with local symbols too: _load_library).
+CFLAGS = ("-O2", "-std=c++17", "-fvisibility=hidden")
+
+
 def _name() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_text(), torch.__version__, str(torch.version.cuda)):
+    for part in (SOURCE.read_text(), torch.__version__, str(torch.version.cuda), " ".join(CFLAGS)):
         h.update(part.encode() + b"\0")
     return f"sparserl_fastpath_{h.hexdigest()[:16]}"
 
@@ -125,7 +138,7 @@ def build() -> Path:
         source = path.parent / "fastpath.cpp"
         source.write_text(SOURCE.read_text())
         load(name=path.stem, sources=[str(source)], build_directory=str(path.parent), with_cuda=True,
-             is_python_module=False, extra_cflags=["-O2", "-std=c++17"], verbose=False)
+             is_python_module=False, extra_cflags=list(CFLAGS), verbose=False)
 
     with _exclusive(path.parent):
         verified_build(path, done, compile_library)
@@ -133,7 +146,7 @@ def build() -> Path:
 
 
 def _load() -> bool:
-    global loaded
+    global loaded, serve
     with _lock:
         if loaded:
             return True
@@ -144,23 +157,30 @@ def _load() -> bool:
         data = trust.library_bytes(path, done)
         if data is None:  # not built, or not verified: built again (in a subprocess) before it loads
             return False
-        load_verified(path, data, _load_library)
+        module = load_verified(path, data, functools.partial(_load_library, path.stem))
         torch.ops.loaded_libraries.add(str(path))
         torch.ops.sparserl_fastpath.bind_counters(COUNTS)
+        serve = module.serve
         loaded = True
     log.info("sparserl: C++ fast path loaded from %s", path)
     return True
 
 
-def _load_library(path: str) -> None:
-    """``torch.ops.load_library`` of ``path`` as given (it resolves a path first, which would take a
-    sealed memory file's ``/proc/self/fd`` link to a name that does not exist)."""
-    import ctypes
+def _load_library(name: str, path: str):
+    """Import the library at ``path`` as the Python module ``name``, which also registers its
+    operators (its static initializers run as ``torch.ops.load_library``'s would). Its symbols
+    stay local (Python's default ``dlopen`` flags, not ``RTLD_GLOBAL``): nothing resolves
+    against them, and global pybind11 symbols would interpose on other extensions' (Triton's).
+    The path is used as given: resolving it would take a sealed memory file's
+    ``/proc/self/fd`` link to a name that does not exist."""
+    import importlib.machinery
+    import importlib.util
 
-    from torch._ops import dl_open_guard
-
-    with dl_open_guard():
-        ctypes.CDLL(path)
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)  # the dlopen
+    loader.exec_module(module)
+    return module
 
 
 def _build_and_load() -> None:
