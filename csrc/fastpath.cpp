@@ -50,11 +50,28 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#if __has_include(<cusparse.h>)
+#include <cusparse.h>
+#include <dlfcn.h>
+#include <link.h>
+#define SPARSERL_CUSPARSE 1
+// torch's cuSPARSE handle of the current device, set to the current stream (libtorch_cuda;
+// declared here: its header, ATen/cuda/CUDAContextLight.h, needs cuBLAS and cuSOLVER headers too)
+namespace at::cuda {
+cusparseHandle_t getCurrentCUDASparseHandle();
+}
+#else  // no cuSPARSE header here: cuSPARSE is reached through at::addmm / at::addmv only
+#define SPARSERL_CUSPARSE 0
+#endif
+
 #include <cstdint>
+#include <algorithm>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -68,6 +85,21 @@ using ImplPtr = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImp
 enum Op : int64_t { SPMM = 0, SPMV = 1, SPMM_T = 2, SPMV_T = 3 };
 constexpr const char* kOpNames[] = {"spmm", "spmv", "spmm_transposed", "spmv_transposed"};
 
+// cuSPARSE called directly for a vendor entry: its descriptors made once and kept, so a call
+// only points them at its operands (at::addmm / at::addmv make, size and free them every call).
+struct VendorPlan {
+  std::mutex lock;  // the descriptors are pointed at one call's operands at a time
+  bool failed = false;  // cuSPARSE refused it once: at::addmm / at::addmv serve from then on
+#if SPARSERL_CUSPARSE
+  cusparseSpMatDescr_t A = nullptr;
+  cusparseDnMatDescr_t X = nullptr, Y = nullptr;  // spmm
+  cusparseDnVecDescr_t x = nullptr, y = nullptr;  // spmv
+  size_t buffer_bytes = 0;
+  bool sized = false;
+  ~VendorPlan();
+#endif
+};
+
 struct Entry {
   // what the call must look like
   std::optional<ImplPtr> crow, col;  // weak: an entry never keeps the user's adjacency alive
@@ -79,7 +111,8 @@ struct Entry {
   // what serves it
   at::Tensor rowptr, colidx;  // the validated indices to read when not the call's own (a private copy, int32 copies, the transpose)
   at::Tensor perm;            // transposed ops: val_t = val[perm]
-  bool vendor = false;        // cuSPARSE through at::addmm / at::addmv
+  bool vendor = false;        // cuSPARSE: directly (plan), else through at::addmm / at::addmv
+  std::unique_ptr<VendorPlan> plan;
   int64_t vendor_cols = 0;    // columns of the matrix cuSPARSE multiplies
   LaunchFn launch = nullptr;
   void* function = nullptr;  // a CUfunction, launched with cuLaunchKernel, where launch is null
@@ -142,6 +175,154 @@ std::shared_ptr<Entry> find(int64_t op, const at::Tensor& crow, const at::Tensor
   return nullptr;
 }
 
+#if SPARSERL_CUSPARSE
+// The cuSPARSE functions of the library torch loaded (found among the process's loaded objects,
+// so that no second copy is loaded and nothing is linked); null where it is not found.
+struct Cusparse {
+  decltype(&cusparseCreateCsr) create_csr;
+  decltype(&cusparseCsrSetPointers) csr_set;
+  decltype(&cusparseDestroySpMat) destroy_sp;
+  decltype(&cusparseCreateDnMat) create_dnmat;
+  decltype(&cusparseDnMatSetValues) dnmat_set;
+  decltype(&cusparseDestroyDnMat) destroy_dnmat;
+  decltype(&cusparseCreateDnVec) create_dnvec;
+  decltype(&cusparseDnVecSetValues) dnvec_set;
+  decltype(&cusparseDestroyDnVec) destroy_dnvec;
+  decltype(&cusparseSpMV_bufferSize) spmv_size;
+  decltype(&cusparseSpMV) spmv;
+  decltype(&cusparseSpMM_bufferSize) spmm_size;
+  decltype(&cusparseSpMM) spmm;
+};
+
+const Cusparse* cusparse_api() {
+  static const Cusparse* api = []() -> const Cusparse* {
+    std::string path;
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* found) {
+          if (info->dlpi_name && std::strstr(info->dlpi_name, "libcusparse.so")) {
+            *static_cast<std::string*>(found) = info->dlpi_name;
+            return 1;
+          }
+          return 0;
+        },
+        &path);
+    if (path.empty()) return nullptr;
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) return nullptr;
+    static Cusparse fns;
+    bool ok = true;
+    auto get = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      ok = ok && fn != nullptr;
+    };
+    get(fns.create_csr, "cusparseCreateCsr");
+    get(fns.csr_set, "cusparseCsrSetPointers");
+    get(fns.destroy_sp, "cusparseDestroySpMat");
+    get(fns.create_dnmat, "cusparseCreateDnMat");
+    get(fns.dnmat_set, "cusparseDnMatSetValues");
+    get(fns.destroy_dnmat, "cusparseDestroyDnMat");
+    get(fns.create_dnvec, "cusparseCreateDnVec");
+    get(fns.dnvec_set, "cusparseDnVecSetValues");
+    get(fns.destroy_dnvec, "cusparseDestroyDnVec");
+    get(fns.spmv_size, "cusparseSpMV_bufferSize");
+    get(fns.spmv, "cusparseSpMV");
+    get(fns.spmm_size, "cusparseSpMM_bufferSize");
+    get(fns.spmm, "cusparseSpMM");
+    return ok ? &fns : nullptr;
+  }();
+  return api;
+}
+
+VendorPlan::~VendorPlan() {
+  const Cusparse* api = cusparse_api();
+  if (api == nullptr) return;
+  if (A) api->destroy_sp(A);
+  if (X) api->destroy_dnmat(X);
+  if (Y) api->destroy_dnmat(Y);
+  if (x) api->destroy_dnvec(x);
+  if (y) api->destroy_dnvec(y);
+}
+
+// out = A @ X by cuSPARSE through the entry's kept descriptors; nothing where this cannot be
+// done (no cuSPARSE found, a dtype or index type it is not set up for, an empty product, a
+// refusal), and the caller then goes through at::addmm / at::addmv.
+std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, const at::Tensor& colidx,
+                                           const at::Tensor& val, const at::Tensor& X, bool matrix) {
+  const Cusparse* api = cusparse_api();
+  if (api == nullptr || !e.plan || e.nnz == 0 || e.out_rows == 0 || e.vendor_cols == 0 || (matrix && e.n == 0))
+    return std::nullopt;
+  cudaDataType dt;
+  if (val.scalar_type() == at::kFloat) dt = CUDA_R_32F;
+  else if (val.scalar_type() == at::kDouble) dt = CUDA_R_64F;
+  else return std::nullopt;
+  if (rowptr.scalar_type() != colidx.scalar_type() || !rowptr.is_contiguous() || !colidx.is_contiguous() ||
+      !val.is_contiguous())
+    return std::nullopt;
+  const cusparseIndexType_t index = rowptr.scalar_type() == at::kInt ? CUSPARSE_INDEX_32I : CUSPARSE_INDEX_64I;
+  VendorPlan& p = *e.plan;
+  std::lock_guard<std::mutex> hold(p.lock);
+  if (p.failed) return std::nullopt;
+  at::Tensor out = matrix ? at::empty({e.out_rows, e.n}, X.options()) : at::empty({e.out_rows}, X.options());
+  const double one64 = 1.0, zero64 = 0.0;
+  const float one32 = 1.0f, zero32 = 0.0f;
+  const void* alpha = dt == CUDA_R_32F ? static_cast<const void*>(&one32) : static_cast<const void*>(&one64);
+  const void* beta = dt == CUDA_R_32F ? static_cast<const void*>(&zero32) : static_cast<const void*>(&zero64);
+  cusparseHandle_t handle = at::cuda::getCurrentCUDASparseHandle();  // on the current stream
+  bool ok = true;
+  auto check = [&](cusparseStatus_t status) { ok = ok && status == CUSPARSE_STATUS_SUCCESS; };
+  if (p.A == nullptr)
+    check(api->create_csr(&p.A, e.out_rows, e.vendor_cols, e.nnz, rowptr.data_ptr(), colidx.data_ptr(),
+                          val.data_ptr(), index, index, CUSPARSE_INDEX_BASE_ZERO, dt));
+  else
+    check(api->csr_set(p.A, rowptr.data_ptr(), colidx.data_ptr(), val.data_ptr()));
+  if (matrix) {
+    if (ok && p.X == nullptr) {
+      check(api->create_dnmat(&p.X, X.size(0), e.n, e.n, X.data_ptr(), dt, CUSPARSE_ORDER_ROW));
+      check(api->create_dnmat(&p.Y, e.out_rows, e.n, e.n, out.data_ptr(), dt, CUSPARSE_ORDER_ROW));
+    } else if (ok) {
+      check(api->dnmat_set(p.X, X.data_ptr()));
+      check(api->dnmat_set(p.Y, out.data_ptr()));
+    }
+    if (ok && !p.sized) {
+      check(api->spmm_size(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A,
+                           p.X, beta, p.Y, dt, CUSPARSE_SPMM_ALG_DEFAULT, &p.buffer_bytes));
+      p.sized = ok;
+    }
+  } else {
+    if (ok && p.x == nullptr) {
+      check(api->create_dnvec(&p.x, X.size(0), X.data_ptr(), dt));
+      check(api->create_dnvec(&p.y, e.out_rows, out.data_ptr(), dt));
+    } else if (ok) {
+      check(api->dnvec_set(p.x, X.data_ptr()));
+      check(api->dnvec_set(p.y, out.data_ptr()));
+    }
+    if (ok && !p.sized) {
+      check(api->spmv_size(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, dt,
+                           CUSPARSE_SPMV_ALG_DEFAULT, &p.buffer_bytes));
+      p.sized = ok;
+    }
+  }
+  if (!ok) {
+    p.failed = true;
+    return std::nullopt;
+  }
+  // the workspace comes from torch's caching allocator on the current stream, every call
+  at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(p.buffer_bytes, 1))},
+                                X.options().dtype(at::kByte));
+  if (matrix)
+    check(api->spmm(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.X, beta,
+                    p.Y, dt, CUSPARSE_SPMM_ALG_DEFAULT, buffer.data_ptr()));
+  else
+    check(api->spmv(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, dt,
+                    CUSPARSE_SPMV_ALG_DEFAULT, buffer.data_ptr()));
+  if (!ok) {
+    p.failed = true;
+    return std::nullopt;
+  }
+  return out;
+}
+#endif
+
 at::Tensor aligned(const at::Tensor& t) {
   // the kernels' vector loads need contiguous, 16-byte aligned operands (Runtime.launch)
   if (t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0) return t;
@@ -159,7 +340,7 @@ void zero_fill(const at::Tensor& t, cudaStream_t stream) {
 // pattern's private copy of a caller's tensors, int32 copies, the transpose), or the call's
 // crow and col where those are the library's own validated tensors (none recorded then, so
 // that the entry holds no strong reference to them).
-at::Tensor serve(const Entry& e, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val_in,
+at::Tensor serve(Entry& e, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val_in,
                  const at::Tensor& X_in) {
   const bool matrix = (e.op == SPMM || e.op == SPMM_T);
   const at::Tensor& rowptr = e.rowptr.defined() ? e.rowptr : crow;
@@ -167,6 +348,9 @@ at::Tensor serve(const Entry& e, const at::Tensor& crow, const at::Tensor& col, 
   c10::cuda::CUDAGuard guard(X_in.device());
   if (e.vendor) {
     count(1);
+#if SPARSERL_CUSPARSE
+    if (auto out = cusparse_product(e, rowptr, colidx, val_in, X_in.contiguous(), matrix)) return *std::move(out);
+#endif
     at::Tensor A = at::_sparse_csr_tensor_unsafe(rowptr, colidx, val_in, {e.out_rows, e.vendor_cols},
                                                  val_in.options().layout(c10::kSparseCsr));
     at::Tensor X = X_in.contiguous();
@@ -276,6 +460,7 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   if (colidx.has_value()) e->colidx = *colidx;
   if (perm.has_value()) e->perm = *perm;
   e->vendor = launcher == 0 && function == 0;
+  if (e->vendor) e->plan = std::make_unique<VendorPlan>();
   e->vendor_cols = vendor_cols;
   e->launch = reinterpret_cast<LaunchFn>(static_cast<std::uintptr_t>(launcher));
   e->function = reinterpret_cast<void*>(static_cast<std::uintptr_t>(function));
@@ -394,6 +579,14 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
   m.def("forget() -> ()", &forget);
   m.def("entries() -> int", &entries);
   m.def("driver_functions() -> bool", [] { return driver_launch() != nullptr; });
+  // whether vendor entries call cuSPARSE directly (else through at::addmm / at::addmv)
+  m.def("cusparse_direct() -> bool", [] {
+#if SPARSERL_CUSPARSE
+    return cusparse_api() != nullptr;
+#else
+    return false;
+#endif
+  });
   m.def("bind_counters(Tensor counters) -> ()", &bind_counters);
 }
 

@@ -459,3 +459,9 @@ def test_the_public_operators_run_their_cuda_calls_in_cxx(runtime, poison_uninit
     want = _want(op.replace("_transposed", "") if op.endswith("_transposed") else op + "_transposed",
                  crow, col, val, M.shape[1], ones.cuda().float())
     assert_close_to_reference(X.grad, want.reshape(X.shape), torch.float32)
+
+
+def test_cusparse_is_called_directly():
+    """Where the runtime decided for cuSPARSE, C++ calls it with descriptors it keeps (the tests
+    above check the results); this machine's build found the cuSPARSE header and library."""
+    assert fastpath.cusparse_direct(), fastpath.status()

@@ -116,10 +116,17 @@ def is_built() -> bool:
     return trust.is_verified(*library())
 
 
+def cusparse_direct() -> bool:
+    """Whether the loaded library calls cuSPARSE directly where the runtime decided for it, with
+    descriptors kept per pattern and operand shape (else through ``at::addmm``/``at::addmv``,
+    which make them every call): it needs the cuSPARSE header at build time."""
+    return loaded and bool(torch.ops.sparserl_fastpath.cusparse_direct())
+
+
 def status() -> str:
     """One line: loaded (from where), or why not."""
     if loaded:
-        return f"loaded from {library()[0]}"
+        return f"loaded from {library()[0]}" + ("" if cusparse_direct() else " (cuSPARSE through torch's calls)")
     why = unavailable()
     if why is not None:
         return f"not available: {why}"
