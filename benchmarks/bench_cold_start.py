@@ -265,7 +265,7 @@ def run_eager(model, hidden, graph, device, epochs: int) -> dict:
 def run_off(model, hidden, graph, device, epochs: int, mode: str = "default") -> dict:
     """Compiled with the runtime off: the compile alone, then cuSPARSE inside the graph."""
     import torch
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     rt.configure(mode="off")
     bench.reset_compiled()
@@ -291,7 +291,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
     ``max_s`` has passed).
     ``runtime``: use this one instead of configuring the process's (tests)."""
     import torch
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     if runtime is None:
         runtime = rt.configure(mode=jit)
@@ -540,7 +540,7 @@ def _fast_path_library(device: str) -> Path | None:
     a copy: the row measures the first run on a graph, not on a machine."""
     if not str(device).startswith("cuda"):
         return None
-    from torch_sparserl import fastpath
+    from torch_sparserl.jit import fastpath
 
     return fastpath.library()[0].parent if fastpath.ensure(wait=True) else None
 

@@ -35,8 +35,9 @@ NS = [32, 128]
 
 def run_row(name, M, n, runtime) -> dict:
     import torch_sparserl as ts
-    from torch_sparserl import measure, passes
     from torch_sparserl import pattern as patterns
+    from torch_sparserl.cli import measure
+    from torch_sparserl.compiler import passes
     from torch_sparserl.dtypes import close_to_reference
 
     A = ts.csr(M, dtype=torch.float32, index_dtype=torch.int32, device="cuda")
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
         return 2
     import torch_sparserl as ts
     from bench_gnn import load_graph
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     device = torch.cuda.get_device_name()
     out = results_path(args.out, "epilogue", device, dt.date.today().isoformat())

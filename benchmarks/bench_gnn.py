@@ -208,7 +208,7 @@ def gat_task(way: str, hidden: int, graph, device, adjacency=None):
     if way in BOUND_WAYS:
         raise ValueError(f"bench_gnn: way {way} is not defined for the gat model")
     if way in SPARSERL_WAYS:
-        import torch_sparserl.pyg  # noqa: F401 - the adapter: GATConv on a CSRMatrix
+        import torch_sparserl.integrations.pyg  # noqa: F401 - the adapter: GATConv on a CSRMatrix
         adj = adjacency if adjacency is not None else graph["csr_matrix_gat"]
     else:
         adj = graph["torch_csr_gat"] if way == "eager" else graph["edge_index_gat"]
@@ -267,7 +267,7 @@ def reset_compiled():
     compiling with the sparserl backend installs for the rest of the process, so that the
     next way (eager ``torch.sparse`` above all) runs as in a process that never named it."""
     import torch
-    from torch_sparserl import intercept
+    from torch_sparserl.tensor import intercept
 
     torch._dynamo.reset()
     intercept.deactivate_backend()
@@ -327,7 +327,7 @@ def time_rounds(epochs: dict, results: dict, device, rounds: int) -> None:
     tenants, background threads) falls on every way alike instead of on whichever ran last.
     A way's epoch time is the median of its chunks' means."""
     import torch
-    from torch_sparserl import intercept
+    from torch_sparserl.tensor import intercept
 
     order = list(epochs)
     for r in range(rounds):
@@ -407,8 +407,9 @@ def run_row(ways: list[str], model_name, hidden, graph, device, args) -> dict:
     losses in turn (the runtime's JIT measured per way), then all of them timed interleaved
     (:func:`time_rounds`), then the sparserl way's warm start."""
     import torch
-    from torch_sparserl import intercept, passes
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.compiler import passes
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.tensor import intercept
 
     results, epochs = {}, {}
     compiles = torch._dynamo.utils.counters["stats"]
@@ -483,8 +484,8 @@ def warm_start(way, model_name, hidden, graph, device, args) -> dict:
     new process), compiled again; the first epoch, timed. A key missing from the cache is
     counted (``cache_misses``) and served by cuSPARSE, never specialized here."""
     import torch
-    from torch_sparserl import runtime as rt
-    from torch_sparserl.cache import KernelCache
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import KernelCache
 
     cold = rt.active()
     missed = []
@@ -521,7 +522,7 @@ def start_runtime(policy: str, device) -> float | None:
     the keys its specializer decides, and prewarm it (sandbox worker, policy): returns the
     prewarm's seconds. The JIT time of a way is the runtime's own ``stats["jit_s"]``: what
     products waited for decisions (fingerprints, cache, specialization, builds)."""
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     runtime = rt.configure(mode="sync", policy=policy)
     specialize = runtime.specializer
@@ -918,7 +919,7 @@ def main(argv=None) -> int:
         return 0
     os.environ["SPARSERL_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="sparserl-gnn-cache-")
     import torch
-    import torch_sparserl.pyg  # noqa: F401  (PyG's own layers are used by the pyg way only)
+    import torch_sparserl.integrations.pyg  # noqa: F401  (PyG's own layers are used by the pyg way only)
     from bench_kernels import environment
 
     device = torch.device(args.device)

@@ -1,7 +1,7 @@
 """What the backend's eager interception of raw CSR products costs the products it leaves alone.
 
 Once ``torch.compile`` names the sparserl backend, ``aten::addmm`` / ``mv`` / ``addmv`` on
-sparse CSR tensors are overridden for the rest of the process (``torch_sparserl.intercept``).
+sparse CSR tensors are overridden for the rest of the process (``torch_sparserl.tensor.intercept``).
 Outside a sparserl-compiled model the override hands every product back to torch. This
 times eager products on the shipped ``cora`` matrix, per call, three ways:
 
@@ -32,7 +32,7 @@ STATES = ("absent", "installed", "installed, old delegate")
 
 
 def _old_delegate(name, *args, **kwargs):
-    from torch_sparserl import intercept
+    from torch_sparserl.tensor import intercept
     import torch
 
     with intercept._suspended():
@@ -61,8 +61,8 @@ def _per_call_us(fn, device, calls: int, repeats: int) -> float:
 
 def measure(device_name: str, n: int, calls: int, repeats: int) -> list[dict]:
     import torch
-    from torch_sparserl import intercept
-    from torch_sparserl.datasets import load_matrix
+    from torch_sparserl.data.datasets import load_matrix
+    from torch_sparserl.tensor import intercept
 
     device = torch.device(device_name)
     M = load_matrix("cora")
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
     from bench_kernels import environment
-    from torch_sparserl.datasets import load_matrix
+    from torch_sparserl.data.datasets import load_matrix
 
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     M = load_matrix("cora")

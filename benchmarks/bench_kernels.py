@@ -2,7 +2,7 @@
 """Kernel benchmark: the exhaustive autotuner's best kernel (the oracle) against cuSPARSE.
 
 For every cell (matrix, op, n, dtype) of a declared grid, calls
-``torch_sparserl.autotune.tune`` and records the best correct kernel, cuSPARSE's time in the
+``torch_sparserl.specialize.autotune.tune`` and records the best correct kernel, cuSPARSE's time in the
 same run, the speedup with and without the cuSPARSE fallback, and both times as a fraction of
 the memory-bandwidth floor (see ``report.py``). Results are checkpointed after every cell, so
 a run cut into chunks of under 10 minutes resumes where it stopped::
@@ -70,7 +70,7 @@ DEFAULT_OPS = "spmv,spmm"
 DEFAULT_N = "1,16,32,64,128,256"   # n=1 is spmv, n>1 spmm
 DEFAULT_DTYPES = "f32"
 DEFAULT_BUDGET_S = 20.0
-DEFAULT_TUNE = "torch_sparserl.autotune:tune"
+DEFAULT_TUNE = "torch_sparserl.specialize.autotune:tune"
 COPY_BYTES = 1 << 30               # the copy-bandwidth probe's buffer
 
 
@@ -85,10 +85,10 @@ class MatrixEntry:
 
     def load(self):
         if self.origin == "generated":
-            from torch_sparserl import synthetic
+            from torch_sparserl.data import synthetic
 
             return synthetic.make(self.source)
-        from torch_sparserl.datasets import load_matrix
+        from torch_sparserl.data.datasets import load_matrix
 
         return load_matrix(self.source)
 
@@ -123,7 +123,7 @@ def shared_matrices_dir() -> Path | None:
 
 def known_matrices() -> dict[str, MatrixEntry]:
     """Every matrix the grid can name: shared real ones, shipped ones not among them, synthetic."""
-    from torch_sparserl.datasets import DATA_DIR, list_matrices
+    from torch_sparserl.data.datasets import DATA_DIR, list_matrices
 
     entries: dict[str, MatrixEntry] = {}
     shared = shared_matrices_dir()
@@ -159,7 +159,7 @@ def select_matrices(patterns: Iterable[str] | None, entries: dict[str, MatrixEnt
             names = default_matrix_names(entries)
             hits = [entries[n] for n in names if entries[n].group == pattern]
         elif ":" in pattern:
-            from torch_sparserl import synthetic
+            from torch_sparserl.data import synthetic
 
             synthetic.parse_spec(pattern)  # fail now, with the generator's own message
             name = re.sub(r"[^A-Za-z0-9_.-]+", "-", pattern.replace("=", "")).strip("-")

@@ -8,7 +8,7 @@ runtime in ``sync`` mode:
   the extension build, plan preparation, the launch;
 * **hot** — time per call of ``A @ X`` (CSRMatrix, eager, dispatch included) against
   ``torch.sparse.mm`` on the same CSR tensor, rounds interleaved
-  (:func:`torch_sparserl.measure.product`); also ``torch.ops.sparserl.spmm`` through the
+  (:func:`torch_sparserl.cli.measure.product`); also ``torch.ops.sparserl.spmm`` through the
   dispatcher; the speedup counts every call, those cuSPARSE serves too;
 * **correct** — against a float64 SciPy reference;
 
@@ -128,9 +128,9 @@ def main(argv=None) -> int:
     import torch
 
     from bench_kernels import select_matrices
-    from torch_sparserl import measure
-    from torch_sparserl import runtime as rt
-    from torch_sparserl.datasets import load_matrix
+    from torch_sparserl.cli import measure
+    from torch_sparserl.data.datasets import load_matrix
+    from torch_sparserl.jit import runtime as rt
 
     if not torch.cuda.is_available():
         print("bench_runtime: needs a CUDA GPU", file=sys.stderr)

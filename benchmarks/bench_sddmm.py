@@ -43,8 +43,9 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
     import torch_sparserl as ts
-    from torch_sparserl import measure, ops
+    from torch_sparserl import ops
     from torch_sparserl import pattern as patterns
+    from torch_sparserl.cli import measure
     from torch_sparserl.dtypes import close_to_reference
     from torch_sparserl.kernels import reference, vendor
 
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
         print("bench_sddmm: needs a CUDA GPU (cuSPARSE is the baseline)", file=sys.stderr)
         return 2
     from bench_gnn import load_graph
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     device = torch.cuda.get_device_name()
     out = results_path(args.out, "sddmm", device, dt.date.today().isoformat())

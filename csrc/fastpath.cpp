@@ -1,4 +1,4 @@
-// The C++ fast path of the sparse products in compiled graphs (torch_sparserl/fastpath.py).
+// The C++ fast path of the sparse products in compiled graphs (torch_sparserl/jit/fastpath.py).
 //
 // On a small graph a product is bound by the CPU, and its Python implementation (argument
 // checks, pattern lookup, the runtime's decision, the launch through ctypes) costs tens of
@@ -26,7 +26,7 @@
 // for the same operands. The registry is emptied whenever the runtime changes.
 //
 // Built by torch.utils.cpp_extension (C++ against the CUDA runtime API: kernels are launched
-// through the C launchers of the libraries torch_sparserl.build.inline builds, or as driver
+// through the C launchers of the libraries torch_sparserl.toolchain.inline builds, or as driver
 // functions (CUfunction) of NVRTC builds; no CUDA code is compiled here).
 
 #include <Python.h>
@@ -566,7 +566,7 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "sparserl_fastpath", nullptr, -
 #define SPARSERL_CONCAT_(a, b) a##b
 #define SPARSERL_CONCAT(a, b) SPARSERL_CONCAT_(a, b)
 
-// The module is imported under the library's name (fastpath.py: its build and load); importing
+// The module is imported under the library's name (jit/fastpath.py: its build and load); importing
 // it also registers the operators below.
 PyMODINIT_FUNC SPARSERL_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }
 

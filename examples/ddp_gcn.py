@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_sparserl as ts
-from torch_sparserl import runtime as rt
+from torch_sparserl.jit import runtime as rt
 
 
 GRAD_RTOL = 1e-5  # DDP's averaged gradient against one process's, float32

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch_geometric.nn import GCNConv
 
 import torch_sparserl as ts
-import torch_sparserl.pyg  # noqa: F401  (teaches PyG's layers to take a CSRMatrix)
+import torch_sparserl.integrations.pyg  # noqa: F401  (teaches PyG's layers to take a CSRMatrix)
 
 
 class GCN(torch.nn.Module):
@@ -65,13 +65,13 @@ def main(argv=None):
                         help="torch.compile mode of the sparserl model (reduce-overhead: CUDA graphs)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    ts.runtime.configure(mode="sync")
+    ts.jit.runtime.configure(mode="sync")
 
     A = ts.load_matrix(args.graph).tocoo()
     keep = A.row != A.col
     edge_index = torch.from_numpy(np.stack([A.col[keep], A.row[keep]]).astype(np.int64)).to(device)
     n = A.shape[0]
-    adj = ts.pyg.adjacency(edge_index, n)  # adj_t: row i = the edges into node i
+    adj = ts.integrations.pyg.adjacency(edge_index, n)  # adj_t: row i = the edges into node i
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 128, generator=g).to(device)
     y = torch.randint(0, 16, (n,), generator=g).to(device)

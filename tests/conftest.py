@@ -7,7 +7,7 @@ os.environ.setdefault("SPARSERL_JIT", "off")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from torch_sparserl import intercept  # noqa: E402
+from torch_sparserl.tensor import intercept  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -8,9 +8,9 @@ import hashlib
 import pytest
 
 import torch_sparserl as ts
-from torch_sparserl.autotune import FINAL_CONFIG, SCREEN_CONFIG, candidates, tune
 from torch_sparserl.evaluate.record import ErrorKind, EvalRecord
-from torch_sparserl.features import structural_features
+from torch_sparserl.pattern.features import structural_features
+from torch_sparserl.specialize.autotune import FINAL_CONFIG, SCREEN_CONFIG, candidates, tune
 
 
 class FakeSandbox:
@@ -80,7 +80,7 @@ def test_tune_returns_the_fastest_correct_finalist(cora):
 
 
 def test_a_known_pattern_is_not_sent_or_measured_again(cora, monkeypatch):
-    import torch_sparserl.autotune as autotune
+    import torch_sparserl.specialize.autotune as autotune
 
     box = FakeSandbox()
     first = tune(cora, op="spmm", n=32, sandbox=box, top_k=1, budget_s=1e9)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import torch_sparserl as ts
-from torch_sparserl.autotune import tune
 from torch_sparserl.evaluate.sandbox import Sandbox
+from torch_sparserl.specialize.autotune import tune
 
 pytestmark = pytest.mark.gpu
 

@@ -139,7 +139,7 @@ class SlowSpecializer:
         self.policy_id = "fake"
 
     def __call__(self, key, crow, col, ncols):
-        from torch_sparserl.cache import CacheEntry
+        from torch_sparserl.jit.cache import CacheEntry
 
         started = time.perf_counter()
         while not self.ready() and time.perf_counter() - started < 60:
@@ -162,8 +162,8 @@ class SlowSpecializer:
 @pytest.mark.parametrize("off_first", [False, True])
 @torch._inductor.config.patch(force_disable_caches=True)
 def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path, monkeypatch, off_first):
-    from torch_sparserl import runtime as rt
-    from torch_sparserl.cache import KernelCache
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import KernelCache
 
     cold = load_benchmark("bench_cold_start")
     bench = load_benchmark("bench_gnn")
@@ -212,8 +212,8 @@ def test_the_background_thread_does_not_hold_the_loop(tmp_path):
     """The specializer's thread sleeps (as it does waiting on the sandbox or a build): calls
     return at once, served by the fallback."""
     from torch_sparserl import pattern as patterns
-    from torch_sparserl import runtime as rt
-    from torch_sparserl.cache import KernelCache
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import KernelCache
 
     gate = threading.Event()
 

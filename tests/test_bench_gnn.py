@@ -105,7 +105,7 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     bench = _bench()
     out = tmp_path / "gnn.json"
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
-    from torch_sparserl import passes
+    from torch_sparserl.compiler import passes
 
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse
     assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),

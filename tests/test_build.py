@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from torch_sparserl.abi import KernelSpec
-from torch_sparserl.build import CompileError, LaunchError, load_kernel
-from torch_sparserl.build import inline, nvcc
+from torch_sparserl.abi.prepare import prepare
 from torch_sparserl.dtypes import close_to_reference
-from torch_sparserl.prepare import prepare
+from torch_sparserl.toolchain import CompileError, LaunchError, load_kernel
+from torch_sparserl.toolchain import inline, nvcc
 
 from helpers import make_pattern
 
@@ -96,7 +96,7 @@ def test_inline_module_names_change_with_the_launcher(monkeypatch):
 
 def test_inline_lock_clears_the_file_a_killed_build_leaves(tmp_path):
     (tmp_path / "lock").write_text("")  # what torch's FileBaton leaves when its builder is killed
-    with inline._exclusive(tmp_path):
+    with inline.exclusive(tmp_path):
         assert not (tmp_path / "lock").exists()
 
 
@@ -104,10 +104,10 @@ def test_inline_lock_excludes_a_concurrent_builder(tmp_path):
     order = []
 
     def other():
-        with inline._exclusive(tmp_path):
+        with inline.exclusive(tmp_path):
             order.append("other")
 
-    with inline._exclusive(tmp_path):
+    with inline.exclusive(tmp_path):
         thread = threading.Thread(target=other)
         thread.start()
         time.sleep(0.3)
@@ -238,7 +238,7 @@ def test_inline_is_built_reads_the_completed_marker(tmp_path):
     assert not inline.is_built([a], "sm_90", directory=tmp_path)
     (tmp_path / name / f"{name}.ok").write_text(a.key)  # a marker without the library's keyed digest
     assert not inline.is_built([a], "sm_90", directory=tmp_path)
-    from torch_sparserl import trust
+    from torch_sparserl.toolchain import trust
 
     trust.write_marker(tmp_path / name / f"{name}.so", tmp_path / name / f"{name}.ok")
     assert inline.is_built([a], "sm_90", directory=tmp_path)

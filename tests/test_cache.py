@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from torch_sparserl.cache import CacheEntry, CacheError, KernelCache
-from torch_sparserl.fingerprint import SpecializationKey
+from torch_sparserl.jit.cache import CacheEntry, CacheError, KernelCache
+from torch_sparserl.pattern.fingerprint import SpecializationKey
 
 KEY = SpecializationKey(pattern="abc", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
 
@@ -183,7 +183,7 @@ def _product_with(cache_root, how):
     import torch
 
     from torch_sparserl import pattern as patterns
-    from torch_sparserl.runtime import Runtime, RuntimeSettings
+    from torch_sparserl.jit.runtime import Runtime, RuntimeSettings
 
     from helpers import make_pattern, to_parts
 
@@ -216,7 +216,7 @@ def test_a_broken_cache_folder_costs_one_warning_never_the_product(tmp_path, how
 
     import torch
 
-    from torch_sparserl import paths, trust
+    from torch_sparserl.toolchain import paths, trust
 
     if how == "unreadable" and os.getuid() == 0:
         pytest.skip("root reads a file of mode 000")

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from torch_sparserl import paths, trust
 from torch_sparserl.abi import PlanError, check_source
-from torch_sparserl.cache import CacheEntry, KernelCache
-from torch_sparserl.fingerprint import SpecializationKey
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+from torch_sparserl.pattern.fingerprint import SpecializationKey
+from torch_sparserl.toolchain import paths, trust
 
 KEY = SpecializationKey(pattern="abc", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
 SOURCE = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\n'
@@ -83,7 +83,7 @@ def test_a_forged_entry_is_rejected_and_removed(private_cache, caplog):
     document["payload"]["params"] = {"lanes": 16}  # what a writer without the key can do
     import hashlib
 
-    from torch_sparserl.cache import _canonical
+    from torch_sparserl.jit.cache import _canonical
 
     document["hmac_sha256"] = hashlib.sha256(_canonical(document["payload"])).hexdigest()
     path.write_text(json.dumps(document))
@@ -98,7 +98,7 @@ def test_an_unsigned_entry_of_the_old_format_is_rejected(private_cache, caplog):
     payload = json.loads(path.read_text())["payload"]
     import hashlib
 
-    from torch_sparserl.cache import _canonical
+    from torch_sparserl.jit.cache import _canonical
 
     path.write_text(json.dumps({"format": 1, "sha256": hashlib.sha256(_canonical(payload)).hexdigest(),
                                 "payload": payload}))
@@ -144,7 +144,7 @@ def test_an_entry_with_host_code_is_rejected_even_when_signed(private_cache, cod
 
 
 def test_every_shipped_family_renders_device_code_only():
-    from torch_sparserl import families
+    from torch_sparserl.specialize import families
 
     checked = 0
     for op in families.OPS:
@@ -182,8 +182,8 @@ def _planted(folder, name):
 
 
 def test_a_planted_kernel_library_is_rebuilt_not_loaded(private_cache, tmp_path, monkeypatch):
-    from torch_sparserl import families
-    from torch_sparserl.build import inline
+    from torch_sparserl.specialize import families
+    from torch_sparserl.toolchain import inline
 
     spec = families.render("group_row", {}, op="spmm", dtype="f32", n=32)
     name, folder, library, done = inline._paths([spec], "sm_90", tmp_path)
@@ -209,7 +209,7 @@ def test_a_planted_kernel_library_is_rebuilt_not_loaded(private_cache, tmp_path,
 
 
 def test_a_planted_fast_path_library_is_not_loaded(private_cache, monkeypatch):
-    from torch_sparserl import fastpath
+    from torch_sparserl.jit import fastpath
 
     library, done = fastpath.library()
     _planted(library.parent, library.stem)
@@ -230,7 +230,7 @@ def test_a_planted_fast_path_library_is_not_loaded(private_cache, monkeypatch):
 
 @pytest.mark.parametrize("which", ["cache", "build"])
 def test_a_symlinked_lock_is_not_followed_nor_its_target_truncated(tmp_path, which):
-    from torch_sparserl.build import inline
+    from torch_sparserl.toolchain import inline
 
     target = tmp_path / "precious"
     target.write_text("keep me")
@@ -243,7 +243,7 @@ def test_a_symlinked_lock_is_not_followed_nor_its_target_truncated(tmp_path, whi
     else:
         (folder / inline.LOCK_NAME).symlink_to(target)
         with pytest.raises(OSError):
-            with inline._exclusive(folder):
+            with inline.exclusive(folder):
                 pass
     assert target.read_text() == "keep me"
 
@@ -256,7 +256,7 @@ def test_libraries_loaded_one_after_another_keep_their_own_symbols(tmp_path):
     import shutil
     import subprocess
 
-    from torch_sparserl.build.inline import load_verified
+    from torch_sparserl.toolchain.inline import load_verified
 
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc to build two shared libraries")

@@ -50,9 +50,9 @@ def test_tune_without_a_gpu_runs_the_compile_tier(capsys):
 
 
 def test_cache_commands(tmp_path, capsys):
-    from torch_sparserl.cache import CacheEntry, KernelCache
     from torch_sparserl.cli import main
-    from torch_sparserl.fingerprint import SpecializationKey
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
+    from torch_sparserl.pattern.fingerprint import SpecializationKey
 
     key = SpecializationKey(pattern="feed", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
     KernelCache(tmp_path).put(CacheEntry(key, None, reason="none beat cuSPARSE"))
@@ -70,9 +70,9 @@ def test_explain_reads_the_decisions_for_a_matrix(tmp_path, capsys):
     import numpy as np
     import torch
 
-    from torch_sparserl.cache import CacheEntry, KernelCache
     from torch_sparserl.cli import main
-    from torch_sparserl.fingerprint import SpecializationKey, pattern_hash
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
+    from torch_sparserl.pattern.fingerprint import SpecializationKey, pattern_hash
 
     M = ts.load_matrix("rajat01")
     crow = torch.from_numpy(M.indptr.astype(np.int32))

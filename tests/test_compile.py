@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import intercept, passes
+from torch_sparserl.compiler import passes
 from torch_sparserl.dtypes import assert_close_to_reference
+from torch_sparserl.tensor import intercept
 
 from helpers import make_pattern
 
@@ -143,7 +144,7 @@ def test_backend_found_by_name_without_import():
 
 
 def test_never_installed_at_import():
-    code = "import torch, torch_sparserl; from torch_sparserl import intercept; print(intercept.installed())"
+    code = "import torch, torch_sparserl; from torch_sparserl.tensor import intercept; print(intercept.installed())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.stdout.strip() == "False", result.stderr
 
@@ -380,7 +381,7 @@ def _dense_gcn(model, x, M):
 
 
 def test_matrices_whose_values_need_a_gradient_keep_the_subclass_path():
-    from torch_sparserl.flatten import flatten_matrix_inputs
+    from torch_sparserl.compiler.flatten import flatten_matrix_inputs
 
     A, x = _graph_data("cpu", torch.float64)
     adj = ts.csr(A, dtype=torch.float64)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import backend as sparserl_backend
+from torch_sparserl.compiler import backend as sparserl_backend
 from torch_sparserl.dtypes import assert_close_to_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
@@ -108,7 +108,7 @@ def test_compiled_products_follow_every_size(spelling, changes, flatten, dynamic
 def test_flattened_graph_takes_the_size_from_dynamos_graph():
     """Once the graph is symbolic the matrix is still flattened, rebuilt with the size's
     symbolic inputs, never with a constant of the example's size."""
-    from torch_sparserl.flatten import from_parts
+    from torch_sparserl.compiler.flatten import from_parts
 
     seen = []
     original = sparserl_backend.flatten_matrix_inputs

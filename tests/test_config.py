@@ -15,10 +15,13 @@ from pathlib import Path
 import pytest
 
 import torch_sparserl as ts
-from torch_sparserl import config, fastpath, intercept, paths
-from torch_sparserl import runtime as rt
+from torch_sparserl import config
 from torch_sparserl.cli import main
 from torch_sparserl.config import ENVIRONMENT, ConfigWarning
+from torch_sparserl.jit import fastpath
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.tensor import intercept
+from torch_sparserl.toolchain import paths
 
 PACKAGE = Path(config.__file__).parent
 
@@ -165,7 +168,7 @@ def test_an_unknown_variable_is_warned_about_once():
 @pytest.mark.slow
 def test_an_unknown_variable_is_warned_about_at_import_once():
     env = dict(os.environ, SPARSERL_JTI="off", PYTHONPATH=str(PACKAGE.parent))
-    code = "import torch_sparserl as ts; from torch_sparserl import runtime as rt; rt.configure(mode='off')"
+    code = "import torch_sparserl as ts; from torch_sparserl.jit import runtime as rt; rt.configure(mode='off')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("unknown environment variable(s) SPARSERL_JTI") == 1, result.stderr

@@ -9,8 +9,8 @@ from concurrent.futures import Future
 import pytest
 import torch._inductor.compile_fx as compile_fx
 
-from torch_sparserl import cudagraphs
-from torch_sparserl import runtime as rt
+from torch_sparserl.compiler import cudagraphs
+from torch_sparserl.jit import runtime as rt
 
 
 @pytest.fixture

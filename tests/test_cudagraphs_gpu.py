@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import families
-from torch_sparserl import runtime as rt
-from torch_sparserl.cache import CacheEntry, KernelCache
 from torch_sparserl.dtypes import assert_close_to_reference
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+from torch_sparserl.specialize import families
 
 pytestmark = pytest.mark.gpu
 
@@ -155,7 +155,7 @@ def test_a_pattern_first_used_in_a_graph_warm_up_keeps_its_data_outside_the_grap
     graph's warm-up: its transpose and row indices (and, in sync mode, the decision's kernel
     plans) are kept beyond the step, so they must not come from the graphs' private pool
     (CUDA graph trees refused the warm-up: 'tensors in the cudagraph pool not tracked')."""
-    from torch_sparserl import prespecialize
+    from torch_sparserl.compiler import prespecialize
 
     monkeypatch.setattr(prespecialize, "plan_graph", lambda *args, **kwargs: [])
     runtime = rt.Runtime(rt.RuntimeSettings(mode=jit), cache=KernelCache(tmp_path), specializer=_specializer())

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from torch_sparserl import pattern as patterns
-from torch_sparserl import runtime as rt
-from torch_sparserl.cache import KernelCache
-from torch_sparserl.decisions import Decision, DecisionTable, Fallback, Installed, Pending
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import KernelCache
+from torch_sparserl.jit.decisions import Decision, DecisionTable, Fallback, Installed, Pending
 
 from helpers import make_pattern, to_parts
 from test_runtime import Fakes

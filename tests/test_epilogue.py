@@ -12,13 +12,13 @@ import scipy.sparse as sp
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import families as F
-from torch_sparserl import passes
 from torch_sparserl import pattern as patterns
 from torch_sparserl.abi import PlanError, parse_plan
-from torch_sparserl.cache import CacheEntry, KernelCache
+from torch_sparserl.compiler import passes
 from torch_sparserl.dtypes import assert_close_to_reference
-from torch_sparserl.runtime import Fallback, Installed, Runtime, RuntimeSettings
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+from torch_sparserl.jit.runtime import Fallback, Installed, Runtime, RuntimeSettings
+from torch_sparserl.specialize import families as F
 
 from helpers import make_pattern, to_parts
 
@@ -65,7 +65,7 @@ def test_only_row_storing_families_render_epilogues():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("family", F.EPILOGUE_FAMILIES)
 def test_epilogue_kernels_compile_for_sm90_without_spills(family):
-    from torch_sparserl.build import nvcc
+    from torch_sparserl.toolchain import nvcc
 
     for dtype, n, epilogue in (("f32", 128, "scale+bias+relu"), ("bf16", 130, "bias"), ("f16", 64, "relu")):
         params = {"vec": 2, "lanes": 32} if n == 130 else {}

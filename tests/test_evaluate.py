@@ -476,7 +476,7 @@ def test_block_over_the_kernel_s_limit(monkeypatch, cpu_matrix):
 
 
 def test_cuda_errors_are_classified():
-    from torch_sparserl.build import LaunchError
+    from torch_sparserl.toolchain import LaunchError
     classify = harness.classify_cuda_error
     assert classify(RuntimeError("CUDA error: an illegal memory access was encountered")) is ErrorKind.CRASH
     assert classify(LaunchError("cuLaunchKernel failed with CUDA_ERROR_ILLEGAL_ADDRESS (700)")) is ErrorKind.CRASH
@@ -564,7 +564,7 @@ def test_a_bad_burst_setting_in_the_environment_is_named():
     import sys
 
     env = dict(os.environ, SPARSERL_EVAL_BURST_REPS="four")
-    result = subprocess.run([sys.executable, "-c", "import torch_sparserl.autotune"], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", "import torch_sparserl.specialize.autotune"], capture_output=True,
                             text=True, env=env, timeout=120)
     assert result.returncode != 0
     assert "SPARSERL_EVAL_BURST_REPS: expected a whole number of timed runs >= 0 (got 'four')" in result.stderr

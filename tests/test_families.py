@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from torch_sparserl import families as F
 from torch_sparserl.abi import PlanError, check_source, parse_plan, plan_line
+from torch_sparserl.specialize import families as F
 
 DTYPES = ("f32", "f16", "bf16")
 SPMM_NS = (1, 7, 32, 128)
@@ -239,7 +239,7 @@ def _compile_subset() -> list[tuple[str, str, str, int, dict]]:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_representative_sources_compile_for_sm90():
-    from torch_sparserl.build import nvcc
+    from torch_sparserl.toolchain import nvcc
 
     jobs = _compile_subset()
 

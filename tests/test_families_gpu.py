@@ -9,9 +9,9 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from torch_sparserl import families as F
 from torch_sparserl.abi import operand_shapes
 from torch_sparserl.dtypes import close_to_reference
+from torch_sparserl.specialize import families as F
 
 pytestmark = pytest.mark.gpu
 
@@ -161,8 +161,8 @@ def _spmm_cases():
 
 
 def _check(name, params, op, dtype, n, patterns):
-    from torch_sparserl.build import load_kernel
-    from torch_sparserl.prepare import prepare
+    from torch_sparserl.abi.prepare import prepare
+    from torch_sparserl.toolchain import load_kernel
 
     spec = F.render(name, params, op=op, dtype=dtype, n=n)
     kernel = load_kernel(spec)
@@ -226,8 +226,8 @@ def test_space_candidates_match_reference_on_power_law(op, n, dtype, patterns):
 @pytest.mark.parametrize("epilogue", ["relu", "bias", "scale+bias+relu"])
 def test_epilogue_kernels_match_reference(family, dtype, epilogue, patterns):
     """relu(scale * (A @ X) + bias) from the fused row stores, on every pattern, n with a ragged tile."""
-    from torch_sparserl.build import load_kernel
-    from torch_sparserl.prepare import prepare
+    from torch_sparserl.abi.prepare import prepare
+    from torch_sparserl.toolchain import load_kernel
 
     tdtype = TORCH_DTYPES[dtype]
     for n, params in ((32, {}), (130, {"lanes": 32, "vec": 2})):

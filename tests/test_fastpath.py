@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_sparserl import fastpath
-from torch_sparserl import runtime as rt
+from torch_sparserl.jit import fastpath
+from torch_sparserl.jit import runtime as rt
 from torch_sparserl.ops import FAST_OPS
 
 from helpers import make_pattern, ref_spmm, to_parts

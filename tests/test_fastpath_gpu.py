@@ -1,4 +1,4 @@
-"""The C++ fast path (torch_sparserl.fastpath) on a GPU: what it serves, what it hands back to
+"""The C++ fast path (torch_sparserl.jit.fastpath) on a GPU: what it serves, what it hands back to
 the Python implementation, and compiled training through it.
 
 Every result is compared with float64 on fresh random operands, outputs NaN-poisoned. Run on
@@ -14,11 +14,12 @@ import scipy.sparse as sp
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import families, fastpath
 from torch_sparserl import pattern as patterns
-from torch_sparserl import runtime as rt
-from torch_sparserl.cache import CacheEntry, KernelCache
 from torch_sparserl.dtypes import assert_close_to_reference
+from torch_sparserl.jit import fastpath
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+from torch_sparserl.specialize import families
 
 from helpers import as_float64_scipy, make_pattern, to_parts
 

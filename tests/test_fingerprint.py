@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torch_sparserl import pattern as pattern_cache
-from torch_sparserl.fingerprint import SpecializationKey, fingerprint, pattern_hash
+from torch_sparserl.pattern.fingerprint import SpecializationKey, fingerprint, pattern_hash
 
 from helpers import make_pattern, to_parts
 
@@ -29,7 +29,7 @@ def test_torch_and_numpy_lanes_agree_and_the_hash_keeps_its_value(monkeypatch, i
     # pattern_hash runs torch's lanes on a GPU and numpy's on the host: a pattern's hash, its
     # cache key, must not depend on where its indices are
     A, crow, col = _parts(index_dtype=index_dtype)
-    from torch_sparserl import fingerprint as fp
+    from torch_sparserl.pattern import fingerprint as fp
 
     assert pattern_hash(crow, col, A.shape[1]) == CORA_HASHES[index_dtype]
     monkeypatch.setattr(fp, "_CHUNK", 4096)  # several chunks: the sum must not depend on them
@@ -72,7 +72,7 @@ def test_hash_is_equal_on_cpu_and_gpu():
 
 def test_cpu_indices_are_their_own_host_copy_and_never_kept():
     """On the CPU the host copy is the pattern's own validated indices (its private copy of
-    the caller's tensors, pattern.py), not a second copy kept beside them."""
+    the caller's tensors, pattern/__init__.py), not a second copy kept beside them."""
     A, crow, col = _parts()
     entry = pattern_cache.lookup(crow, col, A.shape[1])
     host = pattern_cache.host_indices(crow, col, A.shape[1])
@@ -93,7 +93,7 @@ def test_the_transposed_pattern_is_what_a_lookup_of_its_tensors_finds():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kept_max", [None, 0], ids=["small: hashed on the host", "large: hashed on the GPU"])
 def test_cuda_patterns_hash_as_on_the_cpu_and_small_ones_share_one_host_copy(monkeypatch, kept_max):
-    from torch_sparserl.runtime import RuntimeSettings, autotune_specializer
+    from torch_sparserl.jit.runtime import RuntimeSettings, autotune_specializer
 
     if kept_max is not None:
         monkeypatch.setattr(pattern_cache, "HOST_KEPT_MAX", kept_max)
@@ -139,7 +139,7 @@ def test_registering_a_cuda_pattern_makes_its_side_stream_on_the_registering_thr
 
 def test_fingerprint_is_computed_once_per_pattern_and_redone_after_an_in_place_change(monkeypatch):
     A, crow, col = _parts()
-    from torch_sparserl import fingerprint as fp
+    from torch_sparserl.pattern import fingerprint as fp
     calls = []
     monkeypatch.setattr(fp, "pattern_hash", lambda *a: calls.append(1) or "h%d" % len(calls))
     entry = pattern_cache.lookup(crow, col, A.shape[1])

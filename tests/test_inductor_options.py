@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import families
-from torch_sparserl import runtime as rt
-from torch_sparserl.cache import CacheEntry, KernelCache
+from torch_sparserl.config import Settings
 from torch_sparserl.dtypes import assert_close_to_reference
-from torch_sparserl.settings import Settings
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+from torch_sparserl.specialize import families
 
 
 def test_inductor_options_are_kept_apart_from_the_backends():

@@ -236,7 +236,7 @@ def test_half_types_accumulate_in_float32(device):
 
 def test_decisions_name_the_heads_forms():
     """Runtime.decisions lists the products on the block-diagonal forms of attention heads."""
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     A = make_pattern("random", seed=19)
     crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")

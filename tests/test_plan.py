@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_sparserl.abi import KernelSpec, Plan, PlanError, check_source, parse_expr, parse_plan
-from torch_sparserl.prepare import prepare
+from torch_sparserl.abi.prepare import prepare
 
 from helpers import PATTERNS, make_pattern
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from torch_sparserl import families
 from torch_sparserl.abi import PlanError
-from torch_sparserl.policy import corpus
-from torch_sparserl.policy.encoder import (N_FEATURES, PatternEncoder, PatternInput, collate, feature_vector,
-                                          sample_coordinates, sinusoidal)
-from torch_sparserl.policy.model import KernelPolicy, PolicyConfig, Sample, build
-from torch_sparserl.policy.propose import to_proposal
-from torch_sparserl.policy.tokenizer import EOS, special_ids, train_tokenizer
+from torch_sparserl.specialize import families
+from torch_sparserl.specialize.policy import corpus
+from torch_sparserl.specialize.policy.encoder import (N_FEATURES, PatternEncoder, PatternInput, collate, feature_vector,
+                                                      sample_coordinates, sinusoidal)
+from torch_sparserl.specialize.policy.model import KernelPolicy, PolicyConfig, Sample, build
+from torch_sparserl.specialize.policy.propose import to_proposal
+from torch_sparserl.specialize.policy.tokenizer import EOS, special_ids, train_tokenizer
 
 HAS_NVCC = shutil.which("nvcc") is not None
 
@@ -183,7 +183,7 @@ def test_a_proposal_that_cannot_become_a_source_is_a_plan_failure():
 
 @pytest.fixture(scope="module")
 def shipped():
-    from torch_sparserl.policy import CHECKPOINT_DIR, load_default
+    from torch_sparserl.specialize.policy import CHECKPOINT_DIR, load_default
 
     if not (CHECKPOINT_DIR / "model.safetensors").exists():
         pytest.fail(f"the shipped policy checkpoint is missing from {CHECKPOINT_DIR}")
@@ -191,7 +191,7 @@ def shipped():
 
 
 def test_shipped_checkpoint_fits_in_the_package(shipped):
-    from torch_sparserl.policy import CHECKPOINT_DIR
+    from torch_sparserl.specialize.policy import CHECKPOINT_DIR
 
     size = sum(f.stat().st_size for f in CHECKPOINT_DIR.iterdir() if f.is_file())
     assert size <= 16 * 2**20
@@ -204,9 +204,9 @@ def test_shipped_checkpoint_fits_in_the_package(shipped):
 def test_shipped_policy_writes_kernels_that_parse_and_compile(shipped, op, n):
     """The policy encodes a shipped matrix and samples K=4 kernels on the CPU; each parses
     and compiles for sm_90 with nvcc."""
-    from torch_sparserl.datasets import load_matrix
+    from torch_sparserl.data.datasets import load_matrix
     from torch_sparserl.evaluate.compile_tier import compile_only
-    from torch_sparserl.policy.propose import propose
+    from torch_sparserl.specialize.policy.propose import propose
 
     A = load_matrix("cora")
     props = propose(shipped, A.indptr, A.indices, A.shape, op=op, n=n, dtype="f32", k=4, seed=1)
@@ -224,10 +224,10 @@ def test_shipped_policy_writes_kernels_that_parse_and_compile(shipped, op, n):
 def test_the_policy_in_a_sandbox_worker_samples_what_it_samples_here(shipped):
     """The runtime runs the policy in the sandbox's worker (SandboxedPolicy): same seed, same
     proposals as in this process, and this process never loads it for that."""
-    from torch_sparserl.datasets import load_matrix
+    from torch_sparserl.data.datasets import load_matrix
     from torch_sparserl.evaluate.sandbox import Sandbox
-    from torch_sparserl.policy import CHECKPOINT_DIR
-    from torch_sparserl.policy.propose import SandboxedPolicy, propose
+    from torch_sparserl.specialize.policy import CHECKPOINT_DIR
+    from torch_sparserl.specialize.policy.propose import SandboxedPolicy, propose
 
     A = load_matrix("cora")
     here = propose(shipped, A.indptr, A.indices, A.shape, op="spmm", n=32, k=4, seed=3)
@@ -245,8 +245,8 @@ def test_the_policy_in_a_sandbox_worker_samples_what_it_samples_here(shipped):
 
 def test_a_sandboxed_policy_that_cannot_load_says_why(tmp_path):
     from torch_sparserl.evaluate.sandbox import Sandbox
-    from torch_sparserl.policy import CHECKPOINT_DIR
-    from torch_sparserl.policy.propose import SandboxedPolicy
+    from torch_sparserl.specialize.policy import CHECKPOINT_DIR
+    from torch_sparserl.specialize.policy.propose import SandboxedPolicy
 
     shutil.copy(CHECKPOINT_DIR / "config.json", tmp_path)  # a configuration, no weights
     with Sandbox(init=None, matrix_loader=None, health_check=None) as box:
@@ -258,8 +258,8 @@ def test_a_sandboxed_policy_that_cannot_load_says_why(tmp_path):
 def test_a_sandboxed_policy_without_device_memory_is_a_transient_failure():
     from torch_sparserl.evaluate.record import TransientFailure
     from torch_sparserl.evaluate.sandbox import TaskOutcome
-    from torch_sparserl.policy import CHECKPOINT_DIR
-    from torch_sparserl.policy.propose import SandboxedPolicy
+    from torch_sparserl.specialize.policy import CHECKPOINT_DIR
+    from torch_sparserl.specialize.policy.propose import SandboxedPolicy
 
     class Busy:  # a worker whose device another process fills
         def run(self, task, args, timeout_s=None):
@@ -271,7 +271,7 @@ def test_a_sandboxed_policy_without_device_memory_is_a_transient_failure():
 
 @pytest.mark.parametrize("name,op,n", [("cora", "spmm", 32), ("rajat01", "spmv", 1)])
 def test_speculative_greedy_decoding_equals_plain_greedy_decoding(shipped, name, op, n):
-    from torch_sparserl.datasets import load_matrix
+    from torch_sparserl.data.datasets import load_matrix
 
     A = load_matrix(name)
     inp = PatternInput.from_pattern(A.indptr, A.indices, A.shape, op, "f32", n, shipped.config.samples)
@@ -314,7 +314,7 @@ def test_speculative_sampling_keeps_the_policy_distribution(small_tokenizer):
 
 
 def test_runtime_uses_the_learned_policy_by_default():
-    from torch_sparserl.runtime import Runtime, RuntimeSettings, autotune_specializer, learned_specializer
+    from torch_sparserl.jit.runtime import Runtime, RuntimeSettings, autotune_specializer, learned_specializer
 
     rt = Runtime(RuntimeSettings(mode="sync"))
     try:
@@ -332,7 +332,7 @@ def test_runtime_uses_the_learned_policy_by_default():
 def test_a_custom_specializer_shares_the_default_cache_key():
     """A process whose specializer does not name its policy (a warm start that only reads the
     cache) must compute the same key as one with the learned specializer."""
-    from torch_sparserl.runtime import Runtime, RuntimeSettings
+    from torch_sparserl.jit.runtime import Runtime, RuntimeSettings
 
     default = Runtime(RuntimeSettings(mode="sync"))
     custom = Runtime(RuntimeSettings(mode="sync"), specializer=lambda *a: None)
@@ -344,7 +344,7 @@ def test_a_custom_specializer_shares_the_default_cache_key():
 
 
 def test_runtime_without_a_checkpoint_falls_back_to_the_autotuner(tmp_path, caplog):
-    from torch_sparserl.runtime import RuntimeSettings, learned_specializer
+    from torch_sparserl.jit.runtime import RuntimeSettings, learned_specializer
 
     spec = learned_specializer(RuntimeSettings(), checkpoint=tmp_path)
     assert spec.unavailable and spec.policy_id == "autotune"
@@ -355,21 +355,21 @@ def test_runtime_without_a_checkpoint_falls_back_to_the_autotuner(tmp_path, capl
                                            ({"k": 0}, "k must be an integer"),
                                            ({"k": True}, "k must be an integer")])
 def test_runtime_settings_name_bad_policy_options(changes, match):
-    from torch_sparserl.runtime import RuntimeSettings
+    from torch_sparserl.jit.runtime import RuntimeSettings
 
     with pytest.raises(ValueError, match=match):
         RuntimeSettings(**changes)
 
 
 def test_runtime_settings_read_the_policy_from_the_environment():
-    from torch_sparserl.runtime import RuntimeSettings
+    from torch_sparserl.jit.runtime import RuntimeSettings
 
     s = RuntimeSettings.from_env({"SPARSERL_JIT_POLICY": "autotune", "SPARSERL_JIT_K": "8"})
     assert s.policy == "autotune" and s.k == 8
 
 
 def test_the_worker_samples_where_the_switch_says(monkeypatch):
-    from torch_sparserl.policy.propose import worker_policy_device
+    from torch_sparserl.specialize.policy.propose import worker_policy_device
 
     monkeypatch.delenv("SPARSERL_POLICY_DEVICE", raising=False)
     assert worker_policy_device() == ("cuda" if torch.cuda.is_available() else "cpu")

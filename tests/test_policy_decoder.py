@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from torch_sparserl.policy.decoder import Decoder, DecoderConfig, KVCache
+from torch_sparserl.specialize.policy.decoder import Decoder, DecoderConfig, KVCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,8 +99,8 @@ def test_decoder_names_bad_calls():
 
 @pytest.fixture(scope="module")
 def shipped():
-    from torch_sparserl.policy import CHECKPOINT_DIR
-    from torch_sparserl.policy.model import KernelPolicy
+    from torch_sparserl.specialize.policy import CHECKPOINT_DIR
+    from torch_sparserl.specialize.policy.model import KernelPolicy
 
     return KernelPolicy.load(CHECKPOINT_DIR, "cpu")
 
@@ -141,7 +141,7 @@ def test_shipped_policy_samples_what_transformers_llama_samples(shipped):
 
     import numpy as np
 
-    from torch_sparserl.policy.encoder import PatternInput
+    from torch_sparserl.specialize.policy.encoder import PatternInput
 
     c = shipped.config
     cfg = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden, intermediate_size=c.intermediate,
@@ -172,8 +172,8 @@ def test_shipped_policy_samples_what_transformers_llama_samples(shipped):
 def test_the_workers_imports_leave_out_transformers_and_dynamo():
     """What the sandbox's worker imports to evaluate candidates and load the policy: the
     package, the harness, the builder and the policy, in a fresh interpreter."""
-    code = ("import sys, torch_sparserl.evaluate.harness, torch_sparserl.build.inline, torch_sparserl.policy.propose; "
-            "from torch_sparserl.policy import load_default; load_default('cpu'); "
+    code = ("import sys, torch_sparserl.evaluate.harness, torch_sparserl.toolchain.inline, torch_sparserl.specialize.policy.propose; "
+            "from torch_sparserl.specialize.policy import load_default; load_default('cpu'); "
             "print(sorted(m for m in ('transformers', 'torch._dynamo', 'sympy') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import runtime as rt
-from torch_sparserl.cache import KernelCache
 from torch_sparserl.dtypes import assert_close_to_reference
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import KernelCache
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def policy():
-    from torch_sparserl.policy import load_default
+    from torch_sparserl.specialize.policy import load_default
 
     return load_default("cuda")
 
@@ -27,7 +27,7 @@ def policy():
 @pytest.mark.parametrize("name", ["cora", "citeseer", "rajat01"])
 @pytest.mark.parametrize("op,n", [("spmv", 1), ("spmm", 32), ("spmm", 128)])
 def test_policy_tune_validates_a_correct_kernel(policy, name, op, n):
-    from torch_sparserl.policy.propose import policy_tune
+    from torch_sparserl.specialize.policy.propose import policy_tune
 
     M = ts.load_matrix(name)
     result, proposals, records = policy_tune(M, op=op, n=n, policy=policy, k=4)

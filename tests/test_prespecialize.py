@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import prespecialize
-from torch_sparserl import runtime as rt
-from torch_sparserl.cache import KernelCache
+from torch_sparserl.compiler import prespecialize
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import KernelCache
 
 from helpers import make_pattern
 from test_runtime import Fakes
@@ -110,7 +110,7 @@ def test_the_backend_waits_for_background_decisions_only_where_graphs_cannot_be_
     graphs waits for them."""
     import threading
 
-    from torch_sparserl import cudagraphs
+    from torch_sparserl.compiler import cudagraphs
 
     if not recorded_again:
         monkeypatch.setattr(cudagraphs, "supported", lambda: False)

@@ -1,4 +1,4 @@
-"""PyTorch Geometric layers on a CSRMatrix adjacency (torch_sparserl.pyg).
+"""PyTorch Geometric layers on a CSRMatrix adjacency (torch_sparserl.integrations.pyg).
 
 Each layer is compared with PyG's own sparse path (a torch sparse CSR ``adj_t``) and with its
 ``edge_index`` path, in float64, forward and backward, eagerly and under
@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("torch_geometric")
 
 import torch_sparserl as ts  # noqa: E402
-import torch_sparserl.pyg as tpyg  # noqa: E402
-from torch_sparserl import passes  # noqa: E402
+import torch_sparserl.integrations.pyg as tpyg  # noqa: E402
+from torch_sparserl.compiler import passes  # noqa: E402
 from torch_geometric.nn import GATConv, GATv2Conv, GCNConv, GINConv, GraphConv, SAGEConv, TransformerConv  # noqa: E402
 from torch_geometric.utils import coalesce, remove_self_loops, softmax  # noqa: E402
 
@@ -291,7 +291,7 @@ def test_errors_are_named():
     A = tpyg.adjacency(edge_index, x.shape[0], dtype=torch.float64)
     with pytest.raises(NotImplementedError, match=r"add_self_loops: edge_attr with self loops is not supported"):
         GATConv(6, 5, edge_dim=2).double()(x, A, edge_attr=torch.randn(A.nnz, 2, dtype=torch.float64))
-    with pytest.raises(NotImplementedError, match=r"torch_sparserl.pyg.spmm: reduce='max'"):
+    with pytest.raises(NotImplementedError, match=r"torch_sparserl.integrations.pyg.spmm: reduce='max'"):
         SAGEConv(6, 5, aggr="max").double()(x, A)
     with pytest.raises(ValueError, match=r"GraphConv.propagate: flow='target_to_source'"):
         GraphConv(6, 5, flow="target_to_source").double()(x, A)
@@ -325,9 +325,9 @@ def test_attention_products_are_specialized_at_compile_time(tmp_path, heads):
     the first step (CPU, a fake specializer)."""
     from test_runtime import Fakes
 
-    from torch_sparserl import prespecialize
-    from torch_sparserl import runtime as rt
-    from torch_sparserl.cache import CacheEntry, KernelCache
+    from torch_sparserl.compiler import prespecialize
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
 
     edge_index, x = _graph("cpu")
     A = tpyg.adjacency(edge_index, x.shape[0])

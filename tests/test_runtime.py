@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from torch_sparserl import pattern as patterns
-from torch_sparserl.cache import CacheEntry, KernelCache
 from torch_sparserl.evaluate.record import TransientFailure
-from torch_sparserl.runtime import Runtime, RuntimeSettings, SpecializationError
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+from torch_sparserl.jit.runtime import Runtime, RuntimeSettings, SpecializationError
 
 from helpers import make_pattern, to_parts
 
@@ -112,10 +112,10 @@ def test_the_stats_say_how_long_products_waited_for_decisions(tmp_path):
 
 
 def test_the_keys_of_one_pattern_share_its_features_and_sandbox(monkeypatch):
-    from torch_sparserl import features as features_module
-    from torch_sparserl.fingerprint import SpecializationKey
-    from torch_sparserl import specializers
-    from torch_sparserl.specializers import autotune_specializer
+    from torch_sparserl.pattern import features as features_module
+    from torch_sparserl.pattern.fingerprint import SpecializationKey
+    from torch_sparserl.jit import specializers
+    from torch_sparserl.jit.specializers import autotune_specializer
 
     computed, copied = [], []
     monkeypatch.setattr(features_module, "structural_features",
@@ -167,7 +167,7 @@ def test_an_in_place_change_of_the_pattern_specializes_again(tmp_path):
 
 def test_failed_specialization_falls_back_loudly(tmp_path, caplog):
     runtime, fakes, A, crow, col, val, X = setup(tmp_path, fail_specialize=True)
-    with caplog.at_level(logging.WARNING, logger="torch_sparserl.runtime"):
+    with caplog.at_level(logging.WARNING, logger="torch_sparserl.jit.runtime"):
         assert call(runtime, A, crow, col, val, X) is None
         assert call(runtime, A, crow, col, val, X) is None
     assert "spmm n=8 f32 falls back to cuSPARSE: specialization failed: RuntimeError: every candidate crashed" in caplog.text
@@ -176,7 +176,7 @@ def test_failed_specialization_falls_back_loudly(tmp_path, caplog):
 
 def test_a_search_undecided_for_the_devices_state_runs_again_and_then_decides(tmp_path, caplog):
     runtime, fakes, A, crow, col, val, X = setup(tmp_path, transient=1)
-    with caplog.at_level(logging.WARNING, logger="torch_sparserl.runtime"):
+    with caplog.at_level(logging.WARNING, logger="torch_sparserl.jit.runtime"):
         torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
     assert len(fakes.specialized) == 2 and runtime.stats["transient_retries"] == 1
     assert "failed for the device's state; this process's cached GPU memory is released" in caplog.text
@@ -286,7 +286,7 @@ def test_settings_from_the_environment():
 
 
 def test_configure_replaces_the_active_runtime_and_keeps_the_rest():
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     before = rt.active()
     try:
@@ -315,7 +315,7 @@ def test_settings_name_bad_values(kwargs, message):
 @pytest.fixture
 def routed(tmp_path):
     """The operators' runtime replaced by one with fakes that serves the CPU."""
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     fakes = Fakes()
     previous = rt.set_active(Runtime(RuntimeSettings(mode="sync", strict=True), cache=KernelCache(tmp_path),
@@ -353,7 +353,7 @@ def test_every_product_of_the_operators_goes_through_the_runtime(routed, name):
 
 def test_a_matrix_keeps_its_installed_kernel_for_the_next_product(routed):
     import torch_sparserl as ts
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     M = make_pattern("random")
     A = ts.csr(M, dtype=torch.float32)
@@ -393,7 +393,7 @@ def test_a_matrix_keeps_its_installed_kernel_for_the_next_product(routed):
 
 
 def test_prewarm_starts_the_specializer_once_before_any_key():
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     calls = []
 
@@ -438,7 +438,7 @@ def test_decisions_name_what_serves_the_matrix_and_its_transpose(tmp_path):
 def test_background_mode_decides_off_the_callers_thread(tmp_path, monkeypatch):
     """In background mode a call only records that the decision is pending: the fingerprint,
     the cache lookup and the install (a cache hit too) run in the background thread."""
-    from torch_sparserl import fingerprint as fingerprints
+    from torch_sparserl.pattern import fingerprint as fingerprints
 
     threads = []
     real = fingerprints.pattern_hash
@@ -627,7 +627,7 @@ def test_the_library_install_is_handed_the_interim_launch(tmp_path, monkeypatch)
     """The default installer gets the interim NVRTC build's launch (``like``), whose plan data
     and index copies the library's kernel reuses (``_bind_spec``) instead of preparing them on
     the host again; an installer of the caller's is called as before."""
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     fakes, handed = Fakes(), []
 
@@ -718,7 +718,7 @@ def test_a_failed_interim_or_library_build_loses_nothing(tmp_path, fails):
 def test_no_interim_build_in_sync_mode_or_for_a_custom_installer(tmp_path):
     """Sync mode waits for the library anyway; a custom installer has no NVRTC twin unless one
     is given; the default installer's twin is the NVRTC installer."""
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     runtime, specializer, interim, A, crow, col, val = _interim_runtime(tmp_path, mode="sync")
     specializer.gate.set()
@@ -733,7 +733,7 @@ def test_no_interim_build_in_sync_mode_or_for_a_custom_installer(tmp_path):
 
 
 def _tuned(*records):
-    from torch_sparserl.autotune import TuneResult
+    from torch_sparserl.specialize.autotune import TuneResult
 
     correct = [r for r in records if r.correct]
     best = max(correct, key=lambda r: r.speedup) if correct else None
@@ -757,8 +757,8 @@ def _record(family, *, speedup=None, kind=None, log=""):
 
 def test_a_negative_answer_reached_while_the_device_had_no_memory_is_no_decision():
     from torch_sparserl.evaluate import ErrorKind
-    from torch_sparserl.fingerprint import SpecializationKey
-    from torch_sparserl.runtime import autotune_specializer
+    from torch_sparserl.jit.runtime import autotune_specializer
+    from torch_sparserl.pattern.fingerprint import SpecializationKey
 
     key = SpecializationKey(pattern="abc", op="spmm", n=8, dtype="f32", arch="sm_90", policy="autotune")
     decide = autotune_specializer(RuntimeSettings())._entry
@@ -779,7 +779,7 @@ def test_a_negative_answer_reached_while_the_device_had_no_memory_is_no_decision
 
 def test_one_cpu_thread_narrows_only_the_calling_thread():
     """The install's host work runs on one core; the training thread keeps its CPU threads."""
-    from torch_sparserl import runtime as rt
+    from torch_sparserl.jit import runtime as rt
 
     if "OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("torch's intra-op thread count is per thread only under OpenMP")

@@ -19,13 +19,14 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import autotune, measure
 from torch_sparserl import pattern as patterns
-from torch_sparserl import runtime as rt
 from torch_sparserl.abi import KernelSpec
-from torch_sparserl.cache import KernelCache
+from torch_sparserl.cli import measure
 from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.evaluate.record import EvalRecord
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import KernelCache
+from torch_sparserl.specialize import autotune
 
 pytestmark = pytest.mark.gpu
 
@@ -191,7 +192,7 @@ def test_attention_heads_run_specialized_kernels_on_the_block_diagonal_form(jit,
 
 @pytest.mark.parametrize("scale_on, bias_on, relu", [(True, True, True), (False, True, False), (False, False, True)])
 def test_fused_epilogue_matches_float64(jit, poison_uninitialized, scale_on, bias_on, relu):
-    from torch_sparserl.families import EPILOGUE_FAMILIES
+    from torch_sparserl.specialize.families import EPILOGUE_FAMILIES
 
     M = ts.load_matrix("cora")
     A = ts.csr(M, dtype=torch.float32, device="cuda")
@@ -215,7 +216,7 @@ def test_fused_epilogue_matches_float64(jit, poison_uninitialized, scale_on, bia
 
 
 def test_compiled_gcn_layer_fuses_its_tail(jit, poison_uninitialized):
-    from torch_sparserl import passes
+    from torch_sparserl.compiler import passes
 
     M = ts.load_matrix("cora")
     torch.manual_seed(0)
@@ -281,8 +282,8 @@ def test_a_hostile_candidate_never_reaches_the_user(kernel_dir, monkeypatch, poi
     value cached from the first trial, an input written, out-of-bounds writes, a race); the
     runtime installs the correct one or none, and the result is right either way -- whether
     the candidates come from the autotuner's space or from the policy's samples."""
-    from torch_sparserl.policy import propose as proposing
-    from torch_sparserl.policy.model import Sample
+    from torch_sparserl.specialize.policy import propose as proposing
+    from torch_sparserl.specialize.policy.model import Sample
 
     hostile = ["partial.cu", "cached_value.cu", "modifies_input.cu", "oob_near.cu", "race.cu", "wild_write.cu"]
     specs = [_adversarial(name) for name in hostile] + [_adversarial("good_spmm_f32.cu")]
@@ -333,7 +334,7 @@ def test_the_first_run_builds_its_libraries_out_of_the_training_process(tmp_path
     code = textwrap.dedent("""
         import sys, numpy as np, torch
         import torch_sparserl as ts
-        from torch_sparserl import runtime as rt
+        from torch_sparserl.jit import runtime as rt
         runtime = rt.configure(mode="sync", strict=True, policy="autotune", budget_s=4.0)
         M = ts.load_matrix("cora")
         A = ts.csr(M, dtype=torch.float32, device="cuda")

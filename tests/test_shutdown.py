@@ -17,8 +17,8 @@ SCRIPT = textwrap.dedent('''
     from concurrent.futures import ThreadPoolExecutor
     import torch
     from torch_sparserl import pattern as patterns
-    from torch_sparserl import runtime as rt
-    from torch_sparserl.cache import CacheEntry, KernelCache
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
 
     SOURCE = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\\n'
               'extern "C" __global__ void sparserl_kernel(const int* rowptr) {}\\n')
@@ -69,8 +69,8 @@ def test_exit_while_specializing_is_silent_and_leaves_no_partial_entry(tmp_path,
     names = sorted(p.name for p in cache.iterdir())
     assert not [n for n in names if n.startswith(".tmp-")]  # no write left half done
     entries = [n for n in names if n.endswith(".json")]
-    from torch_sparserl import paths, trust
-    from torch_sparserl.cache import KernelCache
+    from torch_sparserl.jit.cache import KernelCache
+    from torch_sparserl.toolchain import paths, trust
 
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "private"))  # the child's key
     paths.forget_checks()
@@ -84,8 +84,8 @@ def test_exit_while_specializing_is_silent_and_leaves_no_partial_entry(tmp_path,
 
 
 def test_work_submitted_after_exit_began_is_dropped(tmp_path):
-    from torch_sparserl import runtime as rt
-    from torch_sparserl.cache import KernelCache
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import KernelCache
 
     runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path),
                          specializer=lambda *a: None, devices=("cpu",))

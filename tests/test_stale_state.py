@@ -1,6 +1,6 @@
 """The per-pattern state never goes stale, whatever the caller does to its arrays afterwards.
 
-The contract (torch_sparserl/pattern.py): ``ts.csr`` copies the caller's index arrays (and
+The contract (torch_sparserl/pattern/__init__.py): ``ts.csr`` copies the caller's index arrays (and
 NumPy/SciPy values); a pattern's validation keeps a private copy of a caller's indices, and
 every product, derived pattern and kernel reads that copy. Writes torch counts (in place,
 also under ``inference_mode``) make a new pattern, validated again; writes it does not count

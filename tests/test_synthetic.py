@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import scipy.sparse
 
-from torch_sparserl import synthetic
+from torch_sparserl.data import synthetic
 
 # One small instance of every generator (CPU, milliseconds each).
 SMALL_SPECS = {

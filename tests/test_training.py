@@ -32,11 +32,11 @@ def test_split_keeps_validation_matrices_out_of_training():
     val = data.load_labels(split="val")
     assert {lab.matrix for lab in val} <= set(data.VAL_MATRICES)
     for lab in labels[:50]:
-        assert lab.speedup > 0 and lab.family in __import__("torch_sparserl.families").families.FAMILIES
+        assert lab.speedup > 0 and lab.family in __import__("torch_sparserl.specialize.families").specialize.families.FAMILIES
 
 
 def test_synthetic_specs_are_deterministic_and_valid():
-    from torch_sparserl import synthetic
+    from torch_sparserl.data import synthetic
 
     specs = data.synthetic_specs(14, seed=3)
     assert specs == data.synthetic_specs(14, seed=3) and len(set(specs)) == 14

@@ -8,17 +8,42 @@ Three ways in, one runtime:
   ``torch.compile`` traces whole;
 * ``torch.compile(model, backend="sparserl")`` (found by name, no import needed) and
   :func:`compile`, which also converts sparse arguments and buffers to :class:`CSRMatrix`.
+
+The package is laid out in the pipeline's order: each stage is a folder that imports only from
+the stages above it in this list (``tests/test_layout.py`` checks it, function-level imports
+included):
+
+    data/          matrices: the shipped ones (``ts.load_matrix``) and synthetic generators
+    pattern/       a CSR pattern's structure, validated once: derived forms, fingerprint, features
+    kernels/       products that need no specialization: torch's own (fallback, baseline), the reference
+    abi/           the kernel ABI: the plan line, the kernel spec, a plan's preprocessing
+    toolchain/     ABI source -> launchable kernel: NVRTC, extension builder, nvcc; files and trust
+    evaluate/      the referee: a candidate's correctness and speed, in a sandboxed process
+    specialize/    which kernel for a pattern: kernel families, autotuner, learned policy
+    jit/           the runtime: decided once per (pattern, op, N, dtype), cached, installed, fast path
+    ops/           the torch.ops.sparserl operators: schema, checks, fake, autograd
+    tensor/        CSRMatrix and csr(); raw torch.sparse_csr products routed to the operators
+    compiler/      torch.compile: the sparserl backend, its passes, ts.compile
+    integrations/  other libraries on the operators: PyTorch Geometric
+    cli/           the sparserl command (python -m torch_sparserl); sparserl bench's measurements
+
+In the root: ``config`` (the settings tree, :mod:`torch_sparserl.config`) and ``dtypes`` (the
+supported dtypes and the one tolerance table), which every stage reads; ``__main__`` (the
+command); ``_compat``, which keeps the old module names of the flat layout (``runtime``,
+``pyg``, ...) importable as deprecated aliases.
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING
 
+from . import _compat
 from . import config, ops  # ops: registers the torch.ops.sparserl operators
-from .intercept import intercept_sparse
-from .settings import Settings
+from .config import Settings
+from .tensor.intercept import intercept_sparse
 
 __version__ = "0.1.0"
 
+_compat.install()  # the old module names (``runtime``, ``pyg``, ...) stay importable, deprecated
 config.warn_unknown_variables()  # a mistyped SPARSERL_* variable is named, not ignored
 
 __all__ = ["CSRMatrix", "Settings", "compile", "config", "csr", "intercept_sparse", "list_matrices",
@@ -26,20 +51,20 @@ __all__ = ["CSRMatrix", "Settings", "compile", "config", "csr", "intercept_spars
 
 # Loaded on first use: the tensor subclass imports torch._dynamo (seconds on some hosts), which
 # the sandbox's worker, a process of this package that never compiles, should not wait for.
-_LAZY = {"CSRMatrix": "csr_matrix", "csr": "csr_matrix", "compile": "convert", "list_matrices": "datasets",
-         "load_matrix": "datasets"}
+_LAZY = {"CSRMatrix": "tensor.csr_matrix", "csr": "tensor.csr_matrix", "compile": "compiler.convert",
+         "list_matrices": "data.datasets", "load_matrix": "data.datasets"}
 
 
 if TYPE_CHECKING:  # the lazy names, for type checkers and editors
-    from .convert import compile
-    from .csr_matrix import CSRMatrix, csr
-    from .datasets import list_matrices, load_matrix
+    from .compiler.convert import compile
+    from .data.datasets import list_matrices, load_matrix
+    from .tensor.csr_matrix import CSRMatrix, csr
 
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'torch_sparserl' has no attribute {name!r}")
+        return _compat.old_module(name)  # ts.runtime and the like, as before (deprecated); else AttributeError
     value = getattr(import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

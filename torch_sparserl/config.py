@@ -1,7 +1,7 @@
 """Every setting of torch-sparserl in one tree: what it does, its default, what sets it.
 
 :class:`Config` holds one group per part of the library. A group's fields are set in code
-(the backend's options, :func:`torch_sparserl.runtime.configure`) or by the environment
+(the backend's options, :func:`torch_sparserl.jit.runtime.configure`) or by the environment
 variable that names them, read here and nowhere else (:func:`from_environment`, :func:`read`)::
 
     Config
@@ -48,7 +48,7 @@ are known.
 
 ``strict`` is one setting, ``jit.strict``: after a failure the runtime raises instead of
 falling back to cuSPARSE, and so do the products of raw ``torch.sparse_csr`` tensors that the
-backend routes (:mod:`torch_sparserl.intercept`). ``torch.compile(options={"strict": True})``
+backend routes (:mod:`torch_sparserl.tensor.intercept`). ``torch.compile(options={"strict": True})``
 (``backend.strict``) turns it on for one compiled model's routed products; left unset, that
 model follows ``jit.strict``.
 
@@ -283,13 +283,13 @@ class BackendOptions(_Group):
 
     fast_path: bool = setting(DEFAULT_FAST_PATH, BOOL)
     """With ``direct_ops``, run the products as ``sparserl_fast::*``, which C++ serves once
-    :mod:`torch_sparserl.fastpath` is built and loaded (the backend starts that: a subprocess
+    :mod:`torch_sparserl.jit.fastpath` is built and loaded (the backend starts that: a subprocess
     builds it once per machine, in the background) and the Python implementation has served
     the same call. Off: for comparisons. ``fast_path.enabled`` off turns it off for the process."""
 
     flatten_matrices: bool = setting(DEFAULT_FLATTEN_MATRICES, BOOL)
     """Give AOTAutograd a graph's CSRMatrix inputs as their parts (``crow``, ``col``,
-    ``val``) instead of a tensor subclass it unwraps on every call (:mod:`torch_sparserl.flatten`;
+    ``val``) instead of a tensor subclass it unwraps on every call (:mod:`torch_sparserl.compiler.flatten`;
     matrices whose values need a gradient keep the subclass path). Off: for comparisons."""
 
     inductor: tuple[tuple[str, Any], ...] = ()
@@ -343,7 +343,7 @@ def _inductor_options(options: Mapping[str, Any], ours: list[str]) -> tuple[tupl
 
 @dataclass(frozen=True)
 class CacheOptions(_Group):
-    """The kernel cache on disk (:class:`~torch_sparserl.cache.KernelCache`)."""
+    """The kernel cache on disk (:class:`~torch_sparserl.jit.cache.KernelCache`)."""
 
     dir: Path | str | None = setting(DEFAULT_CACHE_DIR, FOLDER)
     """The folder of the cache (kernels, decisions, built libraries), private to the user.
@@ -352,7 +352,7 @@ class CacheOptions(_Group):
 
 @dataclass(frozen=True)
 class FastPathOptions(_Group):
-    """The C++ fast path (:mod:`torch_sparserl.fastpath`), for the whole process."""
+    """The C++ fast path (:mod:`torch_sparserl.jit.fastpath`), for the whole process."""
 
     enabled: bool = setting(DEFAULT_FAST_PATH_ENABLED, BOOL)
     """Off: never built nor loaded; compiled products stay on the Python implementation
@@ -527,6 +527,10 @@ def warn_unknown_variables(environ: Mapping[str, str] | None = None) -> list[str
 # ---------------------------------------------------------------------------- the logger
 
 logger = logging.getLogger("torch_sparserl")
+
+# The backend's options under their former name: ``torch_sparserl.Settings`` (and ``Settings``
+# of the former module ``settings``, now an alias of this one).
+Settings = BackendOptions
 _level = read("log.level")
 if _level is not None:
     logging.basicConfig()

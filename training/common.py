@@ -222,8 +222,8 @@ class Patterns:
     def get(self, name: str):
         """(rowptr int64, col int64, shape, features) of one matrix."""
         if name not in self._cache:
-            from torch_sparserl import synthetic
-            from torch_sparserl.features import structural_features
+            from torch_sparserl.data import synthetic
+            from torch_sparserl.pattern.features import structural_features
 
             spec = self._spec_names().get(name)
             if spec is not None:
@@ -237,13 +237,13 @@ class Patterns:
 
 
 def _load_real(name: str):
-    from torch_sparserl.datasets import load_matrix
+    from torch_sparserl.data.datasets import load_matrix
 
     return load_matrix(_real_path(name))
 
 
 def _real_path(name: str):
-    from torch_sparserl.datasets import list_matrices
+    from torch_sparserl.data.datasets import list_matrices
 
     if name in list_matrices():
         return name

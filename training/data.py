@@ -5,9 +5,9 @@
   validation matrices are never trained on: no stage reads their labels, and the label
   loader refuses them (:func:`load_labels` with ``split="train"``).
 * **Synthetic patterns.** :func:`synthetic_specs` draws generator specs
-  (``torch_sparserl.synthetic``) from a seeded grid: power law, uniform, banded, block
+  (``torch_sparserl.data.synthetic``) from a seeded grid: power law, uniform, banded, block
   diagonal, stencil, bipartite, arrow, at 4K-130K rows, so that labelling is quick on one GPU.
-* **Labels.** The oracle is the exhaustive autotuner (``torch_sparserl.autotune.tune``),
+* **Labels.** The oracle is the exhaustive autotuner (``torch_sparserl.specialize.autotune.tune``),
   run by ``benchmarks/bench_kernels.py`` over a grid; its ``*-tables.jsonl`` holds one
   record per candidate and stage. :func:`load_labels` turns the final-stage records into one
   :class:`Label` per cell: the best correct kernel, its speedup over cuSPARSE, and every
@@ -169,7 +169,7 @@ def is_synthetic(matrix: str) -> bool:
 
 
 def _is_real(matrix: str) -> bool:
-    from torch_sparserl.datasets import list_matrices
+    from torch_sparserl.data.datasets import list_matrices
 
     shared = REPO.parent / "shared" / "matrices"
     return (shared / f"{matrix}.npz").exists() or (REPO / "shared" / "matrices" / f"{matrix}.npz").exists() \

@@ -34,7 +34,7 @@ from training.data import VAL_MATRICES, geomean  # noqa: E402
 class EvalArgs:
     """Evaluate policies (top-1, best-of-K) against the exhaustive autotuner on held-out matrices."""
 
-    policies: list[str] = field(default_factory=lambda: ["torch_sparserl/policy/checkpoint"])
+    policies: list[str] = field(default_factory=lambda: ["torch_sparserl/specialize/policy/checkpoint"])
     names: list[str] = field(default_factory=list)
     matrices: list[str] = field(default_factory=lambda: list(VAL_MATRICES))
     ns: list[int] = field(default_factory=lambda: [1, 32, 128])
@@ -53,7 +53,7 @@ class EvalArgs:
 # Screening for evaluation: as the runtime's, plus cuSPARSE timed for every candidate so the
 # top-1 and every sample have a speedup measured in the same run.
 def _eval_screen():
-    from torch_sparserl.autotune import SCREEN_CONFIG
+    from torch_sparserl.specialize.autotune import SCREEN_CONFIG
 
     return dataclasses.replace(SCREEN_CONFIG, baseline=True, reps=20, warmup=3)
 
@@ -67,7 +67,7 @@ def _sample_row(p, record) -> dict:
 
 def _policy_cell(policy, pattern, op, n, args, sandbox) -> dict:
     from torch_sparserl.evaluate.compile_tier import compile_only
-    from torch_sparserl.policy.propose import policy_tune, propose
+    from torch_sparserl.specialize.policy.propose import policy_tune, propose
 
     rowptr, col, shape, feats = pattern
     if args.compile_only:
@@ -87,7 +87,7 @@ def _policy_cell(policy, pattern, op, n, args, sandbox) -> dict:
     result, props, _ = policy_tune(triple, op=op, n=n, dtype=args.dtype, policy=policy, k=args.k,
                                    sandbox=sandbox, seed=args.seed, temperature=args.temperature)
     # 2. The metrics, untimed: every distinct sample screened with cuSPARSE timed beside it.
-    from torch_sparserl.fingerprint import pattern_hash
+    from torch_sparserl.pattern.fingerprint import pattern_hash
     import torch
 
     key = pattern_hash(torch.from_numpy(triple[0]), torch.from_numpy(triple[1]), shape[1])
@@ -110,7 +110,7 @@ def _policy_cell(policy, pattern, op, n, args, sandbox) -> dict:
 
 
 def _oracle_cell(pattern, op, n, args, sandbox) -> dict:
-    from torch_sparserl.autotune import tune
+    from torch_sparserl.specialize.autotune import tune
 
     rowptr, col, shape, _ = pattern
     res = tune((rowptr.astype("int32"), col.astype("int32"), shape), op=op, n=n, dtype=args.dtype,
@@ -163,7 +163,7 @@ def summarize(cells: list[dict], names: list[str], compile_only: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(EvalArgs, argv)
-    from torch_sparserl.policy.model import KernelPolicy
+    from torch_sparserl.specialize.policy.model import KernelPolicy
 
     names = args.names or [Path(p).parent.name if Path(p).name == "policy" else Path(p).name for p in args.policies]
     if len(names) != len(args.policies):
@@ -227,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
 def _warm_up(policies, sandboxes, args) -> None:
     """Start every sandbox worker (CUDA context, NVRTC) and run each policy once, on a small
     synthetic pattern, so that no method's first cell pays the process's one-time costs."""
-    from torch_sparserl import synthetic
-    from torch_sparserl.autotune import tune
-    from torch_sparserl.policy.propose import policy_tune
+    from torch_sparserl.data import synthetic
+    from torch_sparserl.specialize.autotune import tune
+    from torch_sparserl.specialize.policy.propose import policy_tune
 
     m = synthetic.make("banded:rows=4096,bandwidth=4")
     triple = (m.indptr.astype("int32"), m.indices.astype("int32"), m.shape)

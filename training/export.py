@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def export(run: Path, out: Path) -> Path:
-    from torch_sparserl.policy.model import KernelPolicy
+    from torch_sparserl.specialize.policy.model import KernelPolicy
 
     run = Path(run)
     with tempfile.TemporaryDirectory() as tmp:

@@ -49,8 +49,8 @@ class PretrainArgs:
 
 def build_corpus(args: PretrainArgs, tokenizer=None):
     """(tokenizer, kernel sequences, CUDA windows) as token-id lists with <bos>/<eos>."""
-    from torch_sparserl.policy import corpus
-    from torch_sparserl.policy.tokenizer import BOS, EOS, special_ids, train_tokenizer
+    from torch_sparserl.specialize.policy import corpus
+    from torch_sparserl.specialize.policy.tokenizer import BOS, EOS, special_ids, train_tokenizer
 
     kernels = corpus.kernel_documents()
     cuda = corpus.cuda_documents(args.cuda_bytes, args.seed) if args.cuda_bytes else []
@@ -81,8 +81,8 @@ def batch_tensors(seqs: list[list[int]], pad: int, max_len: int) -> tuple[torch.
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(PretrainArgs, argv)
-    from torch_sparserl.policy.model import KernelPolicy, build
-    from torch_sparserl.policy.tokenizer import PAD
+    from torch_sparserl.specialize.policy.model import KernelPolicy, build
+    from torch_sparserl.specialize.policy.tokenizer import PAD
 
     stage = start_stage(args, "pretrain")
     device, out, ckpt, metrics, budget = stage.device, stage.out, stage.ckpt, stage.metrics, stage.budget

@@ -74,8 +74,8 @@ class Rewarder:
         self.evaluations = 0
 
     def record(self, cell, proposal):
-        from torch_sparserl.autotune import SCREEN_CONFIG
         from torch_sparserl.evaluate.record import ErrorKind, EvalRecord
+        from torch_sparserl.specialize.autotune import SCREEN_CONFIG
 
         key = (cell.cell, proposal.spec.key)
         if key in self.memo:
@@ -148,8 +148,8 @@ def grpo_loss(policy, reference, inputs, requests, completions, old_lp, advantag
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(RLArgs, argv)
     from torch_sparserl.evaluate.reward import reward
-    from torch_sparserl.policy.model import KernelPolicy
-    from torch_sparserl.policy.propose import to_proposal
+    from torch_sparserl.specialize.policy.model import KernelPolicy
+    from torch_sparserl.specialize.policy.propose import to_proposal
     from training.data import load_labels
     from training.sft import Inputs, is_dev
 

@@ -67,8 +67,8 @@ def is_dev(matrix: str, every: int) -> bool:
 
 
 def make_examples(policy, labels, max_examples: int = 0) -> list[Example]:
-    from torch_sparserl.policy.corpus import completion_text, render_compact
-    from torch_sparserl.policy.tokenizer import EOS
+    from torch_sparserl.specialize.policy.corpus import completion_text, render_compact
+    from torch_sparserl.specialize.policy.tokenizer import EOS
 
     out, outside = [], 0
     for lab in labels:
@@ -95,7 +95,7 @@ class Inputs:
         self._coords: dict[tuple[str, int], tuple] = {}
 
     def get(self, ex: Example, draw: int):
-        from torch_sparserl.policy.encoder import PatternInput, feature_vector, sample_coordinates
+        from torch_sparserl.specialize.policy.encoder import PatternInput, feature_vector, sample_coordinates
 
         rowptr, col, shape, feats = self.patterns.get(ex.matrix)
         key = (ex.matrix, draw % self.resamples)
@@ -126,8 +126,8 @@ def evaluate_dev(policy, examples: list[Example], inputs: Inputs, limit: int = 4
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(SFTArgs, argv)
-    from torch_sparserl.policy.encoder import PatternEncoder
-    from torch_sparserl.policy.model import KernelPolicy
+    from torch_sparserl.specialize.policy.encoder import PatternEncoder
+    from torch_sparserl.specialize.policy.model import KernelPolicy
     from training.data import load_labels
 
     stage = start_stage(args, "sft")

@@ -1,4 +1,4 @@
-// ---- sparserl prelude (inlined by torch_sparserl/families.py; needs SR_DTYPE) ----
+// ---- sparserl prelude (inlined by torch_sparserl/specialize/families.py; needs SR_DTYPE) ----
 // Value type T by dtype, fp32 accumulation, scalar/vector load, store and atomic helpers.
 // SR_DTYPE: 0 = f32, 1 = f16, 2 = bf16.
 #if SR_DTYPE == 1

@@ -1,5 +1,9 @@
 """The evaluator: the referee that scores every candidate kernel.
 
+Pipeline stage 6 of 14: the referee: a candidate kernel's correctness and speed, measured first
+in a sandboxed child process.
+May import: config, dtypes, data, pattern, kernels, abi, toolchain.
+
 * :mod:`.record` — :class:`EvalRecord` and the closed set of :class:`ErrorKind`;
 * :mod:`.reward` — :func:`reward`, a pure function of a record;
 * :mod:`.harness` — :func:`evaluate_candidate` on the GPU, in the calling process;

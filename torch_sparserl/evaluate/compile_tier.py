@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from ..abi import MAX_SMEM_BYTES, KernelSpec, PlanError
-from ..build import CompileError
-from ..build import nvcc
+from ..toolchain import CompileError
+from ..toolchain import nvcc
 from .record import ErrorKind, EvalRecord
 
 REGISTERS_PER_SM = 65536      # sm_90: a block's threads × registers must fit in one SM's file

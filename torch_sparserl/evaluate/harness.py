@@ -39,11 +39,11 @@ import numpy as np
 import torch
 
 from ..abi import MAX_SMEM_BYTES, KernelSpec, PlanError, operand_shapes
-from ..build import CompileError, LaunchError, load_kernel
+from ..abi.prepare import Prepared, prepare
 from ..dtypes import close_to_reference, max_abs_difference
 from ..kernels import reference, vendor
 from ..pattern import Pattern
-from ..prepare import Prepared, prepare
+from ..toolchain import CompileError, LaunchError, load_kernel
 from .config import EvalConfig
 from .record import ErrorKind, EvalRecord, dtype_name
 
@@ -114,7 +114,7 @@ def worker_init() -> dict:
         raise RuntimeError("sandbox worker: CUDA is not available in the worker process")
     torch.zeros(1, device="cuda").add_(1)
     torch.cuda.synchronize()
-    from ..build import driver  # noqa: F401 - loaded once, not on the first candidate's clock
+    from ..toolchain import driver  # noqa: F401 - loaded once, not on the first candidate's clock
     return {"pid": os.getpid(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda}
 
@@ -502,7 +502,7 @@ def _evaluate(record: EvalRecord, spec: KernelSpec, matrix: Matrix, n: int, conf
 def _spills_from_nvcc(spec: KernelSpec, device) -> int | None:
     """Spill bytes from ptxas's report: the driver only says how much local memory a kernel
     uses (spills and stack arrays alike). None when nvcc is not installed."""
-    from ..build import nvcc
+    from ..toolchain import nvcc
     if nvcc.nvcc_path() is None:
         return None
     major, minor = torch.cuda.get_device_capability(device)
@@ -560,7 +560,7 @@ def _baseline(problem: _Problem):
         m = problem.matrix
         out.zero_()
         return (lambda: vendor.sddmm_out(problem.pattern, m.rowptr, m.col, val, x, out)), widened, out
-    a = vendor._as_torch_csr(problem.pattern, problem.matrix.rowptr, problem.matrix.col, val)
+    a = vendor.as_torch_csr(problem.pattern, problem.matrix.rowptr, problem.matrix.col, val)
     if problem.op == "spmm":
         return (lambda: torch.addmm(out, a, x, beta=0, alpha=1, out=out)), widened, out
     return (lambda: torch.addmv(out, a, x, beta=0, alpha=1, out=out)), widened, out

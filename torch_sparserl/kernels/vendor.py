@@ -7,7 +7,7 @@ of :mod:`~torch_sparserl.kernels.reference` (``benchmarks/bench_cpu.py`` compare
 SDDMM goes through ``torch.sparse.sampled_addmm`` (``cusparseSDDMM`` on CUDA).
 
 Products go through the functional ``torch.sparse.mm`` / ``torch.mv``, as a user's would.
-While :mod:`torch_sparserl.intercept` overrides those for CSR tensors, calls go through the
+While :mod:`torch_sparserl.tensor.intercept` overrides those for CSR tensors, calls go through the
 ``out=`` overloads of ``aten::addmm`` / ``aten::addmv`` instead, which still reach cuSPARSE
 directly, so the fallback never re-enters the override.
 
@@ -23,12 +23,21 @@ import warnings
 
 import torch
 
-from .. import intercept
 from ..dtypes import HALF_DTYPES
 from ..pattern import Pattern
 
 
 _BETA_WARNING_SEEN = False
+# Whether the override of aten::addmm / mv / addmv for CSR tensors is in place
+# (torch_sparserl.tensor.intercept, a later stage, says so through override_installed()).
+_override_installed = False
+
+
+def override_installed(installed: bool) -> None:
+    """Called by :mod:`torch_sparserl.tensor.intercept` as its override goes in (True) and out
+    (False): while it is in, the products here go around it."""
+    global _override_installed
+    _override_installed = installed
 
 
 def _outside_cpu_autocast(fn):
@@ -46,8 +55,8 @@ def _outside_cpu_autocast(fn):
     return run
 
 
-def _as_torch_csr(pattern: Pattern, crow, col, val) -> torch.Tensor:
-    # The pattern was validated once (pattern.py): opt out of torch's per-call invariant
+def as_torch_csr(pattern: Pattern, crow, col, val) -> torch.Tensor:
+    # The pattern was validated once (pattern/__init__.py): opt out of torch's per-call invariant
     # check explicitly, which also keeps torch from warning that it was skipped.
     global _BETA_WARNING_SEEN
     if not _BETA_WARNING_SEEN:
@@ -73,9 +82,9 @@ def _product(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch
         dense = torch.zeros((pattern.nrows, pattern.ncols), dtype=val.dtype, device=val.device)
         dense.index_put_((pattern.row_indices(crow), col.to(torch.int64)), val, accumulate=True)
         return dense @ X
-    A = _as_torch_csr(pattern, crow, col, val)
+    A = as_torch_csr(pattern, crow, col, val)
     X = X.contiguous()
-    if not intercept.installed():
+    if not _override_installed:
         return torch.sparse.mm(A, X) if matrix else torch.mv(A, X)
     out = torch.empty(shape, dtype=val.dtype, device=val.device)
     # beta=0: cuSPARSE does not read `out`, so its uninitialized contents cannot leak in.
@@ -124,6 +133,6 @@ def sddmm_out(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, Y: torch.
     if pattern.overfull:
         raise ValueError(f"sddmm_out: {pattern.nnz} nonzeros in a {pattern.nrows}x{pattern.ncols} pattern "
                          "hold duplicates that torch's sampled_addmm would merge")
-    A = _as_torch_csr(pattern, crow, col, out)  # shares out's storage: the result lands there
+    A = as_torch_csr(pattern, crow, col, out)  # shares out's storage: the result lands there
     torch.sparse.sampled_addmm(A, Y.contiguous(), X.contiguous().t(), beta=0.0, alpha=1.0, out=A)
     return out

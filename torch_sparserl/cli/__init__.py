@@ -1,0 +1,587 @@
+"""The ``sparserl`` command (also ``python -m torch_sparserl``).
+
+Pipeline stage 13 of 14: the ``sparserl`` command (also ``python -m torch_sparserl``) and the
+end-to-end measurements that ``sparserl bench`` reports (:mod:`.measure`).
+May import: config, dtypes, data, pattern, kernels, abi, toolchain, evaluate, specialize, jit,
+ops, tensor, compiler, integrations, torch_sparserl.
+
+``sparserl demo`` is the README's main job: on a shipped matrix it checks the operators
+against a float64 reference, compiles a two-layer GCN whole with the ``sparserl`` backend
+(forward and backward, compared with eager), and runs the JIT pipeline: on a GPU it
+specializes ``A @ X``, shows the kernel and times it against ``torch.sparse.mm``; without
+one it generates the candidate kernels and compiles them with nvcc.
+
+``tune`` searches the kernel space for a matrix; ``bench`` measures the runtime end to end;
+``explain`` says which kernel serves a matrix's products and why; ``cache`` manages the
+specialization cache. ``SPARSERL_LOG=info`` (or ``debug``) logs the runtime's decisions.
+
+A bad invocation (an argument out of range, a file that is not a matrix, a broken cache
+folder) prints one line, ``sparserl COMMAND: what was expected (got what came)``, and exits
+with status 2; ``SPARSERL_DEBUG=1`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import stat
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import config
+from ..data.datasets import DEFAULT_MATRIX, list_matrices, load_matrix
+from ..dtypes import close_to_reference
+
+MAX_N = 65536  # dense columns: --n beyond this is a typo, not a product anyone runs
+
+
+class CommandError(Exception):
+    """A bad invocation found after parsing; its message is the line the user sees."""
+
+
+# What a bad invocation or a broken file raises: one line, exit status 2 (the library's own
+# errors too: any exception class defined in torch_sparserl). Anything else is a bug.
+_EXPECTED = (CommandError, ValueError, TypeError, OSError, EOFError, RecursionError)
+
+
+def _matrix(name: str, what: str = "matrix"):
+    """A matrix named on the command line, loaded and checked: a real-valued CSR matrix with at
+    least one row, one column and one nonzero."""
+    try:
+        M = load_matrix(name).tocsr()
+    except (FileNotFoundError, ValueError) as exc:
+        raise CommandError(f"{what}: {str(exc).removeprefix('load_matrix: ')}") from exc
+    if M.dtype.kind not in "biuf":
+        raise CommandError(f"{what}: expected real values in {name!r} (got {M.dtype})")
+    if min(M.shape) == 0 or M.nnz == 0:
+        raise CommandError(f"{what}: expected a matrix with at least one row, column and nonzero in {name!r} "
+                           f"(got {M.shape[0]} x {M.shape[1]}, {M.nnz} nonzeros)")
+    return M
+
+
+def _columns(text: str) -> int:
+    """--n: dense columns."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_N:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_N} (got {text!r})")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds (got {text!r})")
+    return value
+
+
+def _device(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:INDEX or auto (got {text!r})")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"expected a CUDA device this machine has ({torch.cuda.device_count()} "
+                                         f"visible) (got {text!r})")
+    return text
+
+
+def _families(text: str) -> list[str]:
+    from ..specialize.families import FAMILIES
+
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names among {', '.join(FAMILIES)} "
+                                         f"(got {', '.join(map(repr, unknown))})")
+    return names
+
+
+def _folder(text: str) -> str:
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a folder (got a file: {text!r})")
+    return text
+
+
+def _output_file(text: str) -> str:
+    parent = os.path.dirname(text) or "."
+    if os.path.isdir(text) or not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"expected a file to write in an existing folder (got {text!r})")
+    return text
+
+
+def _cache(args):
+    """The command's cache folder (--dir, else $SPARSERL_CACHE_DIR or the default)."""
+    from ..jit.cache import KernelCache
+
+    configured = None if args.dir else config.read("cache.dir")
+    where = (f"--dir {args.dir!r}" if args.dir else f"$SPARSERL_CACHE_DIR={str(configured)!r}"
+             if configured is not None else "the default cache folder")
+    try:
+        cache = KernelCache(args.dir) if args.dir else KernelCache()
+    except OSError as exc:
+        got = (f"a file in the way: {exc.filename}" if isinstance(exc, (FileExistsError, NotADirectoryError))
+               else _describe(exc))
+        raise CommandError(f"expected a usable cache folder at {where} (got {got})") from exc
+    if not cache.disk:  # the library runs on without it (memory only); a command about it cannot
+        raise CommandError(f"expected a usable cache folder at {where} (got {cache.root}: {cache.problem})")
+    return cache
+
+
+def _entry(cache, path: Path) -> Path:
+    """``path`` once checked to be a file: a FIFO would block its read, a link to /dev/zero
+    would never end."""
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise CommandError(f"expected cache entries to be files in {cache.root} (got "
+                           f"{'a folder' if path.is_dir() else 'a FIFO or device'} {path.name}: remove it)")
+    return path
+
+
+def _listing(cache):
+    """``cache.listing()``, every entry checked first (:func:`_entry`)."""
+    for path in cache.entries():
+        _entry(cache, path)
+    return cache.listing()  # lists an entry it cannot read (corrupt, nested too deeply) with why
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as part of one line."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _time_ms(fn, device: torch.device, repeats: int = 50) -> float:
+    """Median milliseconds per call after a warm-up (CUDA events on a GPU)."""
+    for _ in range(5):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class _GCN(torch.nn.Module):
+    def __init__(self, features: int, hidden: int, classes: int):
+        super().__init__()
+        self.lin1 = torch.nn.Linear(features, hidden)
+        self.lin2 = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x, adj):
+        h = (adj @ self.lin1(x)).relu()
+        return adj @ self.lin2(h)
+
+
+def demo(args) -> int:
+    import torch_sparserl as ts
+
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    M = _matrix(args.matrix, "--matrix")
+    lengths = np.diff(M.indptr)
+    print(f"matrix   {args.matrix}: {M.shape[0]} x {M.shape[1]}, nnz {M.nnz}, "
+          f"row length mean {lengths.mean():.1f} max {lengths.max()}")
+    print(f"device   {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    failures = 0
+
+    if device.type == "cuda":
+        from ..jit import runtime as rt
+
+        rt.configure(mode="off")  # the first check is cuSPARSE's; the JIT section below times its own cold start
+    A = ts.csr(M, dtype=torch.float32, index_dtype=torch.int32, device=device)
+    X = torch.randn(M.shape[1], args.n, device=device)
+    reference = torch.from_numpy(np.asarray(M.astype(np.float64) @ X.double().cpu().numpy()))
+    ok, reason = close_to_reference(A @ X, reference, torch.float32)
+    failures += not ok
+    print(f"check    A @ X against float64, N={args.n}: {'ok' if ok else 'FAILED: ' + reason}")
+    # The JIT first: the compile below starts specializations of its own (hidden and class
+    # widths) and installs the raw-sparse interception, which would change what is timed here.
+    failures += _demo_kernels(args, M, A, X, device)
+    if device.type == "cuda":
+        rt.configure(mode="off")  # keep the compile step short: its widths would each take a budget
+        print("note     the GCN below runs with the JIT runtime off (cuSPARSE), to keep the demo short")
+
+    torch.manual_seed(0)
+    model = _GCN(args.n, 64, 8).to(device)
+    eager_out = model(X, A)
+    eager_out.square().mean().backward()
+    eager_grad = model.lin1.weight.grad.clone()
+    model.zero_grad()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="sparserl", fullgraph=True)
+    t0 = time.perf_counter()
+    out = compiled(X, A)
+    out.square().mean().backward()
+    compile_s = time.perf_counter() - t0
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    ok_fwd, why_fwd = close_to_reference(out, eager_out.double(), torch.float32)
+    ok_bwd, why_bwd = close_to_reference(model.lin1.weight.grad, eager_grad.double(), torch.float32)
+    failures += not (ok_fwd and ok_bwd and breaks == 0)
+    print(f"compile  2-layer GCN, torch.compile(backend='sparserl', fullgraph=True): {compile_s:.1f} s, "
+          f"{breaks} graph breaks; forward {'= eager' if ok_fwd else 'FAILED: ' + why_fwd}, "
+          f"backward {'= eager' if ok_bwd else 'FAILED: ' + why_bwd}")
+
+    print("result   " + ("all checks passed" if not failures else f"{failures} check(s) FAILED"))
+    return 1 if failures else 0
+
+
+def _demo_kernels(args, M, A, X, device: torch.device) -> int:
+    """The JIT pipeline on the demo matrix: on a GPU, specialize ``A @ X`` with the learned
+    policy and time it against ``torch.sparse.mm``; without one, sample the policy's kernels on
+    the CPU and compile them with nvcc."""
+    from .. import pattern as patterns
+    from ..jit import runtime as rt
+    from ..pattern.features import structural_features
+    from ..pattern.fingerprint import fingerprint
+    from . import measure
+
+    features = structural_features(M.indptr, M.indices, M.shape)
+    entry = patterns.lookup(A.crow, A.col, M.shape[1])
+    print(f"pattern  fingerprint {fingerprint(entry, A.crow, A.col)}; row mean {features['row_mean']:.1f}, "
+          f"max {features['row_max']}, cv {features['row_cv']:.2f}")
+    settings = rt.RuntimeSettings(mode="sync", budget_s=args.budget_s)
+    print(f"policy   {rt.settings_policy_id(settings)}: {settings.k} kernels sampled per product, "
+          f"validated, the fastest installed if it beats cuSPARSE by {settings.margin}x")
+    if device.type != "cuda":
+        return _demo_compile_tier(M, args.n, settings.k)
+    runtime = rt.configure(mode="sync", budget_s=args.budget_s)
+    result = measure.product(M, "spmm", args.n, runtime=runtime)
+    failures = 0 if result["correct"] else 1
+    print(f"jit      first A @ X specialized in {result['cold_s']:.1f} s (one-time: loading the policy and "
+          f"starting the sandbox): {result['decision']}")
+    print(f"check    specialized A @ X against float64: {'ok' if result['correct'] else 'FAILED: ' + str(result['error'])}")
+    cached = runtime.cache.get(runtime._key("spmm", args.n, entry, A.crow, A.col, torch.float32))
+    if cached is not None and cached.spec_source:
+        source = cached.spec_source.splitlines()
+        shown = source if args.show_source else source[:12]
+        print("kernel   " + "\n         ".join(shown) + ("" if args.show_source else
+                                                       f"\n         ... ({len(source)} lines; --show-source for all)"))
+    print(f"time     A @ X {result['hot_us']:.1f} us, torch.sparse.mm {result['torch_sparse_us']:.1f} us per call "
+          f"(dispatch included): {result['speedup']:.2f}x; torch.ops.sparserl.spmm {result['op_us']:.1f} us")
+    return failures
+
+
+def _demo_compile_tier(M, n: int, k: int) -> int:
+    """No GPU: the policy writes K kernels on the CPU; each distinct one is compiled by nvcc."""
+    import shutil
+    import time
+
+    from ..evaluate.compile_tier import compile_only
+    from ..specialize.policy import load_default
+    from ..specialize.policy.propose import propose
+
+    start = time.monotonic()
+    proposals = propose(load_default("cpu"), M.indptr, M.indices, M.shape, op="spmm", n=n, k=k)
+    print(f"sample   {k} kernels written on the CPU in {time.monotonic() - start:.1f} s "
+          f"({len({p.spec.key for p in proposals})} distinct); the first (greedy) would be tried first")
+    if shutil.which("nvcc") is None:
+        print("note     no GPU and no nvcc: kernels are neither built nor run here")
+        return 0
+    bad, seen = 0, set()
+    for p in proposals:
+        if p.spec.key in seen:
+            continue
+        seen.add(p.spec.key)
+        record = compile_only(p.spec) if p.error is None else None
+        ok = record is not None and record.compiled and record.error_kind is None
+        bad += not ok
+        why = p.error if record is None else record.error_kind
+        print(f"compile  {p.spec.describe():64s} {'ok' if ok else why} (nvcc, sm_90, "
+              f"{record.registers if record else '-'} registers)")
+    print(f"plan     {proposals[0].spec.source.splitlines()[0]}")
+    print("note     no GPU: kernels compiled for sm_90 but not run; on a GPU the runtime validates "
+          "them and times them against cuSPARSE")
+    return 1 if bad else 0
+
+
+def info(args) -> int:
+    import torch_sparserl as ts
+
+    print(f"torch-sparserl {ts.__version__}, torch {torch.__version__}, "
+          f"CUDA {'available: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}")
+    print("operators: " + ", ".join(f"sparserl::{op}" for op in ts.ops.registered_ops()))
+    print("shipped matrices: " + ", ".join(list_matrices()))
+    print(f"C++ fast path: {ts.jit.fastpath.status()}")
+    return 0
+
+
+def fastpath_command(args) -> int:
+    """Build (once per machine and torch version) and load the C++ fast path of compiled products."""
+    from ..jit import fastpath
+
+    started = time.perf_counter()
+    ok = fastpath.ensure(wait=True)
+    print(f"C++ fast path: {fastpath.status()} ({time.perf_counter() - started:.1f} s)")
+    return 0 if ok else 1
+
+
+def _progress(what: str):
+    """A one-line progress bar on stderr for long work (only when stderr is a terminal)."""
+    start = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        width = 30
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                         f"{time.monotonic() - start:5.1f} s" + ("\n" if done >= total else ""))
+        sys.stderr.flush()
+
+    return report
+
+
+def tune_command(args) -> int:
+    """Search the kernel space for one matrix: on a GPU the exhaustive autotuner (candidates
+    run in the sandbox, timed against cuSPARSE); without one, the compile tier with nvcc."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..pattern.features import structural_features
+    from ..specialize.autotune import candidates, tune
+
+    from ..specialize.families import FAMILIES
+
+    A = _matrix(args.matrix)
+    n = 1 if args.op == "spmv" else args.n
+    serving = [name for name, family in FAMILIES.items() if args.op in family.ops]
+    if args.families and not set(args.families) <= set(serving):
+        raise CommandError(f"--families: expected families that serve {args.op} ({', '.join(serving)}) "
+                           f"(got {', '.join(f for f in args.families if f not in serving)})")
+    features = structural_features(A.indptr, A.indices, A.shape)
+    print(f"matrix   {args.matrix}: {A.shape[0]} x {A.shape[1]}, {A.nnz} nonzeros, "
+          f"row mean {features['row_mean']:.1f}, max {features['row_max']}, cv {features['row_cv']:.2f}")
+    if torch.cuda.is_available() and not args.compile_only:
+        result = tune(A, op=args.op, n=n, dtype=args.dtype, budget_s=args.budget_s,
+                      families=args.families, progress=_progress("screening"))
+        finals = sorted((r for r in result.table if r.timing.get("stage") == "final" and r.ok),
+                        key=lambda r: r.runtime_us)
+        for r in finals:
+            print(f"final    {r.family:16s} {r.runtime_us:9.2f} us  cuSPARSE {r.cusparse_us:9.2f} us  "
+                  f"{r.speedup:5.2f}x  {r.params}")
+        failed = [r for r in result.table if not r.ok]
+        print(f"result   {result.summary()}; {len(failed)} candidate(s) rejected")
+        if result.best_spec is not None and args.show_source:
+            print(result.best_spec.source)
+        return 0 if result.best is not None else 1
+
+    from ..evaluate.compile_tier import compile_only
+
+    specs = candidates(args.op, n, args.dtype, features, args.families)
+    print(f"note     no GPU{' (or --compile-only)' if torch.cuda.is_available() else ''}: compiling the "
+          f"{len(specs)} candidates with nvcc for sm_90, not running them")
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        records = list(pool.map(compile_only, specs))
+    for spec, record in zip(specs, records):
+        status = "ok" if record.compiled and record.error_kind is None else str(record.error_kind)
+        print(f"compile  {spec.describe():70s} {status:9s} regs={record.registers} spills={record.spill_bytes}")
+    bad = [r for r in records if not r.compiled or r.error_kind is not None]
+    print(f"result   {len(records) - len(bad)}/{len(records)} candidates compile cleanly")
+    return 1 if bad else 0
+
+
+def bench_command(args) -> int:
+    """The runtime end to end on a GPU: cold specialization, correctness, and the time per call
+    of ``A @ X`` against ``torch.sparse.mm``, dispatch included."""
+    from ..dtypes import VALUE_DTYPES
+    from ..jit import runtime as rt
+    from . import measure
+
+    matrices = {name: _matrix(name) for name in args.matrices}  # every name checked before any work
+    if not torch.cuda.is_available():
+        raise CommandError("needs a CUDA GPU (the runtime specializes CUDA kernels); "
+                           "`sparserl tune MATRIX` compiles the kernel space without one")
+    dtype = {str(d).replace("torch.", ""): d for d in VALUE_DTYPES}[args.dtype]
+    runtime = rt.configure(mode="sync", budget_s=args.budget_s)
+    n = 1 if args.op == "spmv" else args.n
+    rows, failures = [], 0
+    for name in args.matrices:
+        result = {"matrix": name, **measure.product(matrices[name], args.op, n, dtype, runtime=runtime)}
+        rows.append(result)
+        failures += not result["correct"]
+        print(f"{name:24s} {args.op} n={n:<4d} cold {result['cold_s']:6.1f} s  A@X {result['hot_us']:9.1f} us  "
+              f"torch.sparse {result['torch_sparse_us']:9.1f} us  {result['speedup']:5.2f}x  "
+              f"{'ok' if result['correct'] else 'WRONG'}  {result['decision']}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, handle, indent=1)
+    return 1 if failures else 0
+
+
+def explain_command(args) -> int:
+    """What the cache says about a matrix: which kernel serves each product, or why none does."""
+    from ..pattern.fingerprint import pattern_hash
+
+    M = _matrix(args.matrix)
+    if args.transposed:
+        M = M.T.tocsr()
+    hashes = {}
+    for index_dtype in (torch.int32, torch.int64):
+        crow = torch.from_numpy(M.indptr.astype(np.int64)).to(index_dtype)
+        col = torch.from_numpy(M.indices.astype(np.int64)).to(index_dtype)
+        hashes[pattern_hash(crow, col, M.shape[1])] = str(index_dtype).replace("torch.", "")
+    cache = _cache(args)
+    listing = _listing(cache)
+    print(f"matrix   {args.matrix}{' (transposed)' if args.transposed else ''}: {M.shape[0]} x {M.shape[1]}, "
+          f"{M.nnz} nonzeros; fingerprints " + ", ".join(f"{h[:12]} ({d})" for h, d in hashes.items()))
+    found = 0
+    for path, entry, _ in listing:
+        if entry is None:
+            continue
+        key = entry.key
+        if key.pattern not in hashes or (args.op and key.op != args.op) or (args.n and key.n != args.n):
+            continue
+        found += 1
+        what = f"kernel {entry.family}{entry.params}" if entry.spec_source else "cuSPARSE"
+        record = entry.record or {}
+        timing = ""
+        if record.get("runtime_us") and record.get("cusparse_us"):
+            timing = f"; measured {record['runtime_us']:.1f} us vs cuSPARSE {record['cusparse_us']:.1f} us"
+        print(f"{key.op} n={key.n} {key.dtype} {hashes[key.pattern]} indices, {key.arch}, policy {key.policy}, "
+              f"torch {key.torch_version}: {what} because {entry.reason}{timing}  [{path.stem[:12]}]")
+    if not found:
+        print(f"no decision in {cache.root} for this pattern"
+              f"{' and ' + args.op if args.op else ''}{f' n={args.n}' if args.n else ''}: it is decided the first "
+              f"time the product runs on a GPU (or run `sparserl bench {args.matrix}`)")
+    return 0
+
+
+def cache_command(args) -> int:
+    cache = _cache(args)
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.root}")
+        return 0
+    if args.action == "list":
+        listing = _listing(cache)
+        print(f"{len(listing)} entries in {cache.root}")
+        for path, entry, problem in listing:
+            if entry is None:
+                print(f"{path.stem}  unreadable: {problem}")
+                continue
+            key = entry.key
+            what = entry.family + str(entry.params) if entry.spec_source else "cuSPARSE"
+            print(f"{path.stem}  {key.op} n={key.n} {key.dtype} {key.arch} "
+                  f"pattern={key.pattern[:12]}  -> {what}  ({entry.reason})")
+        return 0
+    matches = [path for path in cache.entries() if path.stem.startswith(args.key or "")]
+    if len(matches) != 1:
+        raise CommandError(f"info: expected one entry starting with {args.key!r}, found {len(matches)}")
+    try:
+        document = json.loads(_entry(cache, matches[0]).read_text())
+    except (ValueError, RecursionError) as exc:
+        raise CommandError(f"info: expected JSON in {matches[0]} (got {_describe(exc)})") from exc
+    print(json.dumps(document, indent=1))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors as one line too (``sparserl tune: argument --n: ...``), status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {' '.join(message.split())} (`{self.prog} --help` for usage)\n")
+
+
+def _run(args) -> int:
+    """Run a subcommand: an expected error is one line on stderr and exit status 2, anything
+    else (a bug) one line and status 1; ``SPARSERL_DEBUG=1`` raises either with its traceback."""
+    command = f"sparserl {args.command}"
+    try:
+        debug = config.read("log.debug")
+    except ValueError as exc:  # SPARSERL_DEBUG itself cannot be read
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        if isinstance(exc, _EXPECTED) or type(exc).__module__.startswith(__name__.partition(".")[0] + "."):
+            print(f"{command}: {_describe(exc)}", file=sys.stderr)
+            return 2
+        print(f"{command}: internal error, {type(exc).__name__}: {_describe(exc)} "
+              "(SPARSERL_DEBUG=1 shows its traceback)", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="sparserl", description=__doc__.splitlines()[0],
+                     epilog="A bad invocation prints one line and exits with status 2; "
+                            "SPARSERL_DEBUG=1 shows the traceback of any error.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("demo", help="check, compile and time the operators on a shipped matrix")
+    p.add_argument("--matrix", default=DEFAULT_MATRIX, help=f"shipped name or .npz/.mtx path (default {DEFAULT_MATRIX})")
+    p.add_argument("--n", type=_columns, default=32, help=f"dense columns N, 1 to {MAX_N} (default 32)")
+    p.add_argument("--device", type=_device, default="auto", help="cpu, cuda, cuda:INDEX or auto (default)")
+    p.add_argument("--budget-s", type=_seconds, default=20.0, help="autotuning budget of the JIT (default 20)")
+    p.add_argument("--show-source", action="store_true", help="print the whole specialized kernel")
+    p.set_defaults(run=demo)
+    p = commands.add_parser("info", help="versions, operators and shipped matrices")
+    p.set_defaults(run=info)
+    p = commands.add_parser("tune", help="search the kernel space for a matrix (GPU), or compile it (no GPU)")
+    p.add_argument("matrix", help="shipped name or .npz/.mtx path")
+    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
+    p.add_argument("--n", type=_columns, default=32, help=f"dense columns for spmm, 1 to {MAX_N} (default 32)")
+    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    p.add_argument("--budget-s", type=_seconds, default=60.0, help="screening budget in seconds (default 60)")
+    p.add_argument("--families", type=_families, help="comma-separated families to search (default: all)")
+    p.add_argument("--compile-only", action="store_true", help="only the compile tier, even with a GPU")
+    p.add_argument("--show-source", action="store_true", help="print the best kernel's source")
+    p.set_defaults(run=tune_command)
+    p = commands.add_parser("bench", help="the runtime end to end against torch.sparse.mm (GPU)")
+    p.add_argument("matrices", nargs="+", help="shipped names or .npz/.mtx paths")
+    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
+    p.add_argument("--n", type=_columns, default=32, help=f"dense columns for spmm, 1 to {MAX_N} (default 32)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--budget-s", type=_seconds, default=20.0, help="autotuning budget per product (default 20)")
+    p.add_argument("--json", type=_output_file, help="write the results to this file")
+    p.set_defaults(run=bench_command)
+    p = commands.add_parser("explain", help="why a kernel was or was not installed for a matrix")
+    p.add_argument("matrix", help="shipped name or .npz/.mtx path")
+    p.add_argument("--op", choices=["spmm", "spmv"], help="only this op")
+    p.add_argument("--n", type=_columns, help="only this N")
+    p.add_argument("--transposed", action="store_true", help="the transposed pattern (what the backward uses)")
+    p.add_argument("--dir", type=_folder,
+                   help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
+    p.set_defaults(run=explain_command)
+    p = commands.add_parser("fastpath", help="build and load the C++ fast path of compiled products now (CUDA torch)")
+    p.set_defaults(run=fastpath_command)
+    p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear")
+    p.add_argument("action", choices=["list", "info", "clear"])
+    p.add_argument("key", nargs="?", help="entry digest (or its prefix) for info")
+    p.add_argument("--dir", type=_folder,
+                   help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
+    p.set_defaults(run=cache_command)
+    return _run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""PyTorch Geometric on sparserl: pass ``torch_sparserl.csr(adj_t)`` where a layer takes ``adj_t``.
+
+::
+
+    import torch_sparserl as ts
+    from torch_sparserl.integrations import pyg  # installs the adapter (idempotent; also pyg.install())
+
+    adj_t = ts.csr(data.adj_t)                   # or pyg.adjacency(data.edge_index, num_nodes=...)
+    out = GCNConv(16, 32)(x, adj_t)              # GCNConv, SAGEConv, GINConv, GraphConv, ... unchanged
+
+PyG's sparse path (a layer's ``message_and_aggregate``, reached from ``propagate`` when the
+adjacency is sparse) is where the products are: ``spmm(adj_t, x, reduce)``. A
+:class:`~torch_sparserl.CSRMatrix` is a strided wrapper tensor to PyG, which would take it for
+an ``edge_index``; the adapter teaches PyG these things, by replacing functions in PyG's own
+modules (nothing in a model changes):
+
+* ``MessagePassing.propagate`` of every layer class, given a ``CSRMatrix``, runs the layer's
+  fused ``message_and_aggregate`` on it. ``GATConv``'s message and sum become one product for
+  all heads (``sparserl::spmm_heads``: the heads' attention as the values of the pattern's
+  block-diagonal form, their gradient through SDDMM). The other
+  layers without a fused product (GATv2Conv, TransformerConv, ...) run PyG's own
+  gather/scatter path on the same matrix converted to a torch sparse tensor; eager only;
+* ``MessagePassing.edge_updater`` (GATConv's attention) computes its per-edge inputs on the
+  matrix's entries, in their order, as PyG does for a sparse adjacency;
+* ``torch_geometric.utils.spmm`` computes ``A @ X`` on the sparserl operators — ``sum`` and
+  ``mean`` (the row sums divided by the row lengths, as PyG does); ``min``/``max`` raise;
+* ``gcn_norm`` (GCNConv and the layers that import it) keeps the matrix a ``CSRMatrix``: the
+  self loops join the pattern once per pattern (cached like the transpose), and the values
+  become ``D^-1/2 (A + fill·I) D^-1/2`` each call, differentiable;
+* ``remove_self_loops`` and ``add_self_loops`` (the attention layers' loops) return a
+  ``CSRMatrix`` whose pattern is computed once per pattern, likewise.
+
+Gradients reach the features through ``Aᵀ @ dY`` on the transposed pattern and the values
+(edge weights, attention) through SDDMM, eagerly and under
+``torch.compile(backend="sparserl")``. One graph break remains: the self-loop patterns
+(``gcn_norm``, the attention layers' loops) are computed outside the graph;
+``GCNConv(cached=True)`` (a fixed graph) or ``add_self_loops=False`` keeps the model one graph
+from its second call on.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+
+import torch
+from torch import Tensor
+
+from .. import pattern as patterns
+from ..tensor.csr_matrix import CSRMatrix, csr, values_of
+
+__all__ = ["install", "installed", "adjacency", "gcn_norm", "spmm", "remove_self_loops", "add_self_loops"]
+
+_ORIGINAL: dict[str, object] = {}
+_WRAPPED_FLAG = "_sparserl_wrapped"
+
+
+def _require_pyg():
+    try:
+        import torch_geometric  # noqa: F401
+        import torch_geometric.nn  # noqa: F401  (imports every layer module, so all are patched)
+    except ImportError as exc:  # pragma: no cover - exercised only without PyG
+        raise ImportError("torch_sparserl.integrations.pyg: PyTorch Geometric is not installed "
+                          "(pip install torch_geometric)") from exc
+    return torch_geometric
+
+
+# ----------------------------------------------------------------------- products
+
+
+def spmm(src, other: Tensor, reduce: str = "sum") -> Tensor:
+    """``torch_geometric.utils.spmm`` for a ``CSRMatrix`` (anything else goes to PyG's own)."""
+    if not isinstance(src, CSRMatrix):
+        return _ORIGINAL["spmm"](src, other, reduce)
+    reduce = "sum" if reduce == "add" else reduce
+    if reduce == "sum":
+        return src @ other
+    if reduce == "mean":
+        lengths = (src.crow[1:] - src.crow[:-1]).clamp(min=1).to(other.dtype)
+        return (src @ other) / lengths.unsqueeze(-1) if other.dim() == 2 else (src @ other) / lengths
+    raise NotImplementedError(f"torch_sparserl.integrations.pyg.spmm: reduce={reduce!r} is not supported on a CSRMatrix "
+                              "(supported: 'sum', 'add', 'mean')")
+
+
+# ------------------------------------------------------------------ normalization
+
+
+@torch._dynamo.disable
+def _looped_pattern(A: CSRMatrix):
+    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    return entry.with_diagonal(A.crow, A.col)
+
+
+def _add_self_loops(A: CSRMatrix, fill: float, dtype) -> CSRMatrix:
+    crow_d, col_d, src_pos, diag_pos = _looped_pattern(A)
+    val = values_of(A).to(dtype)
+    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val)
+    looped = looped.index_add(0, diag_pos, val.new_full((diag_pos.shape[0],), fill))
+    return CSRMatrix(crow_d, col_d, looped, A.shape)
+
+
+@torch._dynamo.disable
+def _unlooped_pattern(A: CSRMatrix):
+    return patterns.lookup(A.crow, A.col, A.shape[1]).without_diagonal(A.crow, A.col)
+
+
+def remove_self_loops(edge_index, edge_attr=None):
+    """``torch_geometric.utils.remove_self_loops`` for a ``CSRMatrix``: the matrix without its
+    diagonal entries and ``edge_attr`` without their rows (anything else goes to PyG's own)."""
+    if not isinstance(edge_index, CSRMatrix):
+        return _ORIGINAL["remove_self_loops"](edge_index, edge_attr)
+    A = edge_index
+    crow_n, col_n, keep = _unlooped_pattern(A)
+    out = CSRMatrix(crow_n, col_n, values_of(A).index_select(0, keep), A.shape)
+    return out, (None if edge_attr is None else edge_attr.index_select(0, keep))
+
+
+_FILL_REDUCTIONS = {"add": "sum", "sum": "sum", "mean": "mean", "max": "amax", "min": "amin", "mul": "prod"}
+
+
+def add_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):
+    """``torch_geometric.utils.add_self_loops`` for a ``CSRMatrix`` without diagonal entries
+    (as PyG's layers call it, after ``remove_self_loops``): one entry ``(i, i)`` per node
+    ``i < min(rows, cols)``, valued ``fill_value`` (1 by default; ``"mean"``, ``"add"``, ...
+    reduce the row's values, as PyG reduces a sparse matrix's values over each node's incoming
+    edges). Anything else goes to PyG's own."""
+    if not isinstance(edge_index, CSRMatrix):
+        return _ORIGINAL["add_self_loops"](edge_index, edge_attr, fill_value, num_nodes)
+    op = "torch_sparserl.integrations.pyg.add_self_loops"
+    A = edge_index
+    loops = min(A.shape)
+    if num_nodes is not None and not (isinstance(num_nodes, int) and num_nodes == loops):
+        raise NotImplementedError(f"{op}: num_nodes must be min(rows, cols) = {loops} for a CSRMatrix "
+                                  f"(got {num_nodes!r})")
+    if edge_attr is not None:
+        raise NotImplementedError(f"{op}: edge_attr with self loops is not supported on a CSRMatrix (as PyG for "
+                                  "SparseTensor); add the loops to the matrix and the attributes yourself and "
+                                  "set add_self_loops=False")
+    crow_d, col_d, src_pos, diag_pos = _looped_pattern(A)
+    if col_d.shape[0] - A.nnz != loops:
+        raise NotImplementedError(f"{op}: the CSRMatrix has diagonal entries; PyG would add a second loop at "
+                                  "each, which a CSRMatrix does not hold: call remove_self_loops first")
+    val = values_of(A)
+    if fill_value is None or isinstance(fill_value, (int, float)):
+        fill = val.new_full((loops,), 1.0 if fill_value is None else float(fill_value))
+    elif isinstance(fill_value, str) and fill_value in _FILL_REDUCTIONS:
+        rows = patterns.row_indices(A.crow, A.nnz)
+        fill = val.new_zeros(A.shape[0]).scatter_reduce(0, rows, val, _FILL_REDUCTIONS[fill_value],
+                                                         include_self=False)[:loops]
+    else:
+        raise NotImplementedError(f"{op}: fill_value must be None, a number or one of "
+                                  f"{sorted(_FILL_REDUCTIONS)} for a CSRMatrix (got {fill_value!r})")
+    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val).index_copy(0, diag_pos, fill)
+    return CSRMatrix(crow_d, col_d, looped, A.shape), None
+
+
+def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_self_loops=True,
+             flow="source_to_target", dtype=None):
+    """PyG's ``gcn_norm`` for a ``CSRMatrix`` (anything else goes to PyG's own).
+
+    Returns ``(D^-1/2 (A + fill·I) D^-1/2, None)`` as a ``CSRMatrix``, D the row sums of
+    ``A + fill·I`` and fill 2 when ``improved`` else 1, exactly as PyG normalizes a torch
+    sparse ``adj_t`` (where ``edge_weight`` is ignored: the weights are the matrix values).
+    """
+    if not isinstance(edge_index, CSRMatrix):
+        return _ORIGINAL["gcn_norm"](edge_index, edge_weight, num_nodes, improved, add_self_loops, flow, dtype)
+    A = edge_index
+    if A.shape[0] != A.shape[1]:
+        raise ValueError(f"torch_sparserl.integrations.pyg.gcn_norm: the adjacency must be square (got shape {tuple(A.shape)})")
+    dtype = dtype if dtype is not None and dtype.is_floating_point else A.dtype
+    if add_self_loops:
+        A = _add_self_loops(A, 2.0 if improved else 1.0, dtype)
+    val = values_of(A).to(dtype)
+    rows = patterns.row_indices(A.crow, A.col.shape[0])
+    deg = val.new_zeros(A.shape[0]).index_add(0, rows, val)
+    inv_sqrt = deg.pow(-0.5)
+    inv_sqrt = inv_sqrt.masked_fill(torch.isinf(inv_sqrt), 0.0)
+    normed = inv_sqrt.index_select(0, rows) * val * inv_sqrt.index_select(0, A.col.to(torch.int64))
+    return CSRMatrix(A.crow, A.col, normed, A.shape), None
+
+
+# --------------------------------------------------------------------- propagate
+
+
+def _adj_data(A: CSRMatrix, kwargs: dict) -> dict:
+    """The user's arguments with what PyG's ``_collect`` adds for a sparse adjacency: the
+    matrix, the sizes, the row pointers, the values as ``edge_weight``."""
+    data = dict(kwargs)
+    data.update(adj_t=A, edge_index=None, size=[A.shape[1], A.shape[0]], size_i=A.shape[0], size_j=A.shape[1],
+                dim_size=A.shape[0], ptr=A.crow)
+    if data.get("edge_weight") is None:
+        data["edge_weight"] = values_of(A)
+    return data
+
+
+def _edge_data(A: CSRMatrix, kwargs: dict, names) -> dict:
+    """:func:`_adj_data` and the per-edge arguments, for a ``CSRMatrix`` (traceable: no torch
+    sparse tensor): ``index`` (the row, the target node) and every ``<arg>_j`` / ``<arg>_i`` of
+    ``names`` lifted to the edges (the source row ``col`` / the target row), in the matrix's
+    order; ``ptr`` is None, as PyG gives it for a torch sparse adjacency (scatter softmax)."""
+    rows = patterns.row_indices(A.crow, A.nnz)
+    cols = A.col.to(torch.int64)
+    data = _adj_data(A, kwargs)
+    data.update(edge_index_i=rows, edge_index_j=cols, index=rows, ptr=None)
+    for name in names:
+        if name[-2:] not in ("_i", "_j") or name in kwargs:
+            continue
+        value = kwargs.get(name[:-2])
+        if isinstance(value, (tuple, list)):
+            value = value[0 if name.endswith("_j") else 1]
+        if isinstance(value, Tensor):
+            value = value.index_select(0, cols if name.endswith("_j") else rows)
+        data[name] = value
+    return data
+
+
+def _check_flow(module, A: CSRMatrix, size, what: str) -> None:
+    if module.flow != "source_to_target":
+        raise ValueError(f"{type(module).__name__}.{what}: flow={module.flow!r} is invalid for a sparse "
+                         "adjacency (as in PyG); pass the transposed matrix, adj_t.t(), instead")
+    if size is not None and (size[0] not in (None, A.shape[1]) or size[1] not in (None, A.shape[0])):
+        raise ValueError(f"{type(module).__name__}.{what}: size {tuple(size)} does not match the adjacency "
+                         f"(expected [{A.shape[1]}, {A.shape[0]}] for adj_t of shape {tuple(A.shape)})")
+
+
+def _plain(module, kind: str) -> bool:
+    """No PyG machinery that needs its own path: explain mode, hooks of ``kind``, decomposed layers."""
+    hooks = any(getattr(module, f"_{kind}_{when}", None) for when in ("forward_pre_hooks", "forward_hooks"))
+    return not (getattr(module, "_explain", None) or hooks or getattr(module, "decomposed_layers", 1) > 1)
+
+
+def _edge_updater_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
+    _check_flow(module, A, size, "edge_updater")
+    if not _plain(module, "edge_update"):
+        sparse = torch.sparse_csr_tensor(A.crow, A.col, values_of(A), tuple(A.shape))
+        return type(module)._sparserl_original_edge_updater(module, sparse, size=size, **kwargs)
+    data = _edge_data(A, kwargs, module._edge_user_args)
+    return module.edge_update(**module.inspector.collect_param_data("edge_update", data))
+
+
+def _attention_product(module, A: CSRMatrix, kwargs: dict) -> Tensor | None:
+    """GATConv's message and sum, ``alpha.unsqueeze(-1) * x_j`` summed into each target, as
+    sparse products with the attention as the matrix's values: for several heads one
+    ``sparserl::spmm_heads`` (every head in one product on the pattern's block-diagonal form),
+    for one head a product on the matrix itself. None for any other layer."""
+    from torch_geometric.nn.conv.gat_conv import GATConv
+
+    from ..tensor.csr_matrix import autocast_operands
+
+    if type(module).message is not GATConv.message or module.aggr != "add":
+        return None
+    x, alpha = kwargs.get("x"), kwargs.get("alpha")
+    x_src = x[0] if isinstance(x, (tuple, list)) else x
+    if not (isinstance(x_src, Tensor) and x_src.dim() == 3 and isinstance(alpha, Tensor)
+            and alpha.shape == (A.nnz, x_src.shape[1])):
+        return None
+    heads = x_src.shape[1]
+    if heads == 1:
+        return (A.with_values(alpha[:, 0]) @ x_src[:, 0]).unsqueeze(1)
+    if max(A.nnz, *A.shape) * heads > torch.iinfo(A.col.dtype).max:  # indices beyond int32: a product per head
+        return torch.stack([A.with_values(alpha[:, h].contiguous()) @ x_src[:, h] for h in range(heads)], dim=1)
+    alpha, x_src = autocast_operands(alpha, x_src)
+    return torch.ops.sparserl.spmm_heads(A.crow, A.col, alpha, A.shape[1], x_src)
+
+
+def _propagate_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
+    _check_flow(module, A, size, "propagate")
+    plain = _plain(module, "propagate") and _plain(module, "message_and_aggregate")
+    out = _attention_product(module, A, kwargs) if plain else None
+    if out is not None:
+        return module.update(out, **module.inspector.collect_param_data("update", _adj_data(A, kwargs)))
+    if not module.fuse or not plain:
+        # No fused product for this layer (or PyG machinery that needs its own path): PyG's
+        # gather/scatter on a torch sparse CSR tensor with the same pattern and values.
+        sparse = torch.sparse_csr_tensor(A.crow, A.col, values_of(A), tuple(A.shape))
+        return type(module)._sparserl_original_propagate(module, sparse, size=size, **kwargs)
+    data = _adj_data(A, kwargs)
+    inputs = module.inspector.collect_param_data("message_and_aggregate", data)
+    out = module.message_and_aggregate(A, **inputs)
+    return module.update(out, **module.inspector.collect_param_data("update", data))
+
+
+def _wrap(cls, name: str, on_csr) -> None:
+    """``cls.<name>`` (``propagate`` or ``edge_updater``) routing a ``CSRMatrix`` adjacency to
+    ``on_csr``; the original stays as ``cls._sparserl_original_<name>``."""
+    method = cls.__dict__.get(name)
+    if method is None or getattr(method, _WRAPPED_FLAG, False):
+        return
+
+    @functools.wraps(method)
+    def wrapped(self, edge_index, size=None, **kwargs):
+        if isinstance(edge_index, CSRMatrix):
+            return on_csr(self, edge_index, size, kwargs)
+        return method(self, edge_index, size=size, **kwargs)
+
+    setattr(wrapped, _WRAPPED_FLAG, True)
+    setattr(cls, f"_sparserl_original_{name}", method)
+    setattr(cls, name, wrapped)
+
+
+def _wrap_propagate(cls) -> None:
+    _wrap(cls, "propagate", _propagate_csr)
+    _wrap(cls, "edge_updater", _edge_updater_csr)
+
+
+def _all_subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _all_subclasses(sub)
+
+
+# ----------------------------------------------------------------------- install
+
+
+def installed() -> bool:
+    return bool(_ORIGINAL)
+
+
+def install() -> None:
+    """Route PyG's sparse path to sparserl for ``CSRMatrix`` adjacencies (idempotent).
+
+    Replaces ``spmm``, ``gcn_norm``, ``remove_self_loops``, ``add_self_loops`` and
+    ``MessagePassing.propagate`` / ``edge_updater`` where PyG's modules refer to them; other
+    inputs reach PyG's original functions unchanged.
+    """
+    if _ORIGINAL:
+        return
+    _require_pyg()
+    import torch_geometric.utils as pyg_utils
+    from torch_geometric.nn import MessagePassing
+    from torch_geometric.nn.conv import gcn_conv
+
+    ours = {"spmm": spmm, "gcn_norm": gcn_norm, "remove_self_loops": remove_self_loops,
+            "add_self_loops": add_self_loops}
+    for name in ours:
+        _ORIGINAL[name] = getattr(gcn_conv if name == "gcn_norm" else pyg_utils, name)
+    replacements = {id(_ORIGINAL[name]): new for name, new in ours.items()}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch_geometric") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            new = replacements.get(id(value))
+            if new is not None:
+                setattr(module, attr, new)
+
+    # propagate: PyG generates a class's propagate when its first instance is built; wrap
+    # whatever a class has then, and every class built so far.
+    original_templates = MessagePassing._set_jittable_templates
+
+    @functools.wraps(original_templates)
+    def set_templates(self, *args, **kwargs):
+        original_templates(self, *args, **kwargs)
+        for cls in type(self).__mro__:
+            if isinstance(cls, type) and issubclass(cls, MessagePassing):
+                _wrap_propagate(cls)
+
+    _ORIGINAL["_set_jittable_templates"] = original_templates
+    MessagePassing._set_jittable_templates = set_templates
+    for cls in (MessagePassing, *_all_subclasses(MessagePassing)):
+        _wrap_propagate(cls)
+
+
+# ---------------------------------------------------------------------- building
+
+
+def adjacency(edge_index: Tensor, num_nodes: int | None = None, edge_weight: Tensor | None = None, *,
+              dtype: torch.dtype | None = None) -> CSRMatrix:
+    """``adj_t`` of PyG's ``edge_index`` (row 0 the sources, row 1 the targets) as a
+    ``CSRMatrix``: row i holds the edges into node i, as in ``ToSparseTensor``.
+
+    Duplicate edges are summed; ``edge_weight`` gives the values (default ones).
+    """
+    op = "torch_sparserl.integrations.pyg.adjacency"
+    if not isinstance(edge_index, Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2 \
+            or edge_index.is_floating_point():
+        got = tuple(edge_index.shape) if isinstance(edge_index, Tensor) else type(edge_index).__name__
+        raise ValueError(f"{op}: edge_index must be an integer tensor of shape (2, E) (got {got})")
+    if num_nodes is None:
+        num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
+    if edge_weight is None:
+        edge_weight = torch.ones(edge_index.shape[1], dtype=dtype or torch.get_default_dtype(),
+                                 device=edge_index.device)
+    elif edge_weight.shape != (edge_index.shape[1],):
+        raise ValueError(f"{op}: edge_weight must have shape ({edge_index.shape[1]},) "
+                         f"(got {tuple(edge_weight.shape)})")
+    target, source = edge_index[1], edge_index[0]
+    with warnings.catch_warnings():  # torch's "sparse support is in beta" notes, for an internal step
+        warnings.simplefilter("ignore", UserWarning)
+        coo = torch.sparse_coo_tensor(torch.stack([target, source]), edge_weight, (num_nodes, num_nodes))
+        return csr(coo.coalesce(), dtype=dtype)
+
+
+install()

@@ -1,0 +1,333 @@
+"""The specialization cache: memory, then disk, keyed by :class:`SpecializationKey`.
+
+An entry says what was decided for one key: the kernel (its ABI source, family, parameters
+and evaluation record) or that none beat cuSPARSE (``spec_source`` is None, with the reason)
+— a negative answer is worth caching too, or every process would tune again (not one reached
+while the device had no memory free for the search: the runtime caches nothing then,
+:class:`~torch_sparserl.evaluate.record.TransientFailure`).
+
+On disk (``<cache_dir>/kernels/<digest>.json``):
+
+* written atomically (a temporary file in the same folder, then ``os.replace``), so a reader
+  never sees half an entry;
+* signed (HMAC-SHA256 of the canonical payload under the user's key, :mod:`~torch_sparserl.toolchain.trust`)
+  and checked against the key it was asked for, and its kernel source against the ABI with
+  no host code (:func:`~torch_sparserl.abi.check_source`), so a corrupted, foreign or planted
+  entry (another version, another GPU, a hash collision of file names, a forgery) is
+  detected, removed and rebuilt, never used;
+* read only as a regular file of bounded size, never through a symbolic link, never blocking
+  (:func:`~torch_sparserl.toolchain.trust.read_regular`);
+* shared by processes: :meth:`KernelCache.get_or_create` takes an ``flock`` per key, so of
+  several processes (DDP ranks, parallel jobs) asking for the same key one builds and the
+  others wait and read its entry. The OS releases the lock of a process that dies, so a
+  killed builder cannot deadlock the rest.
+
+A cache never raises for its folder: where the folder cannot be created, read or written
+(a file in its place, no permission, a refused folder, no key), it logs one warning and
+keeps its decisions in memory only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..pattern.fingerprint import SpecializationKey
+from ..toolchain import trust
+from ..toolchain.paths import configured_cache_dir, private_cache_dir
+
+log = logging.getLogger("torch_sparserl.jit.cache")
+
+FORMAT = 2  # 2: signed with the user's key (1 carried a plain SHA-256, which anyone could forge)
+DEFAULT_LOCK_TIMEOUT_S = 1800.0  # longer than any specialization; a dead holder frees it at once
+MAX_ENTRY_BYTES = 4 << 20  # an entry is a kernel source and its record: tens of kB
+STALE_TEMP_S = 3600.0  # clear() removes another process's temporary file only when older than this
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{16,64}\.json$")
+_PURPOSE = b"cache-entry"
+
+
+@dataclass
+class CacheEntry:
+    """What was decided for one key."""
+
+    key: SpecializationKey
+    spec_source: str | None            # the kernel's ABI source; None: cuSPARSE serves
+    family: str = ""
+    params: dict = field(default_factory=dict)
+    record: dict | None = None         # EvalRecord.to_dict() of the deciding evaluation
+    reason: str = ""                   # why this kernel, or why none
+    created: float = field(default_factory=time.time)
+
+    def payload(self) -> dict:
+        data = asdict(self)
+        data["key"] = asdict(self.key)
+        return data
+
+    @classmethod
+    def from_payload(cls, data: dict) -> CacheEntry:
+        data = dict(data)
+        data["key"] = SpecializationKey(**data["key"])
+        return cls(**data)
+
+
+def _canonical(payload: dict) -> bytes:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+
+
+class CacheError(RuntimeError):
+    pass
+
+
+class _Rejected(ValueError):
+    """An entry on disk that must not be used."""
+
+
+class KernelCache:
+    def __init__(self, root: Path | str | None = None, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S):
+        self.lock_timeout_s = lock_timeout_s
+        self._memory: dict[str, CacheEntry] = {}
+        self._memory_lock = threading.Lock()
+        self.stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "rejected": 0, "builds": 0}
+        self.disk = True  # False: memory only (the folder could not be used; warned once)
+        self.problem = ""  # why not, when not
+        if root is None:
+            base = private_cache_dir()  # a refused folder was warned about there
+            self.root = (base if base is not None else configured_cache_dir()) / "kernels"
+            if base is None:
+                self.disk, self.problem = False, "the cache folder is refused"
+                return
+        else:
+            self.root = Path(root)
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not self.root.is_dir():
+                raise NotADirectoryError(f"{self.root} is not a folder")
+        except OSError as exc:
+            self._disable(f"cannot create it ({type(exc).__name__}: {exc})")
+            return
+        if trust.key() is None:  # warned about there
+            self.disk, self.problem = False, "no key to sign entries with"
+
+    def _disable(self, why: str) -> None:
+        """Memory only from now on; one warning per cache."""
+        if self.disk:
+            self.disk, self.problem = False, why
+            log.warning("cache: %s: %s; running without a disk cache (decisions are kept in memory only)",
+                        self.root, why)
+
+    def path(self, key: SpecializationKey) -> Path:
+        return self.root / f"{key.digest()}.json"
+
+    # ------------------------------------------------------------------ read
+    def get(self, key: SpecializationKey) -> CacheEntry | None:
+        digest = key.digest()
+        entry = self._memory.get(digest)
+        if entry is not None:
+            self.stats["memory_hits"] += 1
+            return entry
+        entry = self._read(key)
+        if entry is None:
+            self.stats["misses"] += 1
+            return None
+        self.stats["disk_hits"] += 1
+        with self._memory_lock:
+            self._memory[digest] = entry
+        return entry
+
+    def _load(self, path: Path) -> CacheEntry:
+        """The signed entry at ``path``: raises FileNotFoundError, or _Rejected saying why not."""
+        try:
+            raw = trust.read_regular(path, MAX_ENTRY_BYTES)
+        except FileNotFoundError:
+            raise
+        except (OSError, trust.UnsafeFile) as exc:
+            raise _Rejected(f"unreadable ({exc})") from None
+        try:
+            document = json.loads(raw)
+            if not isinstance(document, dict):
+                raise _Rejected("not an entry")
+            if document.get("format") != FORMAT:
+                raise _Rejected(f"format {document.get('format')!r}, expected {FORMAT} (unsigned or from another "
+                                "version)")
+            payload = document["payload"]
+            secret = trust.key()
+            signature = document.get("hmac_sha256")
+            if secret is None or not isinstance(signature, str) or not hmac.compare_digest(
+                    signature, trust.digest(secret, _PURPOSE, _canonical(payload))):
+                raise _Rejected("bad signature (not written by you on this machine: forged, copied or corrupted)")
+            return CacheEntry.from_payload(payload)
+        except _Rejected:
+            raise
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise _Rejected(f"unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+    def _read(self, key: SpecializationKey) -> CacheEntry | None:
+        if not self.disk:
+            return None
+        path = self.path(key)
+        try:
+            entry = self._load(path)
+            if entry.key != key:
+                raise _Rejected(f"written for another key ({entry.key})")
+            if entry.spec_source is not None:
+                from ..abi import PlanError, check_source
+
+                try:
+                    check_source(entry.spec_source)
+                except PlanError as exc:
+                    raise _Rejected(f"its kernel source fails the ABI check: {exc}") from None
+            return entry
+        except FileNotFoundError:
+            return None
+        except _Rejected as exc:
+            why = str(exc)
+        self.stats["rejected"] += 1
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            # one warning for both: the entry is bad and stays, so this cache cannot use the folder
+            self._disable(f"discarding {path.name}: {why}; it cannot be removed ({type(exc).__name__}: {exc})")
+            return None
+        log.warning("cache: discarding %s: %s", path, why)
+        return None
+
+    # ------------------------------------------------------------------ write
+    def put(self, entry: CacheEntry) -> Path:
+        path = self.path(entry.key)
+        with self._memory_lock:
+            self._memory[entry.key.digest()] = entry
+        secret = trust.key() if self.disk else None
+        if secret is None:
+            return path
+        payload = entry.payload()
+        document = {"format": FORMAT, "hmac_sha256": trust.digest(secret, _PURPOSE, _canonical(payload)),
+                    "payload": payload}
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".json")
+        except OSError as exc:
+            self._disable(f"cannot write to it ({type(exc).__name__}: {exc})")
+            return path
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(document, handle, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old entry or the new one
+        except BaseException as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if not isinstance(exc, OSError):
+                raise
+            self._disable(f"cannot write {path.name} ({type(exc).__name__}: {exc})")
+        return path
+
+    # ------------------------------------------------------------------ build once
+    @contextmanager
+    def _locked(self, key: SpecializationKey):
+        lock_path = self.root / f"{key.digest()}.lock"
+        fd = None
+        if self.disk:
+            try:
+                fd = trust.open_lock(lock_path)
+            except OSError as exc:
+                self._disable(f"cannot lock {lock_path.name} ({type(exc).__name__}: {exc})")
+        if fd is None:  # memory only: nothing to share with other processes
+            yield
+            return
+        try:
+            deadline = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise CacheError(f"cache: waited {self.lock_timeout_s:g} s for another process "
+                                         f"specializing {key.digest()} ({lock_path})") from None
+                    time.sleep(0.05)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def get_or_create(self, key: SpecializationKey, create: Callable[[SpecializationKey], CacheEntry]) -> CacheEntry:
+        """The entry for ``key``; built by ``create`` in exactly one of the processes asking."""
+        entry = self.get(key)
+        if entry is not None:
+            return entry
+        with self._locked(key):
+            entry = self._read(key)  # another process may have finished while we waited
+            if entry is None:
+                entry = create(key)
+                if entry.key != key:
+                    raise CacheError(f"cache: create() returned an entry for another key ({entry.key})")
+                self.stats["builds"] += 1
+                self.put(entry)
+            with self._memory_lock:
+                self._memory[key.digest()] = entry
+            return entry
+
+    # ------------------------------------------------------------------ maintenance
+    def _names(self) -> list[str]:
+        if not self.disk:
+            return []
+        try:
+            return sorted(os.listdir(self.root))
+        except OSError:
+            return []
+
+    def entries(self) -> list[Path]:
+        """The entries' files (not the temporary files of writes in flight, not the locks)."""
+        return [self.root / name for name in self._names() if _ENTRY_NAME.match(name)]
+
+    def listing(self) -> list[tuple[Path, CacheEntry | None, str]]:
+        """Every entry on disk as ``(path, entry, problem)``: the signed entry, or None with why
+        it cannot be used (for listings; :meth:`get` is what checks an entry against its key and
+        its source against the ABI, and removes what fails)."""
+        out = []
+        for path in self.entries():
+            try:
+                out.append((path, self._load(path), ""))
+            except FileNotFoundError:
+                continue
+            except _Rejected as exc:
+                out.append((path, None, str(exc)))
+        return out
+
+    def clear(self) -> int:
+        """Remove the entries, and temporary files older than :data:`STALE_TEMP_S` (a write in
+        flight in another process keeps its file). Returns the entries removed."""
+        removed = 0
+        now = time.time()
+        for name in self._names():
+            path = self.root / name
+            try:
+                if _ENTRY_NAME.match(name):
+                    os.unlink(path)
+                    removed += 1
+                elif name.startswith(".tmp-") and now - os.lstat(path).st_mtime > STALE_TEMP_S:
+                    os.unlink(path)
+            except OSError as exc:  # gone meanwhile, a folder, no permission: left as it is
+                log.debug("cache: cannot remove %s: %s", path, exc)
+        # Lock files stay: deleting one that a running process holds would let a second
+        # process lock a fresh file of the same name and build the same key concurrently.
+        with self._memory_lock:
+            self._memory.clear()
+        return removed

@@ -1,0 +1,548 @@
+"""Per-pattern state, computed once and cached by tensor identity and version.
+
+Pipeline stage 2 of 14: a CSR pattern's structure, validated once and cached: its derived forms
+(transpose, row indices, the heads' block diagonal), its fingerprint (:mod:`.fingerprint`), its
+structural features (:mod:`.features`) and the one CSR validator (:mod:`.validation`).
+May import: config, dtypes, data.
+
+A *pattern* is the structure of a CSR matrix: ``crow``, ``col`` and ``ncols``. Everything
+derived from it alone — the validation verdict, the row index of every nonzero, the
+transposed pattern and the permutation that carries values into it — is computed on first
+use and reused while the same ``crow``/``col`` tensors live unmodified. The cache holds
+weak references to the caller's tensors only, so it never keeps a user's adjacency alive.
+
+**The indices are read once.** A pattern's validation reads its indices and, unless the
+library made them itself (:func:`own`: the copies :func:`torch_sparserl.csr` takes, the
+derived patterns below), keeps a private copy of what it validated; every product, kernel,
+plan and derived pattern then reads that copy (:meth:`Pattern.indices`), never the caller's
+tensors again. So whatever later happens to the caller's memory, a product runs on indices
+that were checked: never an out-of-range read, and every product of a pattern (``A @ X``,
+``X @ A``, the backward) sees the same matrix. A new tensor, or an in-place write torch
+counts (its version counter, which in-place operations bump, under ``inference_mode`` too),
+makes a new pattern, validated again. Writes torch does not count — through ``.data``, or
+through a NumPy array sharing a CPU tensor's memory — are not seen: the pattern stays the
+one that was validated. Inference tensors have no version counter at all, so indices that
+are inference tensors are never cached: each call validates them again (:func:`lookup`).
+
+Values are not part of the pattern: they may change every step (attention-weighted
+graphs), and every product reads them as they are.
+
+The cached tensors are computed by :func:`run_kept`, outside any CUDA graph's private
+memory pool: the first product on a pattern may run inside the warm-up of a CUDA graph
+(``mode="reduce-overhead"``), where a tensor kept beyond the step is an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+import weakref
+
+import torch
+
+from .validation import check_csr_values
+
+
+def row_indices(crow: torch.Tensor, nnz: int) -> torch.Tensor:
+    """The row of each of the ``nnz`` nonzeros of the row pointers ``crow``, int64. Uncached
+    and traceable (a compiled graph computes it); :meth:`Pattern.row_indices` caches it."""
+    lengths = (crow[1:] - crow[:-1]).to(torch.int64)
+    rows = torch.arange(crow.shape[0] - 1, device=crow.device)
+    return torch.repeat_interleave(rows, lengths, output_size=nnz)
+
+
+_KEEPER = threading.local()
+_KEEPER_POOL: ThreadPoolExecutor | None = None
+_KEEPER_LOCK = threading.Lock()
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def run_kept(device: torch.device, fn, *args):
+    """``fn(*args)`` for data kept beyond the current step (pattern data, kernel plans): on CUDA,
+    run in a helper thread, on a side stream ordered after the caller's current stream and
+    before its later work, so that its tensors come from the caching allocator's ordinary pool.
+
+    The first product on a pattern may run inside the warm-up of a CUDA graph (``mode=
+    "reduce-overhead"``), where CUDA graph trees route every allocation of the warming-up
+    thread to the graphs' private pool, which must hold only the step's own tensors. Refused
+    during a capture, which cannot run the host synchronizations this data needs. ``fn`` must
+    not wait for locks its caller holds."""
+    global _KEEPER_POOL
+    if device.type != "cuda" or getattr(_KEEPER, "active", False):
+        return fn(*args)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("sparserl: pattern data (transpose, row indices, kernel plans) cannot be computed while "
+                           "a CUDA graph is being captured; run the product once before capturing it (CUDA graph "
+                           "trees do so in their warm-up)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    caller = torch.cuda.current_stream(index)
+    with _KEEPER_LOCK:
+        if _KEEPER_POOL is None:
+            _KEEPER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-pattern")
+    side = _side_stream(index)
+
+    def work():
+        _KEEPER.active = True
+        try:
+            with torch.cuda.device(index), torch.cuda.stream(side):
+                side.wait_stream(caller)
+                return fn(*args)
+        finally:
+            _KEEPER.active = False
+
+    out = _KEEPER_POOL.submit(work).result()
+    # The kept tensors are freed only when their owner dies; later work on the side stream
+    # first waits for the caller's stream, so their memory is not reused under a pending read.
+    caller.wait_stream(side)
+    return out
+
+
+def _side_stream(index: int) -> torch.cuda.Stream:
+    with _KEEPER_LOCK:
+        side = _SIDE_STREAMS.get(index)
+        if side is None:
+            side = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+        return side
+
+
+HOST_KEPT_MAX = 1 << 18
+"""Index elements (``nrows + 1 + nnz``) up to which a CUDA pattern keeps its host copy
+(:meth:`Pattern.host_indices`) and is fingerprinted from it (:mod:`~torch_sparserl.pattern.fingerprint`):
+1 MiB of int32 indices at most."""
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` (``t`` itself when on the CPU). A CUDA tensor is copied on the
+    device's side stream, ordered after the caller's current stream: the caller's stream does
+    not queue behind the copy, so a background thread's copy holds up a training loop's
+    kernels less."""
+    if t.device.type != "cuda":
+        return t
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    side = _side_stream(index)
+    side.wait_stream(torch.cuda.current_stream(index))
+    with torch.cuda.stream(side):
+        return t.cpu()
+
+
+def _version(t: torch.Tensor) -> int:
+    # Inference tensors have no version counter; they cannot be modified outside
+    # inference mode, so treat them as never changing.
+    return -1 if t.is_inference() else t._version
+
+
+def versions(crow: torch.Tensor, col: torch.Tensor) -> tuple[int, int]:
+    """The version counters that say whether ``crow``/``col`` were changed in place."""
+    return (_version(crow), _version(col))
+
+
+# id -> tensor, for the index tensors the library made itself and never writes: a pattern on
+# them reads them as they are instead of copying them. Weak: the registry keeps nothing alive.
+_OWNED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def own(*tensors: torch.Tensor) -> None:
+    """Mark index tensors that the library made and never writes (its private copies, derived
+    patterns), so that a pattern on them needs no copy of its own. Not for a caller's tensors."""
+    for t in tensors:
+        _OWNED[id(t)] = t
+
+
+def owned(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of the library's own index tensors (:func:`own`)."""
+    return _OWNED.get(id(t)) is t
+
+
+def private_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that the library owns: contiguous, an ordinary tensor (with a version
+    counter) even under ``inference_mode``, and registered by :func:`own`."""
+    with torch.inference_mode(False):
+        copy = t.clone(memory_format=torch.contiguous_format)
+    own(copy)
+    return copy
+
+
+def _intact(tensors: tuple, versions: tuple) -> bool:
+    return all(_version(t) == v for t, v in zip(tensors, versions))
+
+
+def _ordinary(fn, *args):
+    """``fn(*args)`` outside ``inference_mode``: what a pattern keeps must be ordinary tensors,
+    usable by later calls that autograd records."""
+    with torch.inference_mode(False):
+        return fn(*args)
+
+
+class Pattern:
+    """Derived data of one CSR pattern. Create through :func:`lookup`."""
+
+    __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
+                 "validated", "fingerprint", "_row_indices", "_transpose", "_diagonal",
+                 "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "is_transpose",
+                 "_frozen", "_owned", "_freeze_lock", "transient", "__weakref__")
+
+    def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
+        # key: the id of crow in the cache (lookup), whose entry goes when crow dies
+        self._crow_ref = weakref.ref(crow, None if key is None else functools.partial(_forget, key))
+        self._col_ref = weakref.ref(col)
+        self._versions = (_version(crow), _version(col))
+        self.ncols = int(ncols)
+        self.nrows = crow.shape[0] - 1
+        self.nnz = col.shape[0]
+        self.device = col.device
+        self.index_dtype = col.dtype
+        self.validated = False
+        self.fingerprint: str | None = None  # set by fingerprint.fingerprint()
+        self._row_indices: torch.Tensor | None = None
+        # derived forms, each (value, the index tensors it hands out, their versions): _derived()
+        self._transpose: tuple | None = None
+        self._diagonal: tuple | None = None
+        self._no_diagonal: tuple | None = None
+        self._heads: dict[int, tuple] = {}  # heads -> with_heads(...)
+        self._heads_t: dict[int, tuple] = {}  # heads -> (the form's transpose perm, the order it gives)
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None  # host_indices(), small CUDA patterns
+        self._lock = threading.Lock()
+        self.is_transpose = False  # the transpose of another pattern (Pattern.transpose)
+        # the indices products read (indices()): the private copy validate() takes of a caller's
+        # tensors; None for the library's own tensors, read through the weak references
+        self._frozen: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._owned = owned(crow) and owned(col)  # read as they are: no copy (known once, not per call)
+        self._freeze_lock = threading.Lock()
+        self.transient = False  # not cached: inference-tensor indices, validated on every call (lookup)
+
+    @property
+    def overfull(self) -> bool:
+        """More nonzeros than positions (duplicates for sure): cuSPARSE refuses such a matrix
+        and torch's sampled_addmm merges its duplicates, so torch's kernels cannot serve it
+        (:mod:`~torch_sparserl.kernels.vendor` multiplies its dense form, which is smaller)."""
+        return self.nnz > self.nrows * self.ncols
+
+    def matches(self, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> bool:
+        """Whether ``(crow, col, ncols)`` is this pattern: the tensors it was made for, alive
+        and unmodified by any write torch counts, or its own private copy of them."""
+        if self.ncols != ncols:
+            return False
+        if self._crow_ref() is crow and self._col_ref() is col:
+            return self._versions == (_version(crow), _version(col))
+        frozen = self._frozen
+        return frozen is not None and frozen[0] is crow and frozen[1] is col
+
+    def validate(self, op: str, crow: torch.Tensor, col: torch.Tensor) -> None:
+        """Check the index data once (monotone rows, columns in range), on the copy that every
+        later product of this pattern reads (:meth:`indices`)."""
+        if not self.validated:
+            crow, col = self._freeze(crow, col)
+            check_csr_values(op, crow, col, self.ncols)
+            self.validated = True
+
+    def _freeze(self, crow: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indices this pattern reads from now on: the library's own tensors as they are, a
+        caller's copied once (:func:`private_copy`, outside any CUDA graph pool) and registered
+        under the copy's identity too, so that a lookup of the copy finds this entry."""
+        frozen = self._frozen
+        if frozen is not None:
+            return frozen
+        if self.transient or self._owned:
+            return crow, col
+        with self._freeze_lock:
+            if self._frozen is None:
+                copies = run_kept(col.device, lambda: (private_copy(crow), private_copy(col)))
+                self._frozen = copies
+                if not self.transient:
+                    with _CACHE_LOCK:
+                        _CACHE[id(copies[0])] = self
+            return self._frozen
+
+    def indices(self, crow: torch.Tensor | None = None, col: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(crow, col)`` as validated: what every product of this pattern reads. ``crow`` and
+        ``col`` are the tensors the pattern was looked up with (the library's own ones are
+        read through the pattern's weak references when not given)."""
+        frozen = self._frozen
+        if frozen is not None:
+            return frozen
+        if crow is None:
+            crow, col = self._crow_ref(), self._col_ref()
+        return self._freeze(crow, col)
+
+    def host_indices(self, crow: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(crow, col)`` on the host (:func:`to_host`). A CUDA pattern of at most
+        :data:`HOST_KEPT_MAX` index elements keeps its copy, so that its fingerprint and the
+        specializer's searches (one per op and width) share one device-to-host copy; CPU
+        indices are returned as they are and never kept (the cache holds no strong reference
+        to a user's tensors)."""
+        kept = self._host
+        if kept is not None:
+            return kept
+        crow, col = self.indices(crow, col)
+        host = (to_host(crow), to_host(col))
+        if crow.is_cuda and crow.numel() + col.numel() <= HOST_KEPT_MAX:
+            self._host = host
+        return host
+
+    def row_indices(self, crow: torch.Tensor) -> torch.Tensor:
+        """The row of each nonzero, shape (nnz,), int64."""
+        if self._row_indices is None:
+            crow, _ = self.indices(crow, None if self._frozen is None and crow is None else self._col_ref())
+            self._row_indices = run_kept(crow.device, _ordinary, row_indices, crow, self.nnz)
+        return self._row_indices
+
+    def _derived(self, name: str, key, compute, crow: torch.Tensor, col: torch.Tensor, *args):
+        """A derived form of this pattern (``compute(self, crow, col, *args)``, run by
+        :func:`run_kept` on the validated indices), cached under ``name`` (and ``key``) while
+        the index tensors it hands out are unmodified: a caller who writes to them in place
+        (``A.t()`` hands them out) gets a new form computed rather than a stale one."""
+        crow, col = self.indices(crow, col)
+        with self._lock:
+            store = getattr(self, name)
+            found = store.get(key) if isinstance(store, dict) else store
+            if found is not None and _intact(found[1], found[2]):
+                return found[0]
+            value = run_kept(col.device, _ordinary, compute, self, crow, col, *args)
+            exposed = value[1:3] if name == "_transpose" else value[0:2]
+            own(*exposed)
+            found = (value, exposed, tuple(_version(t) for t in exposed))
+            if isinstance(store, dict):
+                store[key] = found
+            else:
+                setattr(self, name, found)
+            return value
+
+    def transpose(self, crow: torch.Tensor, col: torch.Tensor):
+        """``(pattern_t, crow_t, col_t, perm)``: the transposed pattern and its tensors.
+
+        ``perm[k]`` is the position in the original ``val`` of the k-th nonzero of the
+        transpose, so ``val_t = val[perm]``. Columns within each transposed row stay
+        sorted, because the sort by column is stable and rows are visited in order.
+        """
+        return self._derived("_transpose", None, _transposed, crow, col)
+
+    def transposed_values(self, val: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        """``val[perm]``: values in the order of the transposed pattern (``perm`` from
+        :meth:`transpose`). Gathered on every call: values are read as they are, and no
+        counter says reliably whether they changed (writes through ``.data`` bump none)."""
+        return val.index_select(0, perm)
+
+    def with_diagonal(self, crow: torch.Tensor, col: torch.Tensor):
+        """``(crow_d, col_d, src_pos, diag_pos)``: the pattern with every diagonal position
+        ``(i, i)``, ``i < min(nrows, ncols)``, present — the structure of ``A + c·I``.
+
+        ``src_pos[k]`` is where the k-th nonzero of this pattern sits in the new one;
+        ``diag_pos[i]`` is where ``(i, i)`` sits (an existing entry when there was one, its
+        first occurrence if repeated). Rows come out with their columns sorted. The new
+        tensors are registered in the cache, validated, so products on them skip the checks.
+        """
+        return self._derived("_diagonal", None, _with_diagonal, crow, col)
+
+    def without_diagonal(self, crow: torch.Tensor, col: torch.Tensor):
+        """``(crow_n, col_n, keep)``: the pattern with its diagonal entries ``(i, i)`` removed
+        (PyG's ``remove_self_loops``); ``keep`` holds the positions of the entries kept, in
+        their order. Computed once per pattern and registered, validated, like the others."""
+        return self._derived("_no_diagonal", None, _without_diagonal, crow, col)
+
+    def with_heads(self, crow: torch.Tensor, col: torch.Tensor, heads: int):
+        """``(crow_h, col_h, order, position)``: the pattern of ``heads`` products on this one
+        at once, as one block-diagonal matrix of ``heads * nrows`` rows and ``heads * ncols``
+        columns, node-major: its row ``i * heads + h`` holds head ``h`` of row ``i``, with
+        columns ``col[k] * heads + h``. Features of shape ``(ncols, heads, C)`` are then its
+        operand as they lie, ``(ncols * heads, C)``, and the product comes out as
+        ``(nrows, heads, C)``; attention values ``(nnz, heads)``, flattened, reach the new
+        order through ``order`` (``val_h = val.reshape(-1)[order]``), and values in the new
+        order go back through ``position`` (``val = val_h[position].view(nnz, heads)``).
+        Computed once per pattern and number of heads, registered and validated like the others.
+        """
+        return self._derived("_heads", heads, _with_heads, crow, col, heads)
+
+    def with_heads_transposed(self, crow: torch.Tensor, col: torch.Tensor, heads: int):
+        """``(pattern_t, crow_t, col_t, order_t)``: the transpose of :meth:`with_heads`' form
+        (cached by that form), and where each of its nonzeros' values lies in the flattened
+        ``(nnz, heads)`` values: ``val_t = val.reshape(-1)[order_t]``, one gather where going
+        through the form's order and then the transpose's would take two."""
+        crow_h, col_h, order, _ = self.with_heads(crow, col, heads)
+        form_t, crow_t, col_t, perm = lookup(crow_h, col_h, self.ncols * heads).transpose(crow_h, col_h)
+        with self._lock:
+            found = self._heads_t.get(heads)
+            if found is None or found[0] is not perm:
+                found = self._heads_t[heads] = (perm, run_kept(col.device, _ordinary, torch.index_select,
+                                                                    order, 0, perm))
+        return form_t, crow_t, col_t, found[1]
+
+    def heads_forms(self) -> list[tuple[int, "Pattern", "Pattern | None"]]:
+        """``(heads, pattern, its transpose or None)`` of each block-diagonal form computed so
+        far (:meth:`with_heads`), the transpose where a backward has computed it."""
+        with self._lock:
+            found = sorted((heads, kept[0]) for heads, kept in self._heads.items())
+        forms = []
+        for heads, (crow_h, col_h, _, _) in found:
+            entry = lookup(crow_h, col_h, self.ncols * heads)
+            forms.append((heads, entry, entry._transpose[0][0] if entry._transpose is not None else None))
+        return forms
+
+
+def _transposed(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
+    rows = pattern.row_indices(crow)
+    perm = torch.argsort(col, stable=True)
+    col_t = rows.index_select(0, perm).to(pattern.index_dtype)
+    counts = torch.bincount(col.to(torch.int64), minlength=pattern.ncols)
+    crow_t = torch.zeros(pattern.ncols + 1, dtype=pattern.index_dtype, device=col.device)
+    crow_t[1:] = counts.cumsum(0)
+    # In the identity cache too (it holds weak references only), so that what reaches the
+    # transposed tensors by lookup (the specializer's host copy) meets this entry.
+    pattern_t = _derived_entry(pattern, crow_t, col_t, pattern.nrows)
+    pattern_t.is_transpose = True
+    _STATS["transposes"] += 1
+    return pattern_t, crow_t, col_t, perm
+
+
+def _derived_entry(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
+    """The cache entry of a form derived from ``pattern``: the library's own tensors, valid
+    when ``pattern`` is."""
+    own(crow, col)
+    entry = lookup(crow, col, ncols)
+    entry.validated = pattern.validated
+    entry.transient = pattern.transient  # a form of an uncached pattern is used once, never specialized
+    return entry
+
+
+def _with_heads(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, heads: int):
+    device, nnz = col.device, pattern.nnz
+    starts = crow.to(torch.int64)
+    rows = pattern.row_indices(crow)
+    lengths = starts[1:] - starts[:-1]
+    head = torch.arange(heads, device=device)
+    first = starts[:-1].unsqueeze(1) * heads + head * lengths.unsqueeze(1)  # (nrows, heads): where row (i, h) starts
+    crow_h = torch.full((pattern.nrows * heads + 1,), nnz * heads, dtype=torch.int64, device=device)
+    crow_h[:-1] = first.reshape(-1)
+    within = torch.arange(nnz, device=device) - starts.index_select(0, rows)
+    position = (first.index_select(0, rows) + within.unsqueeze(1)).reshape(-1)  # of entry (k, h), flat k * heads + h
+    order = torch.empty_like(position)
+    order[position] = torch.arange(nnz * heads, device=device)
+    col_h = torch.empty(nnz * heads, dtype=pattern.index_dtype, device=device)
+    col_h[position] = (col.to(torch.int64).unsqueeze(1) * heads + head).reshape(-1).to(pattern.index_dtype)
+    crow_h = crow_h.to(pattern.index_dtype)
+    _derived_entry(pattern, crow_h, col_h, pattern.ncols * heads)
+    # gather indices in the pattern's index dtype: half the memory for int32 patterns, whose
+    # form's positions fit int32 by the operators' check
+    return crow_h, col_h, order.to(pattern.index_dtype), position.to(pattern.index_dtype)
+
+
+def _without_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
+    rows = pattern.row_indices(crow)
+    keep = (rows != col.to(torch.int64)).nonzero().squeeze(1)
+    counts = torch.bincount(rows.index_select(0, keep), minlength=pattern.nrows)
+    crow_n = torch.zeros(pattern.nrows + 1, dtype=pattern.index_dtype, device=col.device)
+    crow_n[1:] = counts.cumsum(0)
+    col_n = col.index_select(0, keep)
+    _derived_entry(pattern, crow_n, col_n, pattern.ncols)
+    _STATS["diagonals"] += 1
+    return crow_n, col_n, keep
+
+
+def _with_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
+    n = min(pattern.nrows, pattern.ncols)
+    device = col.device
+    rows = pattern.row_indices(crow)
+    cols = col.to(torch.int64)
+    on_diagonal = (rows == cols).nonzero().squeeze(1)
+    # first existing entry of each diagonal position, or -1
+    first = torch.full((n,), pattern.nnz, dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, rows[on_diagonal], on_diagonal, reduce="amin")
+    missing = (first == pattern.nnz).nonzero().squeeze(1)
+    all_rows = torch.cat([rows, missing])
+    all_cols = torch.cat([cols, missing])
+    order = torch.argsort(all_rows * max(pattern.ncols, 1) + all_cols, stable=True)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.shape[0], device=device)
+    src_pos = position[:pattern.nnz]
+    diag_pos = torch.where(first < pattern.nnz, src_pos[first.clamp(max=max(pattern.nnz - 1, 0))]
+                           if pattern.nnz else first, torch.zeros_like(first))
+    diag_pos[missing] = position[pattern.nnz:]
+    counts = torch.bincount(all_rows, minlength=pattern.nrows)
+    crow_d = torch.zeros(pattern.nrows + 1, dtype=pattern.index_dtype, device=device)
+    crow_d[1:] = counts.cumsum(0)
+    col_d = all_cols.index_select(0, order).to(pattern.index_dtype)
+    _derived_entry(pattern, crow_d, col_d, pattern.ncols)
+    _STATS["diagonals"] += 1
+    return crow_d, col_d, src_pos, diag_pos
+
+
+# id(crow) -> Pattern; an entry is dropped when its crow dies (the weak reference's
+# callback), so ids are never confused and no adjacency is kept alive. A plain dict: the
+# operators look their pattern up on every call.
+_CACHE: dict[int, Pattern] = {}
+_CACHE_LOCK = threading.Lock()
+_STATS = {"lookups": 0, "misses": 0, "transposes": 0, "diagonals": 0}
+
+
+def _forget(key: int, ref: weakref.ref, cache: dict[int, Pattern] = _CACHE) -> None:
+    # crow died; runs at garbage collection, maybe inside a lock holder's thread: no lock.
+    # The cache is bound as a default: at interpreter exit the module's globals are gone
+    # before the last tensors die.
+    entry = cache.get(key)
+    if entry is not None and entry._crow_ref is ref:
+        cache.pop(key, None)
+        _drop_frozen_key(entry, cache)
+
+
+def _drop_frozen_key(entry: Pattern, cache: dict[int, Pattern] = _CACHE) -> None:
+    """Remove the key of ``entry``'s private copy (:meth:`Pattern._freeze`), which would
+    otherwise keep the entry and its copy alive once the caller's key is gone."""
+    frozen = entry._frozen
+    if frozen is not None and cache.get(id(frozen[0])) is entry:
+        cache.pop(id(frozen[0]), None)
+
+
+def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
+    """The cached :class:`Pattern` of ``(crow, col, ncols)``, created on first use.
+
+    Keyed by the identity of ``crow`` and checked against ``col``'s identity and both
+    version counters, so an in-place change of the indices invalidates the entry. Indices
+    that are inference tensors have no version counter: their pattern is not cached (a new,
+    ``transient`` one per call, validated again and never specialized).
+    """
+    _STATS["lookups"] += 1
+    if crow.is_inference() or col.is_inference():
+        entry = Pattern(crow, col, ncols)
+        entry.transient = True
+        return entry
+    entry = _CACHE.get(id(crow))
+    if entry is not None and entry.matches(crow, col, ncols):
+        return entry
+    with _CACHE_LOCK:
+        entry = _CACHE.get(id(crow))
+        if entry is not None and entry.matches(crow, col, ncols):
+            return entry
+        _STATS["misses"] += 1
+        if entry is not None:
+            _drop_frozen_key(entry)  # replaced (new tensor at that id, a write, other ncols)
+        entry = Pattern(crow, col, ncols, key=id(crow))
+        _CACHE[id(crow)] = entry
+    if col.is_cuda and not torch.cuda.is_current_stream_capturing():
+        # The pattern's data and host copy are made on this side stream (run_kept, to_host).
+        # Its first creation in a process sets up torch's CUDA stream pool, which holds the
+        # interpreter lock for milliseconds: made here, on
+        # the thread registering the pattern, rather than in the runtime's background thread
+        # while the training loop waits for the lock.
+        _side_stream(col.device.index if col.device.index is not None else torch.cuda.current_device())
+    return entry
+
+
+def host_indices(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(crow, col)`` on the host, shared with the pattern's entry (:meth:`Pattern.host_indices`)."""
+    return lookup(crow, col, ncols).host_indices(crow, col)
+
+
+def validated(crow, col, ncols) -> Pattern | None:
+    """The cached entry of ``(crow, col, ncols)`` if it exists, matches and was validated
+    (its metadata and index values checked); else None. The operators' fast lookup."""
+    entry = _CACHE.get(id(crow))
+    if entry is not None and entry.validated and entry.matches(crow, col, ncols):
+        _STATS["lookups"] += 1
+        return entry
+    return None
+
+
+def stats() -> dict[str, int]:
+    """Counters of cache use (lookups, misses, transposes, diagonals); for tests and logs."""
+    return dict(_STATS)

@@ -1,0 +1,6 @@
+"""Specialization: from a pattern to the kernel that serves it.
+
+Pipeline stage 7 of 14: which kernel for a pattern: the kernel families (:mod:`.families`), the
+exhaustive autotuner (:mod:`.autotune`) and the learned policy (:mod:`.policy`).
+May import: config, dtypes, data, pattern, kernels, abi, toolchain, evaluate.
+"""

@@ -1,0 +1,243 @@
+"""From the policy's samples to a validated kernel: the learned counterpart of ``autotune.tune``.
+
+:func:`propose` samples K completions for one pattern and turns each into a candidate: the
+request plus what the policy wrote is a compact ABI source; its ``#include "sparserl/..."``
+lines are expanded (:func:`torch_sparserl.specialize.families.expand_headers`) into the self-contained
+translation unit every builder takes. A completion that cannot become a source (unfinished,
+an unknown header) is still a candidate: the evaluator scores it as a compile-tier failure.
+
+:func:`policy_tune` evaluates the distinct candidates in the sandbox with the screening
+configuration, then validates the fastest correct ones with the full configuration (fresh
+trials, determinism, cuSPARSE timed in the same run), like the autotuner's final stage.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ... import config
+from ...abi import KernelSpec, PlanError
+from ...evaluate.config import EvalConfig
+from ...evaluate.record import ErrorKind, EvalRecord, TransientFailure, dtype_name
+from ..autotune import FINAL_CONFIG, SCREEN_CONFIG, TuneResult, _problem
+from .corpus import request
+from .encoder import PatternInput
+from .model import KernelPolicy, Sample
+
+_FAMILY_LINE = re.compile(r"^// family: ([a-z_]+)\((.*)\)\s*$", re.M)
+
+
+@dataclass
+class Proposal:
+    """One sampled candidate: what the policy wrote and the spec built from it (or why not)."""
+
+    sample: Sample
+    compact: str            # request + completion: the text the policy wrote, headers by name
+    spec: KernelSpec        # the expanded source (the compact text when expansion failed)
+    error: str | None = None
+
+    @property
+    def family(self) -> str:
+        return self.spec.family
+
+
+def _family(text: str) -> tuple[str, tuple]:
+    m = _FAMILY_LINE.search(text)
+    if not m:
+        return "", ()
+    params = tuple((k, v) for k, _, v in (p.partition("=") for p in re.split(r",(?![^()]*\))", m.group(2))) if k)
+    return m.group(1), params
+
+
+def to_proposal(sample: Sample, op: str, dtype: str, n: int) -> Proposal:
+    from ..families import expand_headers
+
+    compact = request(op, dtype, n) + sample.text
+    family, params = _family(compact)
+    error = None if sample.finished else "the completion did not end (no <eos> within the token limit)"
+    try:
+        source = expand_headers(compact)
+    except PlanError as exc:
+        source, error = compact, str(exc)
+    return Proposal(sample, compact, KernelSpec(source, family, params), error)
+
+
+def propose(policy: KernelPolicy | SandboxedPolicy, rowptr, col, shape, *, op: str, n: int, dtype: str = "f32",
+            k: int = 4, seed: int = 0, temperature: float = 1.0, features: dict | None = None) -> list[Proposal]:
+    """K candidates for one pattern (the first is the greedy choice, the top-1)."""
+    dtype = dtype_name(dtype)
+    inp = PatternInput.from_pattern(rowptr, col, shape, op, dtype, n, policy.config.samples, seed=seed,
+                                    features=features)
+    if isinstance(policy, SandboxedPolicy):
+        samples = policy.sample(inp, op, dtype, n, k=k, temperature=temperature, seed=seed)
+    else:
+        samples = _sample(policy, inp, op, dtype, n, k, temperature, seed)
+    return [to_proposal(s, op, dtype, n) for s in samples]
+
+
+def _sample(policy: KernelPolicy, inp: PatternInput, op, dtype, n, k, temperature, seed) -> list[Sample]:
+    gen = torch.Generator(device=policy.device).manual_seed(seed)
+    return policy.sample_speculative(inp, op, dtype, n, k=k, temperature=temperature, generator=gen)
+
+
+class SandboxedPolicy:
+    """The policy run in a sandbox's worker process instead of the caller's.
+
+    The runtime specializes in a background thread of the user's process, next to a training
+    loop. Loading the policy (the weights, the draft index) and decoding (a Python loop of
+    small GPU steps) there would take the interpreter lock from the loop; in the sandbox's
+    worker, which already holds a CUDA context on the same GPU, the thread only waits on a
+    pipe. Samples are those of
+    :meth:`KernelPolicy.sample_speculative` on the worker's device with the same seed.
+    """
+
+    def __init__(self, sandbox, checkpoint, timeout_s: float = 300.0):
+        from .model import read_config
+
+        self.sandbox, self.checkpoint, self.timeout_s = sandbox, str(checkpoint), timeout_s
+        self.config, _ = read_config(checkpoint)
+
+    def _run(self, task: str, *args):
+        outcome = self.sandbox.run(f"{__name__}:{task}", (self.checkpoint, *args), timeout_s=self.timeout_s)
+        if not outcome.ok:
+            failure = TransientFailure if outcome.error.startswith("OutOfMemoryError") else RuntimeError
+            raise failure(f"policy: {task} in the sandbox's worker failed ({outcome.status}): {outcome.error}\n"
+                          f"{outcome.traceback or outcome.output_tail}")
+        return outcome.value
+
+    def load(self) -> dict:
+        """Load the policy in the worker now (the first sample would); returns its device."""
+        return self._run("load_task")
+
+    def sample(self, inp: PatternInput, op: str, dtype: str, n: int, *, k: int, temperature: float,
+               seed: int) -> list[Sample]:
+        found = self._run("sample_task", inp.rows, inp.cols, tuple(inp.shape), inp.features, op, dtype, int(n),
+                          int(k), float(temperature), int(seed))
+        return [Sample(**fields) for fields in found]
+
+
+POLICY_DEVICES = config.POLICY_DEVICES
+
+
+def worker_policy_device() -> str:
+    """Where the sandbox's worker samples the policy: the GPU when there is one, unless
+    ``SPARSERL_POLICY_DEVICE=cpu`` (an experiment switch: the policy's small kernels then stay
+    off the GPU that a training loop uses while its kernels are decided). The GPU is the
+    default: on the CPU the kernels are decided later, and the loop's epochs meanwhile were
+    not measurably faster.
+    A named error for anything else."""
+    if config.read("specializer.policy_device") == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return "cuda"
+
+
+def _worker_policy(checkpoint: str) -> KernelPolicy:
+    from .default import load_default
+
+    device = worker_policy_device()
+    if device == "cpu" and torch.cuda.is_available():
+        # The worker shares the host with a training process: a few threads, not every core.
+        torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))
+    return load_default(device, checkpoint)
+
+
+def load_task(checkpoint: str) -> dict:
+    """Sandbox task: load the policy in the worker (once per worker process)."""
+    return {"device": str(_worker_policy(checkpoint).device)}
+
+
+def sample_task(checkpoint: str, rows, cols, shape, features, op: str, dtype: str, n: int, k: int,
+                temperature: float, seed: int) -> list[dict]:
+    """Sandbox task: K samples for one encoded pattern, as builtins (the pipe carries no torch objects)."""
+    policy = _worker_policy(checkpoint)
+    samples = _sample(policy, PatternInput(rows, cols, tuple(shape), features), op, dtype, n, k, temperature, seed)
+    return [{"text": s.text, "tokens": [int(t) for t in s.tokens], "logprob": float(s.logprob),
+             "finished": bool(s.finished), "token_logprobs": [float(v) for v in s.token_logprobs]} for s in samples]
+
+
+def _failed(p: Proposal, op: str, n: int, dtype: str) -> EvalRecord:
+    record = EvalRecord(key=p.spec.key, family=p.spec.family, params=dict(p.spec.params), op=op, n=n, dtype=dtype)
+    return record.fail(ErrorKind.PLAN, p.error or "")
+
+
+def _runtime(record: EvalRecord) -> float:
+    return record.runtime_us if record.ok and record.runtime_us else math.inf
+
+
+def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolicy | SandboxedPolicy, k: int = 4,
+                sandbox=None, seed: int = 0, temperature: float = 1.0, finalists: int = 1,
+                screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
+                timeout_s: float = 60.0, features: dict | None = None,
+                matrix_key: str | None = None) -> tuple[TuneResult, list[Proposal], list[EvalRecord]]:
+    """Sample ``k`` candidates, screen the distinct ones, validate the best ``finalists``
+    (and the next ones while none has passed the full validation).
+
+    Returns the result (``best`` as the autotuner's), the proposals in sample order, and one
+    record per proposal (duplicates share their record). When the samples hold a single
+    distinct runnable kernel it is validated directly, without a screening run.
+    ``features`` and ``matrix_key`` may be passed when known, as to ``autotune.tune``.
+    """
+    from ...evaluate.sandbox import Sandbox
+
+    dtype = dtype_name(dtype)
+    start = time.monotonic()
+    own = sandbox is None
+    box = Sandbox() if own else sandbox
+    records: dict[str, EvalRecord] = {}
+    try:
+        rowptr, col, shape, features, key = _problem(matrix, box, features, matrix_key)
+        proposals = propose(policy, rowptr, col, shape, op=op, n=n, dtype=dtype, k=k, seed=seed,
+                            temperature=temperature, features=features)
+        gen_s = time.monotonic() - start
+        result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None, candidates=k)
+        runnable = {p.spec.key for p in proposals if p.error is None}
+        # One distinct runnable candidate (a confident policy): nothing to rank, so it goes
+        # straight to the full validation, whose record stands for the screen too.
+        screen = len(runnable) > 1 or finalists < 1
+        finals: dict[str, EvalRecord] = {}
+        for p in proposals:
+            if p.spec.key in records:
+                continue
+            if p.error is not None:
+                record = _failed(p, op, n, dtype)
+            elif screen:
+                record = box.evaluate(p.spec, key, n, dtype, screen_config, timeout_s)
+            else:
+                record = finals[p.spec.key] = box.evaluate(p.spec, key, n, dtype, final_config, timeout_s)
+            record.timing.setdefault("stage", "screen" if screen or p.error is not None else "final")
+            records[p.spec.key] = record
+            result.table.append(record)
+        result.screened = len(records)
+        specs = {p.spec.key: p.spec for p in proposals}
+        ranked = sorted((r for r in records.values() if math.isfinite(_runtime(r))), key=_runtime)
+        best, validated = None, 0
+        for r in ranked:  # fastest first; a finalist failing the full validation passes its turn on
+            if validated >= finalists and best is not None:
+                break
+            final = finals.get(r.key)
+            if final is None:
+                final = box.evaluate(specs[r.key], key, n, dtype, final_config, timeout_s)
+                final.timing["stage"] = "final"
+                result.table.append(final)
+            validated += 1
+            if final.cusparse_us:
+                result.cusparse_us = min(result.cusparse_us or math.inf, final.cusparse_us)
+            if math.isfinite(_runtime(final)) and (best is None or _runtime(final) < _runtime(best)):
+                best = final
+        if best is not None:
+            result.best, result.best_spec = best, specs[best.key]
+    finally:
+        if own:
+            box.close()
+        else:
+            box.release()  # the problem's inputs and references; the matrix stays for the next key
+    result.elapsed_s = time.monotonic() - start
+    for r in result.table:
+        r.timing.setdefault("generate_s", round(gen_s, 4))
+    return result, proposals, [records[p.spec.key] for p in proposals]

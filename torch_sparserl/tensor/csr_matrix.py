@@ -1,0 +1,706 @@
+"""``CSRMatrix``: a traceable wrapper tensor for a CSR matrix, and :func:`csr` to build one.
+
+Dynamo refuses ``torch.sparse_csr`` tensors (the whole frame falls back to eager). A
+wrapper subclass whose parts are plain dense tensors is traced instead: Dynamo inlines
+``__torch_function__``, which maps the products to the ``sparserl`` operators, and
+AOTAutograd flattens the matrix into ``crow``, ``col`` and ``val`` through
+``__tensor_flatten__``. The shape is not in the flatten context, so a new graph of the
+same structure reuses the compiled code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from .. import ops
+from .. import pattern as patterns
+from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
+from ..jit import fastpath
+from ..jit import runtime as rt
+from ..pattern.validation import check_csr_meta, require
+
+_ops = torch.ops.sparserl
+_SOURCE_HASH = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=8).hexdigest()
+
+
+class CSRMatrix(Tensor):
+    """A CSR matrix of shape ``(nrows, ncols)`` built from dense ``crow``, ``col``, ``val``.
+
+    Supports ``A @ X``, ``X @ A``, ``torch.sparse.mm``, ``torch.mm``, ``torch.matmul``,
+    ``torch.mv``, ``torch.addmm``, ``torch.addmv``, ``A.t()``, ``A.to_dense()``, scaling
+    by a scalar, ``.to()`` / ``.cuda()`` / ``.cpu()`` and dtype casts. Gradients flow to
+    ``val`` and to the dense operands. Any other tensor operation raises
+    ``NotImplementedError`` naming it; use ``A.to_dense()`` for those.
+    """
+
+    crow: Tensor
+    col: Tensor
+    val: Tensor
+
+    @staticmethod
+    def __new__(cls, crow: Tensor, col: Tensor, val: Tensor, size: Sequence[int]):
+        _check_parts("CSRMatrix", crow, col, val, size)
+        if val.requires_grad and torch.is_grad_enabled():
+            return _FromParts.apply(crow, col, val, tuple(size))
+        return cls._wrap(crow, col, val, size)
+
+    def __init__(self, crow: Tensor, col: Tensor, val: Tensor, size: Sequence[int]):
+        pass  # the parts are set by _wrap
+
+    @classmethod
+    def _wrap(cls, crow: Tensor, col: Tensor, val: Tensor, size: Sequence[int]) -> "CSRMatrix":
+        """The wrapper itself, with no autograd link (see :class:`_FromParts`)."""
+        matrix = Tensor._make_wrapper_subclass(cls, size, dtype=val.dtype, device=val.device)
+        matrix.crow = crow
+        matrix.col = col
+        matrix.val = val
+        return matrix
+
+    # -- tracing -------------------------------------------------------------------
+
+    def __tensor_flatten__(self):
+        return ["crow", "col", "val"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return CSRMatrix._wrap(inner_tensors["crow"], inner_tensors["col"], inner_tensors["val"], outer_size)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _FUNCTIONS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _ATEN.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        raise NotImplementedError(
+            f"CSRMatrix: {func} is not supported; supported are matrix products "
+            "(@, mm, sparse.mm, matmul, mv, addmm, addmv), t(), to_dense(), scaling by a "
+            "scalar and moves/casts. Use A.to_dense() for anything else.")
+
+    # -- the hot path ---------------------------------------------------------------
+
+    def __matmul__(self, other):
+        # Eager ``A @ X`` with an installed kernel: straight to its launch (see _hot_product).
+        # Anything else goes to the same handler as torch.matmul, called here rather than
+        # through Tensor.__matmul__, which turns every TypeError (a wrong dtype, a sparse
+        # operand) into NotImplemented and so into Python's bare "unsupported operand type(s)".
+        if type(other) is Tensor:
+            out = _served_in_cpp(self, other)
+            if out is None:
+                out = _hot_product(self, other)
+            if out is not None:
+                return out
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        return _matmul(self, other, "CSRMatrix.matmul")
+
+    def __rmatmul__(self, other):
+        # ``X @ A``: Python asks the subclass's reflected method first, so the library's own
+        # error reaches the user here too (see __matmul__).
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        return _matmul(other, self, "CSRMatrix.matmul")
+
+    # -- conveniences --------------------------------------------------------------
+
+    @property
+    def nnz(self) -> int:
+        return self.col.shape[0]
+
+    def with_values(self, val: Tensor) -> "CSRMatrix":
+        """The same pattern with new values (for example attention weights each step)."""
+        if val.shape != self.val.shape:
+            raise ValueError(f"CSRMatrix.with_values: val must have shape {tuple(self.val.shape)} "
+                             f"(got {tuple(val.shape)})")
+        return CSRMatrix(self.crow, self.col, val, self.shape)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"CSRMatrix(shape={tuple(self.shape)}, nnz={self.nnz}, dtype={self.dtype}, "
+                f"index_dtype={self.crow.dtype}, device={self.device}"
+                + (", requires_grad=True" if self.val.requires_grad else "") + ")")
+
+    def __reduce_ex__(self, protocol):
+        return (CSRMatrix, (self.crow, self.col, self.val, tuple(self.shape)))
+
+    def _stable_hash_for_caching(self) -> str:
+        # AOTAutograd's cache key. What is traced depends on this module's code (the
+        # __torch_function__ mapping); the compiled code also asserts the sizes and strides
+        # of the parts, so they are in the key, with dtypes, devices and requires_grad (as
+        # torch's default hash of a wrapper subclass has them).
+        parts = tuple((name, tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device), t.requires_grad)
+                      for name, t in (("crow", self.crow), ("col", self.col), ("val", self.val)))
+        payload = repr((_SOURCE_HASH, tuple(self.shape), self.requires_grad, parts))
+        return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
+
+
+class _FromParts(torch.autograd.Function):
+    """Make a CSRMatrix whose values carry a gradient, linked to them by a grad_fn.
+
+    Eagerly, products read ``A.val`` and the gradient reaches it through the operators.
+    A compiled graph instead returns the gradient of the whole matrix (a CSRMatrix
+    tangent); this function hands its values back to ``val``. Without the link the
+    wrapper would be a leaf of its own and the compiled gradient would stop there.
+    """
+
+    @staticmethod
+    def forward(ctx, crow, col, val, size):
+        ctx.save_for_backward(crow, col)
+        return CSRMatrix._wrap(crow, col, val.detach(), size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, CSRMatrix):
+            return None, None, grad.val, None
+        # A dense gradient of the whole matrix: only the entries at the pattern matter.
+        crow, col = ctx.saved_tensors
+        rows = patterns.row_indices(crow, col.shape[0])
+        return None, None, grad[rows, col.to(torch.int64)], None
+
+
+# ------------------------------------------------------------------ torch functions
+
+
+def _fail_operand(op: str, name: str, t: Any, want: str) -> None:
+    got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+    raise ValueError(f"{op}: {name} must be {want} (got {got})")
+
+
+class _Values(torch.autograd.Function):
+    """``A.val`` with the gradient routed back through the matrix (see :class:`_FromParts`)."""
+
+    @staticmethod
+    def forward(ctx, A):
+        ctx.parts = (A.crow, A.col, tuple(A.shape))
+        return A.val.view_as(A.val)
+
+    @staticmethod
+    def backward(ctx, grad):
+        crow, col, size = ctx.parts
+        return CSRMatrix._wrap(crow, col, grad, size)
+
+
+def values_of(A: CSRMatrix) -> Tensor:
+    """The values of ``A``, differentiable when ``A`` requires grad."""
+    return _Values.apply(A) if A.requires_grad else A.val
+
+
+def autocast_operands(val: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
+    """Under ``torch.autocast``, a product runs in the autocast dtype, as ``torch.mm`` does:
+    float32 values and operands are cast to it (float64 ones are not), and the kernels
+    accumulate in float32 (:mod:`torch_sparserl.dtypes`)."""
+    device_type = X.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type with no autocast (meta): the operator's checks speak
+        return val, X
+    if not enabled:
+        return val, X
+    dtype = torch.get_autocast_dtype(device_type)
+    if val.dtype == torch.float32:
+        val = val.to(dtype)
+    if X.dtype == torch.float32:
+        X = X.to(dtype)
+    return val, X
+
+
+def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
+    """``torch.ops.sparserl.<op>`` on A's parts; in eager code its implementation directly
+    when nothing (autograd, a tracer, a mode) needs to see the operator
+    (:func:`ops.direct_ok`), or with a lean autograd node when only autograd does
+    (:func:`ops.eager_product`)."""
+    if type(X) is Tensor:
+        out = _served_in_cpp(A, X)
+        if out is not None:
+            return out
+    val, X = autocast_operands(values_of(A), X)
+    if ops.direct_ok(val, X):
+        runtime = rt.active_or_none()
+        served = runtime.stats["installed_calls"] if runtime is not None else None
+        out = ops.direct(op, A.crow, A.col, val, A.shape[1], X)
+        if op in ("spmm", "spmv") and runtime is not None:
+            if X.is_cuda and fastpath.loaded:
+                _record_in_cpp(A, runtime, op, val, X)
+            elif runtime.stats["installed_calls"] != served:
+                _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
+        return out
+    if ops.eager_ok(val, X):
+        return ops.eager_product(op, A.crow, A.col, val, A.shape[1], X)
+    return getattr(_ops, op)(A.crow, A.col, val, A.shape[1], X)
+
+
+_FAST_OP = {2: fastpath.OPS.index("spmm"), 1: fastpath.OPS.index("spmv")}  # X.dim() -> the C++ op
+
+
+def _served_in_cpp(A: CSRMatrix, X: Tensor) -> Tensor | None:
+    """``A @ X`` served by the C++ fast path's eager door (:data:`fastpath.serve`), or None.
+
+    Only for a matrix whose earlier product the Python path recorded there
+    (:func:`_record_in_cpp`: a CUDA product of a matrix that needs no gradient); C++ then
+    declines whatever the Python path must see (autograd, autocast, a mode, a changed
+    pattern, other operands), and a Python tracer never reaches it."""
+    ncols = A.__dict__.get("_eager_ncols")
+    if ncols is None:
+        return None
+    serve = fastpath.serve
+    op = _FAST_OP.get(X.dim())
+    if serve is None or op is None or torch.compiler.is_compiling():
+        return None
+    return serve(op, A.crow, A.col, A.val, ncols, X)
+
+
+def _record_in_cpp(A: CSRMatrix, runtime: rt.Runtime, op: str, val: Tensor, X: Tensor) -> None:
+    """After the Python path served a CUDA product of ``A``, let C++ serve the next one the same
+    way (:func:`torch_sparserl.jit.fastpath.record`, which repeats the runtime's decision record:
+    its kernel, or cuSPARSE). Not for a matrix that requires grad: C++ would not record the
+    product for autograd."""
+    if val is not A.val or A.requires_grad:
+        return  # autocast cast the values, or autograd must see the product
+    fastpath.record(runtime, op, A.crow, A.col, val, A.shape[1], X)
+    A.__dict__["_eager_ncols"] = A.shape[1]
+
+
+def _remember_installed(A: CSRMatrix, runtime: rt.Runtime, op: str, X: Tensor) -> None:
+    """After a direct product a kernel served, keep its decision record on the matrix itself,
+    so the next ``A @ X`` of this shape skips torch's function dispatch, the checks and the
+    pattern lookup (:func:`_hot_product`). The record, not its kernel, is kept: the runtime
+    may replace the kernel (its library's build after the interim NVRTC build), and the next
+    call reads what the record says then."""
+    if A.requires_grad:
+        return
+    n = X.shape[1] if op == "spmm" else 1
+    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    decision = runtime.decision(op, entry, n, A.val.dtype)
+    if isinstance(decision.state, rt.Installed) and not entry.transient:
+        hot = A.__dict__.setdefault("_hot", {})
+        # the pattern is kept too: the record lives as long as it does
+        hot[(X.dim(), n)] = (runtime, decision, entry, patterns.versions(A.crow, A.col),
+                             entry.indices(A.crow, A.col), X.device, A.val.dtype, A.shape[1])
+
+
+def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
+    """``A @ X`` by the kernel the decision record :func:`_remember_installed` kept names,
+    when every condition of the direct path still holds and the pattern is unchanged; None
+    otherwise.
+
+    Every check here is a plain attribute read: a property of the wrapper itself (its
+    shape, its requires_grad) would cost a torch function dispatch, so what is fixed for
+    the matrix's life (its columns; that it needs no gradient, since requires_grad_ is
+    refused and the setter clears this cache) was stored with the kernel.
+    """
+    hot = A.__dict__.get("_hot")
+    if not hot:
+        return None
+    dim = X.dim()
+    found = hot.get((dim, X.shape[1] if dim == 2 else 1))
+    if found is None:
+        return None
+    runtime, decision, _, versions, (crow, col), device, dtype, ncols = found
+    state = decision.state
+    val = A.val
+    if (runtime is not rt.active_or_none() or state.__class__ is not rt.Installed or X.dtype != dtype or val.dtype != dtype or X.device != device
+            or X.shape[0] != ncols or val.shape[0] != col.shape[0]
+            or patterns.versions(A.crow, A.col) != versions or not ops.direct_ok(val, X)
+            or torch.is_autocast_enabled(device.type)):
+        return None
+    return runtime.launch(state.launch, crow, col, val, X)  # the indices the pattern validated
+
+
+def _set_requires_grad(A: CSRMatrix, value: bool) -> None:
+    A.__dict__.pop("_hot", None)  # remembered kernels were for a matrix without gradient
+    A.__dict__.pop("_eager_ncols", None)  # and so was the C++ door
+    with torch._C.DisableTorchFunctionSubclass():
+        Tensor.requires_grad.__set__(A, value)
+
+
+def _spmm(A: CSRMatrix, X: Tensor) -> Tensor:
+    return _product("spmm", A, X)
+
+
+def _spmv(A: CSRMatrix, x: Tensor) -> Tensor:
+    return _product("spmv", A, x)
+
+
+def _matmul(a, b, op: str = "CSRMatrix.matmul", vectors: bool = True) -> Tensor:
+    if isinstance(a, CSRMatrix) and isinstance(b, CSRMatrix):
+        raise NotImplementedError(f"{op}: sparse @ sparse is not supported; densify one side")
+    if isinstance(a, CSRMatrix):
+        if not isinstance(b, Tensor):
+            _fail_operand(op, "the dense operand", b, "a torch.Tensor")
+        if b.dim() == 2:
+            return _spmm(a, b)
+        if b.dim() == 1 and vectors:
+            return _spmv(a, b)
+        _fail_operand(op, "the dense operand", b, "2-D" if not vectors else "1-D or 2-D")
+    # dense @ sparse: X @ A = (Aᵀ Xᵀ)ᵀ, on the cached transposed pattern.
+    if not isinstance(a, Tensor):
+        _fail_operand(op, "the dense operand", a, "a torch.Tensor")
+    if a.dim() == 2:
+        return _product("spmm_transposed", b, a.t()).t()
+    if a.dim() == 1 and vectors:
+        return _product("spmv_transposed", b, a)
+    _fail_operand(op, "the dense operand", a, "2-D" if not vectors else "1-D or 2-D")
+
+
+def _mm(a, b):
+    return _matmul(a, b, "CSRMatrix.mm", vectors=False)
+
+
+def _mv(A, x):
+    if not isinstance(A, CSRMatrix):
+        raise NotImplementedError("CSRMatrix.mv: the matrix operand must be the CSRMatrix")
+    if not isinstance(x, Tensor) or x.dim() != 1:
+        _fail_operand("CSRMatrix.mv", "the vector", x, "1-D")
+    return _spmv(A, x)
+
+
+def _beta_input_plus_alpha_product(name: str, product, input, beta, alpha, out) -> Tensor:
+    """``beta * input + alpha * product`` with torch.addmm's rules."""
+    if out is not None:
+        raise NotImplementedError(f"CSRMatrix.{name}: out= is not supported")
+    if not (isinstance(alpha, numbers.Number) and alpha == 1):
+        product = product * alpha
+    # beta == 0 ignores `input` entirely, as torch.addmm does (NaN in it must not leak).
+    if isinstance(beta, numbers.Number) and beta == 0:
+        return product
+    return torch.add(product, input, alpha=beta)
+
+
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    return _beta_input_plus_alpha_product("addmm", _mm(mat1, mat2), input, beta, alpha, out)
+
+
+def _sparse_addmm(mat, mat1, mat2, *, beta=1.0, alpha=1.0):
+    return _addmm(mat, mat1, mat2, beta=beta, alpha=alpha)
+
+
+def _addmv(input, mat, vec, *, beta=1, alpha=1, out=None):
+    return _beta_input_plus_alpha_product("addmv", _mv(mat, vec), input, beta, alpha, out)
+
+
+@torch._dynamo.disable
+def _transpose_parts(A: CSRMatrix):
+    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    _, crow_t, col_t, perm = entry.transpose(A.crow, A.col)
+    return crow_t, col_t, perm
+
+
+_T_UNDER_COMPILE = (
+    "CSRMatrix.t(): the transposed pattern is computed once per pattern and cached outside any graph, so "
+    "under torch.compile this is a graph break (fullgraph=True refuses it). In a graph write Aᵀ @ X as "
+    "(X.t() @ A).t() (it runs on the cached transposed pattern), or transpose before compiling and pass Aᵀ in.")
+
+
+def _t(A: CSRMatrix) -> CSRMatrix:
+    if is_fake(A.col):  # torch.compile is tracing: refuse with the reason (a graph break, not a crash)
+        raise torch._dynamo.exc.Unsupported(_T_UNDER_COMPILE)
+    crow_t, col_t, perm = _transpose_parts(A)
+    return CSRMatrix(crow_t, col_t, values_of(A).index_select(0, perm), (A.shape[1], A.shape[0]))
+
+
+def _transpose(A: CSRMatrix, dim0: int, dim1: int) -> CSRMatrix:
+    if {dim0 % 2, dim1 % 2} != {0, 1}:
+        return A
+    return _t(A)
+
+
+def _indices(op: str, A: CSRMatrix) -> tuple[Tensor, Tensor]:
+    """A's indices as its pattern validated them (:meth:`Pattern.indices`) in eager code, so
+    that every use of a matrix reads the same checked indices; its parts while tracing."""
+    if torch.compiler.is_compiling() or is_fake(A.col):
+        return A.crow, A.col
+    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    entry.validate(op, A.crow, A.col)
+    return entry.indices(A.crow, A.col)
+
+
+def _to_dense(A: CSRMatrix, dtype=None, *, masked_grad=None) -> Tensor:
+    crow, col = _indices("CSRMatrix.to_dense", A)
+    rows = patterns.row_indices(crow, col.shape[0])
+    dense = torch.zeros(tuple(A.shape), dtype=A.dtype, device=A.device)
+    dense = dense.index_put((rows, col.to(torch.int64)), values_of(A), accumulate=True)
+    return dense if dtype is None else dense.to(dtype)
+
+
+def _moved(A: CSRMatrix, *, device=None, dtype=None, non_blocking=False, copy=False) -> CSRMatrix:
+    if dtype is not None and dtype not in VALUE_DTYPES:
+        raise TypeError(f"CSRMatrix.to: values must stay floating point, one of {VALUE_DTYPES} (got {dtype})")
+    if not copy and (device is None or torch.device(device) == A.device) and dtype in (None, A.dtype):
+        return A
+    crow = A.crow.to(device=device, non_blocking=non_blocking, copy=copy)
+    col = A.col.to(device=device, non_blocking=non_blocking, copy=copy)
+    _own_copies(A, crow, col)
+    val = values_of(A).to(device=device, dtype=dtype, non_blocking=non_blocking, copy=copy)
+    return CSRMatrix(crow, col, val, A.shape)
+
+
+def _own_copies(A: CSRMatrix, crow: Tensor, col: Tensor) -> None:
+    """The copies of a library-owned matrix's indices (moves, clones) are the library's too."""
+    if patterns.owned(A.crow) and patterns.owned(A.col):
+        patterns.own(*(t for t, old in ((crow, A.crow), (col, A.col)) if t is not old))
+
+
+def _to(A: CSRMatrix, *args, **kwargs) -> CSRMatrix:
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return _moved(A, device=device, dtype=dtype, non_blocking=non_blocking,
+                  copy=kwargs.get("copy", False))
+
+
+def _scalar_op(name: str, fn, commutes: bool = True):
+    def handler(a, b=None):
+        if not isinstance(a, CSRMatrix) and not commutes:
+            raise NotImplementedError(f"CSRMatrix.{name}: the matrix must be the left operand")
+        A, other = (a, b) if isinstance(a, CSRMatrix) else (b, a)
+        if isinstance(other, numbers.Number) or (isinstance(other, Tensor) and other.dim() == 0
+                                                 and not isinstance(other, CSRMatrix)):
+            return A.with_values(fn(values_of(A), other))
+        raise NotImplementedError(f"CSRMatrix.{name}: only a scalar operand is supported "
+                                  f"(got {type(other).__name__})")
+    return handler
+
+
+def _requires_grad_(A: CSRMatrix, requires_grad: bool = True) -> CSRMatrix:
+    raise RuntimeError(
+        "CSRMatrix.requires_grad_: the gradient belongs to the values; make them a leaf that "
+        "requires grad and build the matrix on it: A = A.with_values(A.values().detach().requires_grad_()) "
+        "(or torch_sparserl.csr(..., values that require grad))")
+
+
+_FUNCTIONS = {
+    torch.sparse.mm: _mm,
+    torch.mm: _mm,
+    Tensor.mm: _mm,
+    torch.matmul: _matmul,
+    Tensor.matmul: _matmul,
+    Tensor.__matmul__: _matmul,
+    Tensor.__rmatmul__: lambda a, b: _matmul(b, a),
+    torch.mv: _mv,
+    Tensor.mv: _mv,
+    torch.addmm: _addmm,
+    Tensor.addmm: _addmm,
+    torch.sparse.addmm: _sparse_addmm,
+    torch.addmv: _addmv,
+    Tensor.addmv: _addmv,
+    torch.t: _t,
+    Tensor.t: _t,
+    Tensor.T.__get__: _t,
+    Tensor.mT.__get__: _t,
+    torch.transpose: _transpose,
+    Tensor.transpose: _transpose,
+    Tensor.to_dense: _to_dense,
+    Tensor.to: _to,
+    Tensor.cuda: lambda A, device=None, non_blocking=False, **_: _moved(
+        A, device=torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"),
+        non_blocking=non_blocking),
+    Tensor.cpu: lambda A, **_: _moved(A, device="cpu"),
+    Tensor.double: lambda A, **_: _moved(A, dtype=torch.float64),
+    Tensor.float: lambda A, **_: _moved(A, dtype=torch.float32),
+    Tensor.half: lambda A, **_: _moved(A, dtype=torch.float16),
+    Tensor.bfloat16: lambda A, **_: _moved(A, dtype=torch.bfloat16),
+    Tensor.detach: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val, A.shape),
+    Tensor.clone: lambda A, **_: CSRMatrix(A.crow.clone(), A.col.clone(), values_of(A).clone(), A.shape),
+    Tensor.requires_grad_: _requires_grad_,
+    Tensor.requires_grad.__set__: _set_requires_grad,
+    Tensor.values: values_of,
+    Tensor.crow_indices: lambda A: A.crow,
+    Tensor.col_indices: lambda A: A.col,
+    Tensor._nnz: lambda A: A.col.shape[0],
+    Tensor.__mul__: _scalar_op("mul", torch.mul),
+    Tensor.__rmul__: _scalar_op("mul", torch.mul),
+    torch.mul: _scalar_op("mul", torch.mul),
+    Tensor.mul: _scalar_op("mul", torch.mul),
+    Tensor.__truediv__: _scalar_op("div", torch.div, commutes=False),
+    Tensor.__div__: _scalar_op("div", torch.div, commutes=False),
+    Tensor.div: _scalar_op("div", torch.div, commutes=False),
+    torch.div: _scalar_op("div", torch.div, commutes=False),
+    Tensor.__neg__: lambda A: A.with_values(-values_of(A)),
+}
+
+
+# ---------------------------------------------------------------- aten (dispatch)
+
+
+def _aten_to_copy(A, *, dtype=None, layout=None, device=None, pin_memory=None,
+                  non_blocking=False, memory_format=None):
+    moved = [t.to(device=device, non_blocking=non_blocking, copy=True) for t in (A.crow, A.col)]
+    if not is_fake(A.col):
+        _own_copies(A, *moved)
+    val = A.val.to(device=device, dtype=dtype, non_blocking=non_blocking, copy=True)
+    return CSRMatrix._wrap(*moved, val, A.shape)
+
+
+def _aten_add(a, b, *, alpha=1):
+    """The sum of two gradients of one matrix (autograd accumulates them when the matrix's
+    values feed several products): same pattern, values added."""
+    if (isinstance(a, CSRMatrix) and isinstance(b, CSRMatrix) and a.shape == b.shape
+            and (a.crow is b.crow and a.col is b.col
+                 or a.col.shape == b.col.shape and torch.equal(a.crow, b.crow) and torch.equal(a.col, b.col))):
+        return CSRMatrix._wrap(a.crow, a.col, torch.add(a.val, b.val, alpha=alpha), a.shape)
+    raise NotImplementedError("CSRMatrix: adding is supported only for two matrices of the same pattern "
+                              f"(got {type(a).__name__} and {type(b).__name__}); use A.to_dense() for anything else")
+
+
+_aten = torch.ops.aten
+_ATEN = {
+    _aten.add.Tensor: _aten_add,
+    _aten.detach.default: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val.detach(), A.shape),
+    _aten.alias.default: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val, A.shape),
+    _aten.clone.default: lambda A, **_: CSRMatrix._wrap(A.crow.clone(), A.col.clone(), A.val.clone(), A.shape),
+    _aten._to_copy.default: _aten_to_copy,
+}
+
+
+# --------------------------------------------------------------------- construction
+
+
+def _check_parts(op: str, crow, col, val, size) -> None:
+    """The metadata of a matrix's parts against its shape (no data read): what every
+    constructor checks, so that no matrix exists whose shape disagrees with its parts."""
+    try:
+        size = tuple(size)
+    except TypeError:
+        raise TypeError(f"{op}: shape must be a pair (nrows, ncols) (got {type(size).__name__})") from None
+    if len(size) != 2 or not all(isinstance(d, (int, torch.SymInt)) and not isinstance(d, bool) for d in size):
+        raise ValueError(f"{op}: shape must be a pair of ints (nrows, ncols) (got {size!r})")
+    check_csr_meta(op, crow, col, val, size[1])
+    require(op, size[0] >= 0, f"shape must be non-negative (got {size})")
+    require(op, crow.shape[0] == size[0] + 1,
+            f"crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]}) for shape {size}")
+
+
+def _tensor(x, name: str) -> Tensor:
+    """``x`` as a tensor. Anything that is not already a torch tensor (NumPy arrays, lists) is
+    copied: torch cannot see writes to memory it shares with NumPy."""
+    if isinstance(x, Tensor):
+        return x
+    try:
+        return torch.tensor(np.asarray(x))
+    except Exception as exc:  # noqa: BLE001 - re-raised with the op's name
+        raise TypeError(f"torch_sparserl.csr: {name} must be a tensor or array (got {type(x).__name__})") from exc
+
+
+def _as_index_dtype(op: str, name: str, t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in the index dtype ``dtype``, refusing values it cannot hold instead of wrapping them."""
+    if t.dtype == dtype:
+        return t
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{op}: {name} must hold integers (got dtype {t.dtype})")
+    info = torch.iinfo(dtype)
+    if t.numel() and (int(t.min()) < info.min or int(t.max()) > info.max):
+        bad = t[(t < info.min) | (t > info.max)][0]
+        raise ValueError(f"{op}: {name} holds {int(bad)}, which {dtype} cannot represent; "
+                         f"use index_dtype=torch.int64")
+    return t.to(dtype)
+
+
+def _from_torch_sparse(A: Tensor):
+    if A.layout != torch.sparse_csr:
+        if A.layout in (torch.sparse_coo, torch.sparse_csc, torch.strided):
+            if A.dim() != 2:
+                raise ValueError(f"torch_sparserl.csr: expected a 2-D matrix (got shape {tuple(A.shape)})")
+            A = (A.coalesce() if A.layout == torch.sparse_coo else A).to_sparse_csr()
+        else:
+            raise TypeError(f"torch_sparserl.csr: cannot convert layout {A.layout}; "
+                            "expected sparse_csr, sparse_coo, sparse_csc or a dense 2-D tensor")
+    if A.dim() != 2 or A.values().dim() != 1:
+        raise ValueError("torch_sparserl.csr: expected a 2-D CSR matrix without batch or dense "
+                         f"dimensions (got shape {tuple(A.shape)}, values of shape {tuple(A.values().shape)})")
+    # Views of a sparse tensor keep it as their base, which Dynamo cannot wrap: detach
+    # (or clone where values carry a gradient, so that it still flows back to A).
+    val = A.values().clone() if A.requires_grad else A.values().detach()
+    return A.crow_indices().detach(), A.col_indices().detach(), val, tuple(A.shape)
+
+
+def _from_scipy(A):
+    # Copies: writes to the SciPy matrix (A.data *= 3, A.sort_indices()) must not reach the
+    # CSRMatrix, and torch cannot see writes to memory it shares with NumPy.
+    A = A.tocsr()
+    return (torch.tensor(A.indptr), torch.tensor(A.indices), torch.tensor(A.data), tuple(A.shape))
+
+
+def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None = None,
+        index_dtype: torch.dtype | None = None, device=None, validate: bool = True) -> CSRMatrix:
+    """Build a :class:`CSRMatrix`.
+
+    ``data`` is a torch sparse tensor (CSR, COO or CSC), a dense 2-D tensor, a SciPy sparse
+    matrix, a :class:`CSRMatrix`, or a triple ``(crow, col, val)`` of tensors or arrays
+    (then ``shape`` is required). ``dtype``, ``index_dtype`` and ``device`` convert the
+    values, the indices and the whole; integer or boolean values become the default float
+    dtype; complex values are refused. With ``validate`` (the default) the index data is
+    checked once here (monotone row pointers, columns in range), so later products skip that
+    check.
+
+    The matrix owns its indices: they are copied (once; a CSRMatrix's own are reused), so
+    that nothing later written to the caller's arrays reaches it. Values given as a torch
+    tensor are shared (every product reads them as they are, and gradients flow to them);
+    values from NumPy or SciPy are copied.
+    """
+    op = "torch_sparserl.csr"
+    if isinstance(data, CSRMatrix):
+        crow, col, val, size = data.crow, data.col, values_of(data), tuple(data.shape)
+    elif isinstance(data, Tensor):
+        crow, col, val, size = _from_torch_sparse(data)
+    elif hasattr(data, "tocsr") and hasattr(data, "indptr") or type(data).__module__.startswith("scipy.sparse"):
+        crow, col, val, size = _from_scipy(data)
+    elif isinstance(data, (tuple, list)) and len(data) == 3:
+        if shape is None:
+            raise ValueError(f"{op}: shape=(nrows, ncols) is required with a (crow, col, val) triple")
+        crow, col, val = (_tensor(x, n) for x, n in zip(data, ("crow", "col", "val")))
+        size = shape
+    else:
+        raise TypeError(f"{op}: expected a torch sparse or dense tensor, a SciPy sparse matrix or "
+                        f"a (crow, col, val) triple (got {type(data).__name__})")
+    try:
+        size = tuple(int(d) for d in size)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: shape must be a pair of ints (nrows, ncols) (got {size!r})") from None
+    if shape is not None and tuple(shape) != size:
+        raise ValueError(f"{op}: shape {tuple(shape)} does not match the matrix's shape {size}")
+    if len(size) != 2 or min(size) < 0:
+        raise ValueError(f"{op}: shape must be (nrows, ncols), non-negative (got {size})")
+    if val.is_complex():
+        raise TypeError(f"{op}: complex values are not supported (got {val.dtype}); the products are real: "
+                        f"pass the real and imaginary parts as two matrices")
+    if not val.is_floating_point():
+        val = val.to(torch.get_default_dtype())
+    if index_dtype is not None and index_dtype not in INDEX_DTYPES:
+        raise TypeError(f"{op}: index_dtype must be torch.int32 or torch.int64 (got {index_dtype})")
+    if index_dtype is None and (crow.dtype != col.dtype or crow.dtype not in INDEX_DTYPES):
+        # SciPy may give int64 indptr with int32 indices: widen both
+        index_dtype = torch.int64
+    if index_dtype is not None:
+        if index_dtype == torch.int32 and max(size[0], size[1], col.shape[0] if col.dim() else 0) > torch.iinfo(torch.int32).max:
+            raise ValueError(f"{op}: a matrix of shape {size} with {col.numel()} nonzeros needs int64 indices "
+                             f"(got index_dtype=torch.int32)")
+        crow = _as_index_dtype(op, "crow", crow, index_dtype)
+        col = _as_index_dtype(op, "col", col, index_dtype)
+    if dtype is not None:
+        val = val.to(dtype)
+    if device is not None:
+        crow, col, val = crow.to(device), col.to(device), val.to(device)
+    _check_parts(op, crow, col, val, size)
+    # The matrix owns its indices: a copy, so that no later write to the caller's arrays (in
+    # place, through .data, through NumPy, under inference_mode) reaches it, made an ordinary
+    # tensor with a version counter even under inference_mode (pattern.private_copy).
+    crow, col = (t if patterns.owned(t) else patterns.private_copy(t) for t in (crow, col))
+    if val.is_inference():
+        with torch.inference_mode(False):
+            val = val.clone()
+    if validate:
+        patterns.lookup(crow, col, size[1]).validate(op, crow, col)
+    return CSRMatrix(crow, col, val, size)
