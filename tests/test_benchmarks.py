@@ -336,7 +336,7 @@ def test_bench_runtime_summary_and_markdown():
 
 
 def test_bench_intercept_times_every_state_and_leaves_nothing_installed(tmp_path):
-    from torch_sparserl import intercept
+    from torch_sparserl.tensor import intercept
 
     bench_intercept = load_benchmark("bench_intercept")
     out = tmp_path / "intercept.json"
@@ -362,3 +362,27 @@ def test_bench_cpu_times_the_operator_torch_and_the_reference(tmp_path):
     assert all(r["operator_ms"] > 0 and r["reference_ms"] > 0 for r in doc["rows"])
     assert doc["rows"][0]["torch_ms"] > 0 and doc["rows"][3]["torch_ms"] is None  # torch has no bf16 CSR kernel
     assert "| cora | 10,556 | float32 | spmm | 8 |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_eager_summary_markdown_and_plot():
+    eager = load_benchmark("bench_eager")
+    cell = dict(rows=10, cols=10, nnz=30, correct=True, served_by_cpp=True, first_s=0.1, error=None,
+                gpu_us=4.0, torch_gpu_us=6.0, host_us=5.0, torch_host_us=20.0)
+    cells = [dict(cell, matrix="a", n=32, mode="off", decision="not specialized yet", wall_us=10.0,
+                  torch_wall_us=20.0, speedup=2.0, gpu_speedup=1.0),
+             dict(cell, matrix="b", n=32, mode="off", decision="not specialized yet", wall_us=20.0,
+                  torch_wall_us=10.0, speedup=0.5, gpu_speedup=1.0, correct=False),
+             dict(cell, matrix="a", n=1, mode="default", decision="installed: rowchunks{}", wall_us=5.0,
+                  torch_wall_us=15.0, speedup=3.0, gpu_speedup=1.5)]
+    doc = {"env": {"gpu": "H100", "torch": "2.11"}, "runs": [{"command": "python benchmarks/bench_eager.py",
+                                                             "started": "now"}], "cells": cells}
+    doc["summary"] = eager.summary(doc)
+    off = doc["summary"]["off spmm n=32"]
+    assert off["cells"] == 2 and abs(off["geomean"] - 1.0) < 1e-12 and off["min"] == 0.5
+    assert off["below_0.97"] == 1 and off["correct"] == 1 and off["installed"] == 0
+    assert doc["summary"]["default spmv"]["installed"] == 1
+    text = eager.markdown(doc)
+    assert "| off spmm n=32 | 2 | 1.00× | 0.50× | 1 | 1.00× | 5.0 (20.0) | 0 | 1/2 |" in text
+    assert "| b | 32 | off | 0.50× | 20.0 (10.0) |" in text
+    svg = ET.fromstring(eager.svg(doc))
+    assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 3

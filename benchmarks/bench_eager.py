@@ -1,0 +1,252 @@
+"""Eager products end to end: ``ts.csr(A) @ X`` against torch's own call on the same matrix.
+
+For every real matrix (../shared/matrices when present, else the shipped ones), each product
+(SpMV, SpMM at N = 32, 128, 256), float32 and int32 indices, and two runtimes — ``off`` (no
+kernel: cuSPARSE serves every call, the library's fallback path) and ``default`` (the default
+settings, in ``sync`` mode so that each decision lands before the timing) — one process measures:
+
+* **wall** — time per call of ``A @ X`` and of ``torch.sparse.mm(A_torch, X)`` /
+  ``torch.mv(A_torch, x)`` on a ``torch.sparse_csr`` tensor sharing A's parts, rounds
+  interleaved, median round (:func:`torch_sparserl.cli.measure.compare_us`): host cost and
+  GPU time together, as a training loop sees them;
+* **gpu** — the device time per call of everything each call launches (kernels, memsets,
+  copies), from the profiler;
+* **host** — CPU microseconds per call of issuing the call (a loop of calls, no
+  synchronization inside);
+* **correct** — the first product against float64 SciPy.
+
+    python benchmarks/bench_eager.py --out benchmarks/results/                  # everything
+    python benchmarks/bench_eager.py --out R.json --resume --max-time-s 400     # in chunks
+    python benchmarks/bench_eager.py --matrices cora,pubmed --products 1,32 --out /tmp/e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import html
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SCHEMA = "torch_sparserl.bench_eager/1"
+PRODUCTS = (1, 32, 128, 256)  # 1: SpMV
+MODES = ("off", "default")
+HOST_CALLS = 200  # under the GPU's launch queue: issuing is not held up by the device
+
+
+def gpu_us(fn, calls: int = 20) -> float:
+    """Device microseconds per call of everything ``fn`` launches (profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
+                and not e.key.startswith("ProfilerStep"))
+    return total / calls
+
+
+def host_us(fn, calls: int = HOST_CALLS, repeats: int = 5) -> float:
+    """CPU microseconds per call of issuing ``fn``: the best of ``repeats`` loops."""
+    import torch
+
+    best = math.inf
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def measure_cell(M, name: str, n: int, mode: str) -> dict:
+    import numpy as np
+    import torch
+
+    import torch_sparserl as ts
+    from torch_sparserl.cli.measure import compare_us
+    from torch_sparserl.dtypes import close_to_reference
+    from torch_sparserl.jit import fastpath
+    from torch_sparserl.jit import runtime as rt
+
+    runtime = rt.configure(mode="off" if mode == "off" else "sync")
+    A = ts.csr(M, dtype=torch.float32, index_dtype=torch.int32, device="cuda")
+    raw = torch.sparse_csr_tensor(A.crow, A.col, A.val, tuple(A.shape))
+    generator = torch.Generator(device="cuda").manual_seed(n)
+    X = torch.randn(M.shape[1], max(n, 1), device="cuda", generator=generator)
+    operand = X[:, 0].contiguous() if n == 1 else X
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    Y = A @ operand
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - started
+    reference = torch.from_numpy(np.asarray(M.astype(np.float64) @ X.double().cpu().numpy()))
+    ok, why = close_to_reference(Y.reshape(M.shape[0], -1).cpu(), reference[:, :max(n, 1)], torch.float32)
+    ours = lambda: A @ operand  # noqa: E731
+    theirs = (lambda: torch.mv(raw, operand)) if n == 1 else (lambda: torch.sparse.mm(raw, operand))  # noqa: E731
+    before = fastpath.COUNTS.clone()
+    ours()
+    served_by_cpp = bool((fastpath.COUNTS - before).sum())
+    wall = compare_us({"sparserl": ours, "torch": theirs})
+    op = "spmv" if n == 1 else "spmm"
+    from torch_sparserl import pattern as patterns
+
+    decision = runtime.explain(op, patterns.lookup(A.crow, A.col, M.shape[1]), n, torch.float32)
+    cell = {"matrix": name, "rows": M.shape[0], "cols": M.shape[1], "nnz": int(M.nnz), "n": n, "mode": mode,
+            "decision": decision, "served_by_cpp": served_by_cpp, "first_s": first_s,
+            "correct": ok, "error": None if ok else why,
+            "wall_us": wall["sparserl"], "torch_wall_us": wall["torch"],
+            "gpu_us": gpu_us(ours), "torch_gpu_us": gpu_us(theirs),
+            "host_us": host_us(ours), "torch_host_us": host_us(theirs)}
+    cell["speedup"] = cell["torch_wall_us"] / cell["wall_us"]
+    cell["gpu_speedup"] = cell["torch_gpu_us"] / cell["gpu_us"] if cell["gpu_us"] > 0 else None
+    return cell
+
+
+def _geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def summary(doc: dict) -> dict:
+    out = {}
+    for mode in MODES:
+        for n in PRODUCTS:
+            cells = [c for c in doc["cells"] if c["mode"] == mode and c["n"] == n]
+            if not cells:
+                continue
+            out[f"{mode} {'spmv' if n == 1 else f'spmm n={n}'}"] = {
+                "cells": len(cells), "geomean": _geomean(c["speedup"] for c in cells),
+                "min": min(c["speedup"] for c in cells), "gpu_geomean": _geomean(c["gpu_speedup"] for c in cells),
+                "below_0.97": sum(c["speedup"] < 0.97 for c in cells),
+                "host_us_median": statistics.median(c["host_us"] for c in cells),
+                "torch_host_us_median": statistics.median(c["torch_host_us"] for c in cells),
+                "installed": sum(c["decision"].startswith("installed") for c in cells),
+                "correct": sum(c["correct"] for c in cells)}
+    return out
+
+
+def markdown(doc: dict) -> str:
+    env = doc["env"]
+    lines = [f"# Eager products end to end: {env['gpu']}, torch {env['torch']}", "",
+             "Speedup = torch's own call (`torch.sparse.mm` / `torch.mv` on the same CSR tensor) per call / "
+             "`ts.csr(A) @ X` per call, wall time with host cost, rounds interleaved in one process; float32, "
+             "int32 indices. `off`: no kernel, cuSPARSE serves every call (the fallback path); `default`: the "
+             "default settings in sync mode. GPU = profiler device time per call; host = CPU µs per call.", "",
+             "| runtime, product | cells | geomean | min | < 0.97× | GPU geomean | host µs (torch) | "
+             "kernels | correct |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, s in doc["summary"].items():
+        lines.append(f"| {label} | {s['cells']} | {s['geomean']:.2f}× | {s['min']:.2f}× | {s['below_0.97']} | "
+                     f"{s['gpu_geomean']:.2f}× | {s['host_us_median']:.1f} ({s['torch_host_us_median']:.1f}) | "
+                     f"{s['installed']} | {s['correct']}/{s['cells']} |")
+    lines += ["", "| matrix | n | runtime | speedup | wall µs (torch) | GPU µs (torch) | host µs (torch) | served by |",
+              "|---|---:|---|---:|---:|---:|---:|---|"]
+    for c in doc["cells"]:
+        lines.append(f"| {c['matrix']} | {c['n']} | {c['mode']} | {c['speedup']:.2f}× | {c['wall_us']:.1f} "
+                     f"({c['torch_wall_us']:.1f}) | {c['gpu_us']:.1f} ({c['torch_gpu_us']:.1f}) | {c['host_us']:.1f} "
+                     f"({c['torch_host_us']:.1f}) | {c['decision'][:60]}" + (" (C++)" if c["served_by_cpp"] else "")
+                     + " |")
+    lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
+    return "\n".join(lines) + "\n"
+
+
+def svg(doc: dict) -> str:
+    """End-to-end speedup of every cell, one column per (product, runtime)."""
+    columns = [(mode, n) for n in PRODUCTS for mode in MODES]
+    colors = {"off": "#8c8c8c", "default": "#2b6cb0"}
+    values = {col: [c["speedup"] for c in doc["cells"] if (c["mode"], c["n"]) == col] for col in columns}
+    hi = max([2.0] + [v for vs in values.values() for v in vs])
+    left, top, plot_h, col_w = 50, 40, 260, 60
+    width, height = left + len(columns) * col_w + 20, top + plot_h + 70
+
+    def y_of(v):
+        return top + plot_h * (1 - v / hi)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="10"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="13" font-weight="bold">'
+           f'{html.escape("ts.csr(A) @ X vs torch, end to end, per matrix — " + str(doc["env"].get("gpu")))}</text>']
+    tick = 0.0
+    while tick <= hi + 1e-9:
+        out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y_of(tick):.1f}" y2="{y_of(tick):.1f}" '
+                   f'stroke="{"#000" if tick == 1 else "#ddd"}"/><text x="{left - 4}" y="{y_of(tick) + 3:.1f}" '
+                   f'text-anchor="end">{tick:.1f}×</text>')
+        tick += 0.5
+    for i, col in enumerate(columns):
+        x = left + i * col_w + col_w / 2
+        for v in values[col]:
+            out.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3" fill="{colors[col[0]]}" fill-opacity="0.7"/>')
+        label = f"{'spmv' if col[1] == 1 else f'n={col[1]}'} {col[0]}"
+        out.append(f'<text x="{x:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{html.escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/", help="a .json file, or a folder for the default name")
+    parser.add_argument("--resume", help="a results .json to continue (its cells are skipped)")
+    parser.add_argument("--matrices", help="comma-separated names (default: every real matrix)")
+    parser.add_argument("--products", default=",".join(map(str, PRODUCTS)), help="N per product; 1 is SpMV")
+    parser.add_argument("--max-time-s", type=float, default=math.inf, help="stop starting cells after this")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from bench_kernels import environment, known_matrices
+    from report import results_path, write_json_md
+    from torch_sparserl.data.datasets import load_matrix
+
+    if not torch.cuda.is_available():
+        print("bench_eager: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    env = environment()
+    if args.resume:
+        path = Path(args.resume)
+        doc = json.loads(path.read_text())
+    else:
+        path = results_path(args.out, "eager", env["gpu"], dt.date.today().isoformat())
+        doc = {"schema": SCHEMA, "env": env, "runs": [], "cells": []}
+    doc["runs"].append({"started": dt.datetime.now().isoformat(timespec="seconds"),
+                        "command": " ".join(["python benchmarks/bench_eager.py"]
+                                            + (argv if argv is not None else sys.argv[1:]))})
+    real = {name: entry for name, entry in known_matrices().items() if entry.group == "real"}
+    names = args.matrices.split(",") if args.matrices else sorted(real)
+    products = [int(n) for n in args.products.split(",")]
+    done = {(c["matrix"], c["n"], c["mode"]) for c in doc["cells"]}
+    started = time.perf_counter()
+    for name in names:
+        M = (real[name].load() if name in real else load_matrix(name)).tocsr()
+        for n in products:
+            for mode in MODES:
+                if (name, n, mode) in done:
+                    continue
+                if time.perf_counter() - started > args.max_time_s:
+                    print("bench_eager: time is up; resume with --resume", path)
+                    doc["summary"] = summary(doc)
+                    write_json_md(doc, path, markdown, svg)
+                    return 0
+                cell = measure_cell(M, name, n, mode)
+                doc["cells"].append(cell)
+                print(f"{name} n={n} {mode}: {cell['speedup']:.2f}x ({cell['wall_us']:.1f} vs "
+                      f"{cell['torch_wall_us']:.1f} us; host {cell['host_us']:.1f} vs {cell['torch_host_us']:.1f}) "
+                      f"{cell['decision'][:50]}", flush=True)
+                doc["summary"] = summary(doc)
+                write_json_md(doc, path, markdown, svg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
