@@ -81,3 +81,80 @@ def test_the_cli_says_why_it_is_not_there(capsys, monkeypatch):
     assert "C++ fast path: not available: this torch has no CUDA" in capsys.readouterr().out
     assert cli.main(["info"]) == 0
     assert "C++ fast path: not available" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the eager door (its routing, CPU)
+
+
+class _FakeServe:
+    """Stands in for the library's serve(): records what it was asked, answers ``answer``."""
+
+    def __init__(self, answer=None):
+        self.asked, self.answer = [], answer
+
+    def __call__(self, op, crow, col, val, ncols, X):
+        self.asked.append((fastpath.OPS[op], ncols, tuple(X.shape)))
+        return self.answer(X) if callable(self.answer) else self.answer
+
+
+@pytest.fixture
+def square():
+    import numpy as np
+    import scipy.sparse as sp
+
+    import torch_sparserl as ts
+
+    M = sp.random(20, 20, density=0.2, format="csr", random_state=np.random.default_rng(0))
+    A = ts.csr(M, dtype=torch.float64)
+    A.__dict__["_eager_ncols"] = 20  # what recording a CUDA product leaves on the matrix
+    return A, torch.from_numpy(M.toarray())
+
+
+def test_each_eager_spelling_asks_the_door_for_its_own_product(monkeypatch, square):
+    """A miss (None) runs the Python path; each spelling names its product, the transposes too
+    (on a square matrix, spmm and spmm_transposed take operands of the same shape)."""
+    A, dense = square
+    fake = _FakeServe()
+    monkeypatch.setattr(fastpath, "serve", fake)
+    X, x = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
+    torch.testing.assert_close(A @ X, dense @ X)
+    torch.testing.assert_close(A @ x, dense @ x)
+    torch.testing.assert_close(X.t() @ A, X.t() @ dense)
+    torch.testing.assert_close(x @ A, x @ dense)
+    torch.testing.assert_close(torch.mm(A, X), dense @ X)
+    torch.testing.assert_close(torch.mv(A, x), dense @ x)
+    assert [op for op, _, _ in fake.asked] == ["spmm", "spmv", "spmm_transposed", "spmv_transposed", "spmm", "spmv"]
+    assert all(ncols == 20 for _, ncols, _ in fake.asked)
+
+
+def test_what_the_door_serves_is_the_result(monkeypatch, square):
+    A, _ = square
+    monkeypatch.setattr(fastpath, "serve", _FakeServe(lambda X: torch.full((20, X.shape[1]), 7.0)))
+    assert torch.equal(A @ torch.randn(20, 2, dtype=torch.float64), torch.full((20, 2), 7.0))
+
+
+def test_an_error_in_the_door_reaches_the_caller(monkeypatch, square):
+    A, _ = square
+
+    def failing(*args):
+        raise RuntimeError("sparserl kernel launch: cudaLaunchKernel failed with cudaError 719")
+
+    monkeypatch.setattr(fastpath, "serve", failing)
+    with pytest.raises(RuntimeError, match="cudaLaunchKernel failed"):
+        A @ torch.randn(20, 2, dtype=torch.float64)
+
+
+def test_the_door_is_not_asked_without_a_recording_or_under_a_tracer(monkeypatch, square):
+    A, dense = square
+    fake = _FakeServe()
+    monkeypatch.setattr(fastpath, "serve", fake)
+    X = torch.randn(20, 3, dtype=torch.float64)
+    A.requires_grad = True  # the setter drops the recording: autograd must see every product
+    torch.testing.assert_close(A @ X, dense @ X)
+    B = A.detach()  # a new matrix: nothing recorded for it
+    torch.testing.assert_close(B @ X, dense @ X)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    C = A.detach()
+    C.__dict__["_eager_ncols"] = 20
+    torch.testing.assert_close(C @ X, dense @ X)
+    assert fake.asked == []

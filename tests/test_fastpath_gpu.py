@@ -466,3 +466,22 @@ def test_cusparse_is_called_directly():
     """Where the runtime decided for cuSPARSE, C++ calls it with descriptors it keeps (the tests
     above check the results); this machine's build found the cuSPARSE header and library."""
     assert fastpath.cusparse_direct(), fastpath.status()
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_eager_products_with_the_transpose_are_served_in_cxx_on_a_square_matrix(runtime, poison_uninitialized,
+                                                                                 vector):
+    """``X @ A`` runs Aᵀ's product: on a square matrix its operands fit A's own product too, and
+    C++ must serve the transposed entry, not A's."""
+    M = sp.random(64, 64, density=0.1, random_state=np.random.default_rng(5), format="csr")
+    M.data[:] = np.random.default_rng(6).standard_normal(M.nnz)
+    A = ts.csr(M, dtype=torch.float32, device="cuda")
+    A @ _operand("spmv" if vector else "spmm", M, KERNEL_N, seed=0)  # A's own product recorded first
+    for call in range(3):
+        G = _operand("spmv" if vector else "spmm", M, KERNEL_N, seed=call + 1)
+        before = _counts()
+        got = G @ A if vector else G.t() @ A
+        torch.cuda.synchronize()
+        want = (M.T @ G.cpu().double().numpy()).T
+        assert_close_to_reference(got, torch.from_numpy(np.asarray(want)), torch.float32)
+        assert (sum(_counts()) - sum(before)) == (0 if call == 0 else 1)

@@ -96,14 +96,13 @@ class CSRMatrix(Tensor):
     # -- the hot path ---------------------------------------------------------------
 
     def __matmul__(self, other):
-        # Eager ``A @ X`` with an installed kernel: straight to its launch (see _hot_product).
+        # Eager ``A @ X`` with an installed kernel: straight to its launch (see _hot_product),
+        # where the C++ fast path is not loaded; where it is, _product asks its eager door first.
         # Anything else goes to the same handler as torch.matmul, called here rather than
         # through Tensor.__matmul__, which turns every TypeError (a wrong dtype, a sparse
         # operand) into NotImplemented and so into Python's bare "unsupported operand type(s)".
         if type(other) is Tensor:
-            out = _served_in_cpp(self, other)
-            if out is None:
-                out = _hot_product(self, other)
+            out = _hot_product(self, other)
             if out is not None:
                 return out
         if not isinstance(other, Tensor):
@@ -225,7 +224,7 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
     (:func:`ops.direct_ok`), or with a lean autograd node when only autograd does
     (:func:`ops.eager_product`)."""
     if type(X) is Tensor:
-        out = _served_in_cpp(A, X)
+        out = _served_in_cpp(A, X, op)
         if out is not None:
             return out
     val, X = autocast_operands(values_of(A), X)
@@ -233,10 +232,10 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
         runtime = rt.active_or_none()
         served = runtime.stats["installed_calls"] if runtime is not None else None
         out = ops.direct(op, A.crow, A.col, val, A.shape[1], X)
-        if op in ("spmm", "spmv") and runtime is not None:
+        if op in _FAST_OPS and runtime is not None:
             if X.is_cuda and fastpath.loaded:
                 _record_in_cpp(A, runtime, op, val, X)
-            elif runtime.stats["installed_calls"] != served:
+            elif op in ("spmm", "spmv") and runtime.stats["installed_calls"] != served:
                 _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
         return out
     if ops.eager_ok(val, X):
@@ -244,11 +243,12 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
     return getattr(_ops, op)(A.crow, A.col, val, A.shape[1], X)
 
 
-_FAST_OP = {2: fastpath.OPS.index("spmm"), 1: fastpath.OPS.index("spmv")}  # X.dim() -> the C++ op
+_FAST_OPS = {name: index for index, name in enumerate(fastpath.OPS)}  # what the C++ registry serves
 
 
-def _served_in_cpp(A: CSRMatrix, X: Tensor) -> Tensor | None:
-    """``A @ X`` served by the C++ fast path's eager door (:data:`fastpath.serve`), or None.
+def _served_in_cpp(A: CSRMatrix, X: Tensor, op: str | None) -> Tensor | None:
+    """The product ``op`` of ``A`` and ``X`` (``spmm``, ``spmv`` or their transposes) served by
+    the C++ fast path's eager door (:data:`fastpath.serve`), or None.
 
     Only for a matrix whose earlier product the Python path recorded there
     (:func:`_record_in_cpp`: a CUDA product of a matrix that needs no gradient); C++ then
@@ -258,10 +258,10 @@ def _served_in_cpp(A: CSRMatrix, X: Tensor) -> Tensor | None:
     if ncols is None:
         return None
     serve = fastpath.serve
-    op = _FAST_OP.get(X.dim())
-    if serve is None or op is None or torch.compiler.is_compiling():
+    index = _FAST_OPS.get(op)
+    if serve is None or index is None or torch.compiler.is_compiling():
         return None
-    return serve(op, A.crow, A.col, A.val, ncols, X)
+    return serve(index, A.crow, A.col, A.val, ncols, X)
 
 
 def _record_in_cpp(A: CSRMatrix, runtime: rt.Runtime, op: str, val: Tensor, X: Tensor) -> None:
