@@ -111,6 +111,9 @@ struct Entry {
   // what serves it
   at::Tensor rowptr, colidx;  // the validated indices to read when not the call's own (a private copy, int32 copies, the transpose)
   at::Tensor perm;            // transposed ops: val_t = val[perm]
+  // their versions at install: the transpose's tensors are handed out (A.t()), and a write to
+  // them makes the Python path compute the transpose again, so the entry no longer serves
+  int64_t rowptr_version = 0, colidx_version = 0, perm_version = 0;
   bool vendor = false;        // cuSPARSE: directly (plan), else through at::addmm / at::addmv
   std::unique_ptr<VendorPlan> plan;
   int64_t vendor_cols = 0;    // columns of the matrix cuSPARSE multiplies
@@ -147,6 +150,14 @@ DriverLaunchFn driver_launch() {
 
 bool is_alive(const std::optional<ImplPtr>& p) { return p.has_value() && !p->expired(); }
 
+// A tensor the entry holds is as it was at install (undefined ones and inference tensors, which
+// cannot be written outside inference mode, count as intact).
+bool held_intact(const at::Tensor& t, int64_t version) {
+  return !t.defined() || t.is_inference() || t._version() == version;
+}
+
+int64_t version_of(const at::Tensor& t) { return t.defined() && !t.is_inference() ? t._version() : 0; }
+
 void count(int which) {
   if (counters.defined()) __atomic_fetch_add(counters.data_ptr<int64_t>() + which, 1, __ATOMIC_RELAXED);
 }
@@ -167,6 +178,9 @@ std::shared_ptr<Entry> find(int64_t op, const at::Tensor& crow, const at::Tensor
     // by another tensor; expired: the tensor died (its entry is swept at the next install).
     if (!is_alive(e->crow) || !is_alive(e->col)) return nullptr;
     if (crow._version() != e->crow_version || col._version() != e->col_version) return nullptr;
+    if (!held_intact(e->rowptr, e->rowptr_version) || !held_intact(e->colidx, e->colidx_version) ||
+        !held_intact(e->perm, e->perm_version))
+      return nullptr;
     if (val.size(0) != e->nnz || X.size(0) != e->in_rows || X.scalar_type() != e->dtype || !val.is_cuda() ||
         val.device() != X.device() || crow.device() != X.device())
       return nullptr;
@@ -459,6 +473,9 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   if (rowptr.has_value()) e->rowptr = *rowptr;
   if (colidx.has_value()) e->colidx = *colidx;
   if (perm.has_value()) e->perm = *perm;
+  e->rowptr_version = version_of(e->rowptr);
+  e->colidx_version = version_of(e->colidx);
+  e->perm_version = version_of(e->perm);
   e->vendor = launcher == 0 && function == 0;
   if (e->vendor) e->plan = std::make_unique<VendorPlan>();
   e->vendor_cols = vendor_cols;
