@@ -158,3 +158,24 @@ def test_the_door_is_not_asked_without_a_recording_or_under_a_tracer(monkeypatch
     C.__dict__["_eager_ncols"] = 20
     torch.testing.assert_close(C @ X, dense @ X)
     assert fake.asked == []
+
+
+def test_the_first_cuda_product_starts_the_library_once(monkeypatch, caplog):
+    """start(): ensure() once per process (loaded now if built, else built in the background);
+    a failure there is a warning, and the Python path serves on."""
+    calls = []
+    monkeypatch.setattr(fastpath, "_started", False)
+    monkeypatch.setattr(fastpath, "loaded", False)
+    monkeypatch.setattr(fastpath, "ensure", lambda: calls.append(1))
+    fastpath.start()
+    fastpath.start()
+    assert calls == [1]
+
+    def failing():
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(fastpath, "_started", False)
+    monkeypatch.setattr(fastpath, "ensure", failing)
+    with caplog.at_level("WARNING", logger="torch_sparserl.jit.fastpath"):
+        fastpath.start()
+    assert "could not be loaded: no space left on device" in caplog.text

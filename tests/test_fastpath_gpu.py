@@ -8,6 +8,9 @@ about a minute).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -485,3 +488,27 @@ def test_eager_products_with_the_transpose_are_served_in_cxx_on_a_square_matrix(
         want = (M.T @ G.cpu().double().numpy()).T
         assert_close_to_reference(got, torch.from_numpy(np.asarray(want)), torch.float32)
         assert (sum(_counts()) - sum(before)) == (0 if call == 0 else 1)
+
+
+def test_an_eager_process_takes_the_door_without_asking(tmp_path):
+    """A process that only runs eager products (no compile, no prewarm) loads the built library
+    with its first CUDA product, and C++ serves from the call after the one Python recorded."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, torch_sparserl as ts
+        from helpers import make_pattern
+        from torch_sparserl.jit import fastpath
+        A = ts.csr(make_pattern("random"), dtype=torch.float32, device="cuda")
+        X = torch.randn(A.shape[1], 16, device="cuda")
+        A @ X  # loads the library, then Python serves and records
+        before = fastpath.COUNTS.clone()
+        A @ X
+        print("served", int((fastpath.COUNTS - before).sum()), fastpath.loaded)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "served 1 True" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -203,6 +203,22 @@ def _build_and_load() -> None:
         log.warning("sparserl: %s; products run through the Python path", _failure)
 
 
+_started = False
+
+
+def start() -> None:
+    """What the first CUDA product of a process calls: :func:`ensure` once (loaded now if it is
+    on disk, else built in the background while Python serves); later calls return at once."""
+    global _started
+    if _started or loaded:
+        return
+    _started = True
+    try:
+        ensure()
+    except Exception as exc:  # noqa: BLE001 - the Python path serves on
+        log.warning("sparserl: the C++ fast path could not be loaded: %s; products run through the Python path", exc)
+
+
 def ensure(*, wait: bool = False) -> bool:
     """Load the library, building it first (in a subprocess) when it is not on disk: in a
     background thread unless ``wait``. Returns whether it is loaded now. Safe to call often."""

@@ -215,6 +215,8 @@ class Runtime:
         decision = self._decisions.get(pattern, op, n, val.dtype)
         state = None if decision is None else decision.state
         if state is None:
+            if X.is_cuda and not fastpath.loaded:
+                fastpath.start()  # once per process: C++ serves the calls Python has served
             if not self.decides_on(X.device):
                 return None
             state = self._resolve(op, n, pattern, crow, col, val.dtype)
