@@ -219,10 +219,11 @@ def autocast_operands(val: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
-    """``torch.ops.sparserl.<op>`` on A's parts; in eager code its implementation directly
-    when nothing (autograd, a tracer, a mode) needs to see the operator
-    (:func:`ops.direct_ok`), or with a lean autograd node when only autograd does
-    (:func:`ops.eager_product`)."""
+    """``torch.ops.sparserl.<op>`` on A's parts. In eager code: the C++ fast path's eager door
+    when it has this call recorded (:func:`_served_in_cpp`); else the implementation directly
+    when nothing (autograd, a tracer, a mode) needs to see the operator (:func:`ops.direct_ok`),
+    which records a CUDA call for the door, or with a lean autograd node when only autograd
+    does (:func:`ops.eager_product`)."""
     if type(X) is Tensor:
         out = _served_in_cpp(A, X, op)
         if out is not None:
