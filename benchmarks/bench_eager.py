@@ -12,7 +12,8 @@ settings, in ``sync`` mode so that each decision lands before the timing) — on
 * **gpu** — the device time per call of everything each call launches (kernels, memsets,
   copies), from the profiler;
 * **host** — CPU microseconds per call of issuing the call (a loop of calls, no
-  synchronization inside);
+  synchronization inside); where a kernel serves from C++, also the floor: bare launches of the
+  same kernel from C++ into a preallocated output (``bare_launch_us``);
 * **correct** — the first product against float64 SciPy.
 
     python benchmarks/bench_eager.py --out benchmarks/results/                  # everything
@@ -110,9 +111,25 @@ def measure_cell(M, name: str, n: int, mode: str) -> dict:
             "wall_us": wall["sparserl"], "torch_wall_us": wall["torch"],
             "gpu_us": gpu_us(ours), "torch_gpu_us": gpu_us(theirs),
             "host_us": host_us(ours), "torch_host_us": host_us(theirs)}
+    cell["bare_launch_us"] = _bare_launch_us(A, operand, n) if served_by_cpp and decision.startswith("installed") \
+        else None
     cell["speedup"] = cell["torch_wall_us"] / cell["wall_us"]
     cell["gpu_speedup"] = cell["torch_gpu_us"] / cell["gpu_us"] if cell["gpu_us"] > 0 else None
     return cell
+
+
+def _bare_launch_us(A, operand, n: int) -> float | None:
+    """Host µs per bare launch of the kernel C++ serves ``A @ operand`` with (its library's
+    ``bare_launch_us``), or None where the library cannot say."""
+    import torch
+
+    from torch_sparserl.jit import fastpath
+
+    try:
+        return float(torch.ops.sparserl_fastpath.bare_launch_us(
+            A.crow, A.col, A.val, A.shape[1], operand, fastpath.OPS.index("spmv" if n == 1 else "spmm"), HOST_CALLS))
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def _geomean(values) -> float | None:
@@ -133,6 +150,8 @@ def summary(doc: dict) -> dict:
                 "below_0.97": sum(c["speedup"] < 0.97 for c in cells),
                 "host_us_median": statistics.median(c["host_us"] for c in cells),
                 "torch_host_us_median": statistics.median(c["torch_host_us"] for c in cells),
+                "over_bare_us_max": max((c["host_us"] - c["bare_launch_us"] for c in cells
+                                         if c.get("bare_launch_us") is not None), default=None),
                 "installed": sum(c["decision"].startswith("installed") for c in cells),
                 "correct": sum(c["correct"] for c in cells)}
     return out
@@ -145,12 +164,14 @@ def markdown(doc: dict) -> str:
              "`ts.csr(A) @ X` per call, wall time with host cost, rounds interleaved in one process; float32, "
              "int32 indices. `off`: no kernel, cuSPARSE serves every call (the fallback path); `default`: the "
              "default settings in sync mode. GPU = profiler device time per call; host = CPU µs per call.", "",
+             "Host over bare = the most host µs a C++ kernel hit took over bare launches of the same kernel.", "",
              "| runtime, product | cells | geomean | min | < 0.97× | GPU geomean | host µs (torch) | "
-             "kernels | correct |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "host over bare | kernels | correct |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, s in doc["summary"].items():
         lines.append(f"| {label} | {s['cells']} | {s['geomean']:.2f}× | {s['min']:.2f}× | {s['below_0.97']} | "
                      f"{s['gpu_geomean']:.2f}× | {s['host_us_median']:.1f} ({s['torch_host_us_median']:.1f}) | "
-                     f"{s['installed']} | {s['correct']}/{s['cells']} |")
+                     + ("–" if s.get("over_bare_us_max") is None else f"{s['over_bare_us_max']:.1f} µs")
+                     + f" | {s['installed']} | {s['correct']}/{s['cells']} |")
     lines += ["", "| matrix | n | runtime | speedup | wall µs (torch) | GPU µs (torch) | host µs (torch) | served by |",
               "|---|---:|---|---:|---:|---:|---:|---|"]
     for c in doc["cells"]:

@@ -66,6 +66,7 @@ cusparseHandle_t getCurrentCUDASparseHandle();
 
 #include <cstdint>
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -350,6 +351,29 @@ void zero_fill(const at::Tensor& t, cudaStream_t stream) {
   if (t.numel()) C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), stream));
 }
 
+// One launch of an entry's kernel on operands already checked and allocated (serve, and the
+// bare launches the benchmarks measure the host path against).
+void launch_kernel(const Entry& e, const at::Tensor& rowptr, const at::Tensor& colidx, const at::Tensor& val,
+                   const at::Tensor& X, const at::Tensor& y, const at::Tensor& work, cudaStream_t stream) {
+  void* pointers[7] = {rowptr.data_ptr(), colidx.data_ptr(), val.numel() ? val.data_ptr() : nullptr,
+                       X.numel() ? X.data_ptr() : nullptr, y.data_ptr(),
+                       e.aux.defined() && e.aux.numel() ? e.aux.data_ptr() : nullptr,
+                       work.defined() ? work.data_ptr() : nullptr};
+  int ints[5] = {e.ints[0], e.ints[1], e.ints[2], e.ints[3], e.ints[4]};
+  void* params[12];
+  for (int i = 0; i < 7; ++i) params[i] = &pointers[i];
+  for (int i = 0; i < 5; ++i) params[7 + i] = &ints[i];
+  if (e.launch != nullptr) {
+    const int err = e.launch(e.grid, e.block, e.smem, stream, params);
+    TORCH_CHECK(err == 0, "sparserl kernel launch: cudaLaunchKernel failed with cudaError ", err, " (grid=", e.grid,
+                ", block=", e.block, ", smem=", e.smem, ")");
+  } else {
+    const int err = driver_launch()(e.function, e.grid, 1, 1, e.block, 1, 1, e.smem, stream, params, nullptr);
+    TORCH_CHECK(err == 0, "sparserl kernel launch: cuLaunchKernel failed with CUresult ", err, " (grid=", e.grid,
+                ", block=", e.block, ", smem=", e.smem, ")");
+  }
+}
+
 // Serves a call with the indices its pattern validated: the entry's rowptr and colidx (the
 // pattern's private copy of a caller's tensors, int32 copies, the transpose), or the call's
 // crow and col where those are the library's own validated tensors (none recorded then, so
@@ -387,23 +411,7 @@ at::Tensor serve(Entry& e, const at::Tensor& crow, const at::Tensor& col, const 
   }
   count(0);
   if (e.grid == 0) return y;
-  void* pointers[7] = {rowptr.data_ptr(), colidx.data_ptr(), val.numel() ? val.data_ptr() : nullptr,
-                       X.numel() ? X.data_ptr() : nullptr, y.data_ptr(),
-                       e.aux.defined() && e.aux.numel() ? e.aux.data_ptr() : nullptr,
-                       work.defined() ? work.data_ptr() : nullptr};
-  int ints[5] = {e.ints[0], e.ints[1], e.ints[2], e.ints[3], e.ints[4]};
-  void* params[12];
-  for (int i = 0; i < 7; ++i) params[i] = &pointers[i];
-  for (int i = 0; i < 5; ++i) params[7 + i] = &ints[i];
-  if (e.launch != nullptr) {
-    const int err = e.launch(e.grid, e.block, e.smem, stream, params);
-    TORCH_CHECK(err == 0, "sparserl kernel launch: cudaLaunchKernel failed with cudaError ", err, " (grid=", e.grid,
-                ", block=", e.block, ", smem=", e.smem, ")");
-  } else {
-    const int err = driver_launch()(e.function, e.grid, 1, 1, e.block, 1, 1, e.smem, stream, params, nullptr);
-    TORCH_CHECK(err == 0, "sparserl kernel launch: cuLaunchKernel failed with CUresult ", err, " (grid=", e.grid,
-                ", block=", e.block, ", smem=", e.smem, ")");
-  }
+  launch_kernel(e, rowptr, colidx, val, X, y, work, stream);
   return y;
 }
 
@@ -498,6 +506,35 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   }
   kept.push_back(std::move(e));
   registry.swap(kept);
+}
+
+// Host microseconds per launch of `calls` bare launches of the kernel of the entry that serves
+// these operands, into one preallocated output: no lookup, no allocation, no zero-fill, no
+// check. The floor that the benchmarks hold a hit's host cost against (bench_eager.py).
+double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
+                      const at::Tensor& X, int64_t op, int64_t calls) {
+  TORCH_CHECK(op >= SPMM && op <= SPMV_T && calls > 0, "sparserl_fastpath.bare_launch_us: op must be 0..3 and calls "
+              "positive (got op ", op, ", calls ", calls, ")");
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> hold(registry_lock);
+    e = find(op, crow, col, val, ncols, X);
+  }
+  TORCH_CHECK(e && !e->vendor && e->grid > 0, "sparserl_fastpath.bare_launch_us: no kernel entry serves these "
+              "operands (record them with one product first)");
+  c10::cuda::CUDAGuard guard(X.device());
+  const at::Tensor& rowptr = e->rowptr.defined() ? e->rowptr : crow;
+  const at::Tensor& colidx = e->colidx.defined() ? e->colidx : col;
+  const at::Tensor Xa = aligned(X);
+  const at::Tensor values = aligned(op == SPMM_T || op == SPMV_T ? at::index_select(val, 0, e->perm) : val);
+  const bool matrix = (op == SPMM || op == SPMM_T);
+  at::Tensor y = matrix ? at::empty({e->out_rows, e->n}, X.options()) : at::empty({e->out_rows}, X.options());
+  at::Tensor work = e->work_numel ? at::zeros({e->work_numel}, X.options().dtype(at::kFloat)) : at::Tensor();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
+  const auto started = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < calls; ++i) launch_kernel(*e, rowptr, colidx, values, Xa, y, work, stream);
+  const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - started;
+  return spent.count() / static_cast<double>(calls);
 }
 
 void forget() {
@@ -595,6 +632,8 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
       &install);
   m.def("forget() -> ()", &forget);
   m.def("entries() -> int", &entries);
+  m.def("bare_launch_us(Tensor crow, Tensor col, Tensor val, int ncols, Tensor X, int op, int calls) -> float",
+        &bare_launch_us);
   m.def("driver_functions() -> bool", [] { return driver_launch() != nullptr; });
   // whether vendor entries call cuSPARSE directly (else through at::addmm / at::addmv)
   m.def("cusparse_direct() -> bool", [] {

@@ -512,3 +512,19 @@ def test_an_eager_process_takes_the_door_without_asking(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "served 1 True" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_bare_launches_of_a_served_kernel_are_timed_and_nothing_else_is(runtime):
+    """The benchmarks' floor: host µs per bare launch of the kernel C++ serves these operands with;
+    operands no kernel entry serves are refused by name."""
+    M = make_pattern("random")
+    crow, col, val = to_parts(M, torch.float32, torch.int32, "cuda")
+    bare = torch.ops.sparserl_fastpath.bare_launch_us
+    X = _operand("spmm", M, KERNEL_N, seed=0)
+    FAST.spmm(crow, col, val, M.shape[1], X)  # recorded: the kernel of KERNEL_N
+    us = bare(crow, col, val, M.shape[1], X, fastpath.OPS.index("spmm"), 100)
+    assert 0 < us < 1000
+    X16 = _operand("spmm", M, 16, seed=0)
+    FAST.spmm(crow, col, val, M.shape[1], X16)  # recorded: cuSPARSE
+    with pytest.raises(RuntimeError, match="no kernel entry serves these operands"):
+        bare(crow, col, val, M.shape[1], X16, fastpath.OPS.index("spmm"), 100)
