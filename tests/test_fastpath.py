@@ -149,15 +149,33 @@ def test_the_door_is_not_asked_without_a_recording_or_under_a_tracer(monkeypatch
     fake = _FakeServe()
     monkeypatch.setattr(fastpath, "serve", fake)
     X = torch.randn(20, 3, dtype=torch.float64)
-    A.requires_grad = True  # the setter drops the recording: autograd must see every product
-    torch.testing.assert_close(A @ X, dense @ X)
-    B = A.detach()  # a new matrix: nothing recorded for it
+    B = ts_detached(A)  # a new matrix: nothing recorded for it
     torch.testing.assert_close(B @ X, dense @ X)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    C = A.detach()
+    C = ts_detached(A)
     C.__dict__["_eager_ncols"] = 20
     torch.testing.assert_close(C @ X, dense @ X)
     assert fake.asked == []
+
+
+def ts_detached(A):
+    import torch_sparserl as ts
+
+    return ts.CSRMatrix(A.crow, A.col, A.val.detach(), tuple(A.shape))
+
+
+def test_eager_autograd_asks_the_door_inside_its_node(monkeypatch, square):
+    """A product autograd records asks the door from inside its node (grad mode is off there):
+    the forward's spmm, the backward's spmm_transposed; the sddmm of the values' gradient stays in
+    Python. The gradients are the Python path's."""
+    A, dense = square
+    fake = _FakeServe()
+    monkeypatch.setattr(fastpath, "serve", fake)
+    A.requires_grad = True  # the setter drops the matrix's own recording: its products go through autograd
+    X = torch.randn(20, 3, dtype=torch.float64, requires_grad=True)
+    (A @ X).sum().backward()
+    torch.testing.assert_close(X.grad, dense.t() @ torch.ones(20, 3, dtype=torch.float64))
+    assert [op for op, _, _ in fake.asked] == ["spmm", "spmm_transposed"]
 
 
 def test_the_first_cuda_product_starts_the_library_once(monkeypatch, caplog):

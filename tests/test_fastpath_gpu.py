@@ -528,3 +528,22 @@ def test_bare_launches_of_a_served_kernel_are_timed_and_nothing_else_is(runtime)
     FAST.spmm(crow, col, val, M.shape[1], X16)  # recorded: cuSPARSE
     with pytest.raises(RuntimeError, match="no kernel entry serves these operands"):
         bare(crow, col, val, M.shape[1], X16, fastpath.OPS.index("spmm"), 100)
+
+
+def test_eager_training_steps_run_their_products_in_cxx(runtime):
+    """An eager step on a matrix whose values train: the forward's spmm and the backward's
+    spmm_transposed are served in C++ from the second step; the gradients match float64."""
+    M = make_pattern("random")
+    val = torch.tensor(M.data, dtype=torch.float32, device="cuda", requires_grad=True)
+    A = ts.CSRMatrix(torch.tensor(M.indptr, device="cuda"), torch.tensor(M.indices, device="cuda"), val, M.shape)
+    served = []
+    for step in range(3):
+        X = _operand("spmm", M, KERNEL_N, seed=step).requires_grad_()
+        before = _counts()
+        (A @ X).sum().backward()
+        torch.cuda.synchronize()
+        served.append(sum(_counts()) - sum(before))
+        ones = np.ones((M.shape[0], KERNEL_N))
+        assert_close_to_reference(X.grad, torch.from_numpy(M.T @ ones), torch.float32)
+        val.grad = None
+    assert served == [0, 2, 2]

@@ -641,7 +641,7 @@ class _EagerProduct(torch.autograd.Function):
     def forward(ctx, crow, col, val, ncols, X, op):
         ctx.ncols, ctx.op = ncols, op
         ctx.save_for_backward(crow, col, val, X)
-        return _DIRECT[op](crow, col, val, ncols, X)
+        return _EAGER[op](crow, col, val, ncols, X)
 
     @staticmethod
     def backward(ctx, grad):
@@ -694,6 +694,30 @@ def _recording(op: str, impl):
 
 _DISPATCHED = {**{op: _recording(op, impl) for op, impl in _DIRECT.items()}, "sddmm": _sddmm,
                "spmm_epilogue": _spmm_epilogue, **_HEADS}
+
+
+
+def _door_first(op: str, recorded):
+    """``recorded`` (the implementation that records a CUDA call for C++), after asking the C++
+    fast path's eager door (:data:`torch_sparserl.jit.fastpath.serve`). For the products that
+    eager autograd runs: :class:`_EagerProduct`'s forward and the backward's products, where
+    grad mode is off, so the door may serve once the call was recorded."""
+    index = fastpath.OPS.index(op)
+
+    def run(crow: Tensor, col: Tensor, val: Tensor, ncols: int, X: Tensor) -> Tensor:
+        serve = fastpath.serve
+        if serve is not None:
+            out = serve(index, crow, col, val, ncols, X)
+            if out is not None:
+                return out
+        return recorded(crow, col, val, ncols, X)
+
+    run.__name__ = recorded.__name__
+    return run
+
+
+_EAGER = {op: _door_first(op, _DISPATCHED[op]) for op in _DIRECT}
+_IMPLS.update(_EAGER)  # the backward's products go through the door too
 
 DIRECT_OPS: dict = dict(_define_twin(_direct_library, name, impl) for name, impl in _DISPATCHED.items())
 """``torch.ops.sparserl.<op>.default`` -> ``torch.ops.sparserl_direct.<op>.default``.
