@@ -428,6 +428,11 @@ def test_the_eager_door_declines_what_python_must_see(runtime, poison_uninitiali
     Xg = X.clone().requires_grad_()
     (A @ Xg).sum().backward()  # autograd sees it: the gradient is right
     torch.testing.assert_close(Xg.grad, dense.t() @ torch.ones(M.shape[0], KERNEL_N, device="cuda"))
+    torch.cuda.synchronize()
+    # inside autograd's node, grad mode is off: the forward's recorded spmm is C++'s; the backward's
+    # spmm_transposed ran in Python for the first time (recorded now)
+    assert _counts() == (before[0] + 1, before[1])
+    before = _counts()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert (A @ X).dtype == torch.bfloat16  # autocast's dtype, as torch.mm gives
     with torch.no_grad():
@@ -435,7 +440,7 @@ def test_the_eager_door_declines_what_python_must_see(runtime, poison_uninitiali
     changed = torch.sparse_csr_tensor(A.crow.cpu(), A.col.cpu(), A.val.cpu(), tuple(A.shape)).to_dense().cuda()
     torch.testing.assert_close(A @ X, changed @ X)  # the new pattern, validated and decided again
     torch.cuda.synchronize()
-    assert _counts() == before  # every one of them ran through Python
+    assert _counts() == before  # both ran through Python
 
     B = ts.csr(M, dtype=torch.float32, device="cuda")
     B.requires_grad = True
