@@ -779,7 +779,7 @@ def test_a_negative_answer_reached_while_the_device_had_no_memory_is_no_decision
 
 def test_one_cpu_thread_narrows_only_the_calling_thread():
     """The install's host work runs on one core; the training thread keeps its CPU threads."""
-    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.install import one_cpu_thread
 
     if "OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("torch's intra-op thread count is per thread only under OpenMP")
@@ -789,7 +789,7 @@ def test_one_cpu_thread_narrows_only_the_calling_thread():
     inside, leave, seen = threading.Event(), threading.Event(), {}
 
     def background():
-        with rt.one_cpu_thread():
+        with one_cpu_thread():
             seen["inside"] = torch.get_num_threads()
             seen["sum"] = float(torch.arange(1 << 20, dtype=torch.float64).sum())  # a parallel operator
             inside.set()

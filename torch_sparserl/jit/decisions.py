@@ -71,7 +71,7 @@ class Decision:
     """The record of one ``(op, n, dtype)`` on one pattern. ``state`` is None until the
     product is first asked for; only :meth:`DecisionTable.set` writes it."""
 
-    __slots__ = ("op", "n", "dtype", "state", "fast", "__weakref__")
+    __slots__ = ("op", "n", "dtype", "state", "fast")
 
     def __init__(self, op: str, n: int, dtype: torch.dtype):
         self.op, self.n, self.dtype = op, n, dtype

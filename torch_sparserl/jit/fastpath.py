@@ -272,7 +272,8 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     transposed = op.endswith("_transposed")
     base = op.removesuffix("_transposed")
     n = X.shape[1] if base == "spmm" else 1
-    used = entry.transpose(crow, col)[0] if transposed else entry
+    form = entry.transpose(crow, col) if transposed else None  # (pattern_t, crow_t, col_t, perm)
+    used = form[0] if transposed else entry
     decision = runtime.decision(base, used, n, val.dtype)
     # recorded already: the common case of a call C++ leaves to Python (a fast_path=False
     # graph, a half-precision cuSPARSE product), so it is checked first
@@ -282,11 +283,12 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     # C++ serves with the indices the pattern validated (Pattern.indices): its private copy of a
     # caller's tensors; where they are the call's own (the library's tensors), none is handed
     # over, so that the entry keeps no strong reference to them
-    (rowptr, colidx), perm = entry.indices(crow, col), None
-    if rowptr is crow and colidx is col:
-        rowptr = colidx = None
     if transposed:
-        _, rowptr, colidx, perm = entry.transpose(crow, col)
+        _, rowptr, colidx, perm = form
+    else:
+        (rowptr, colidx), perm = entry.indices(crow, col), None
+        if rowptr is crow and colidx is col:
+            rowptr = colidx = None
     # the state is read under the lock that forget() takes: a decision landing meanwhile is
     # either read here or empties the registry after this entry is in
     with _lock:

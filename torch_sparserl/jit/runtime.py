@@ -62,7 +62,7 @@ from .specializers import autotune_specializer, learned_specializer  # noqa: F40
 from . import fastpath
 from .cache import CacheEntry, KernelCache
 from .decisions import Decision, DecisionTable, Fallback, Installed, Pending, SpecializationError
-from .install import check_fused, entry_spec, one_cpu_thread  # noqa: F401 - entry_spec, one_cpu_thread: former home
+from .install import check_fused
 from .install import family_params, fused_installer, inline_installer, library_built, nvrtc_installer
 
 log = logging.getLogger("torch_sparserl.jit.runtime")
