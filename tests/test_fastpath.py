@@ -178,6 +178,26 @@ def test_eager_autograd_asks_the_door_inside_its_node(monkeypatch, square):
     assert [op for op, _, _ in fake.asked] == ["spmm", "spmm_transposed"]
 
 
+def test_the_first_product_of_a_process_is_recorded_for_the_door(monkeypatch, square):
+    """The product that creates the process's runtime is recorded too: the next call is C++'s."""
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.tensor import csr_matrix
+
+    A, dense = square
+    A.__dict__.pop("_eager_ncols")  # nothing recorded yet
+    recorded = []
+    monkeypatch.setattr(rt, "_ACTIVE", None)
+    monkeypatch.setattr(csr_matrix, "_recordable", lambda X: True)
+    monkeypatch.setattr(csr_matrix, "_record_in_cpp", lambda A, runtime, op, val, X: recorded.append((runtime, op)))
+    X = torch.randn(20, 3, dtype=torch.float64)
+    torch.testing.assert_close(A @ X, dense @ X)
+    created = rt.active_or_none()
+    try:
+        assert recorded == [(created, "spmm")] and created is not None
+    finally:
+        created.close()
+
+
 def test_the_first_cuda_product_starts_the_library_once(monkeypatch, caplog):
     """start(): ensure() once per process (loaded now if built, else built in the background);
     a failure there is a warning, and the Python path serves on."""

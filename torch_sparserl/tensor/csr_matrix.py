@@ -233,8 +233,9 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
         runtime = rt.active_or_none()
         served = runtime.stats["installed_calls"] if runtime is not None else None
         out = ops.direct(op, A.crow, A.col, val, A.shape[1], X)
+        runtime = runtime or rt.active_or_none()  # the first product of a process creates it
         if op in _FAST_OPS and runtime is not None:
-            if X.is_cuda and fastpath.loaded:
+            if _recordable(X):
                 _record_in_cpp(A, runtime, op, val, X)
             elif op in ("spmm", "spmv") and runtime.stats["installed_calls"] != served:
                 _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
@@ -263,6 +264,11 @@ def _served_in_cpp(A: CSRMatrix, X: Tensor, op: str | None) -> Tensor | None:
     if serve is None or index is None or torch.compiler.is_compiling():
         return None
     return serve(index, A.crow, A.col, A.val, ncols, X)
+
+
+def _recordable(X: Tensor) -> bool:
+    """Whether C++ can take over a product on ``X``'s device: CUDA, the library loaded."""
+    return X.is_cuda and fastpath.loaded
 
 
 def _record_in_cpp(A: CSRMatrix, runtime: rt.Runtime, op: str, val: Tensor, X: Tensor) -> None:
