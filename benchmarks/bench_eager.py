@@ -221,8 +221,14 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", help="a results .json to continue (its cells are skipped)")
     parser.add_argument("--matrices", help="comma-separated names (default: every real matrix)")
     parser.add_argument("--products", default=",".join(map(str, PRODUCTS)), help="N per product; 1 is SpMV")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
     parser.add_argument("--max-time-s", type=float, default=math.inf, help="stop starting cells after this")
+    parser.add_argument("--no-spmv-preprocess", dest="preprocess", action="store_false",
+                        help="C++'s cuSPARSE SpMV entries skip cusparseSpMV_preprocess (to measure what it is worth)")
     args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes: expected some of {','.join(MODES)} (got {args.modes})")
 
     import torch
 
@@ -234,6 +240,11 @@ def main(argv=None) -> int:
         print("bench_eager: needs a CUDA GPU", file=sys.stderr)
         return 2
     env = environment()
+    from torch_sparserl.jit import fastpath
+
+    if fastpath.ensure(wait=True):
+        torch.ops.sparserl_fastpath.cusparse_preprocess(args.preprocess)
+    env["cusparse_spmv_preprocess"] = args.preprocess
     if args.resume:
         path = Path(args.resume)
         doc = json.loads(path.read_text())
@@ -251,7 +262,7 @@ def main(argv=None) -> int:
     for name in names:
         M = (real[name].load() if name in real else load_matrix(name)).tocsr()
         for n in products:
-            for mode in MODES:
+            for mode in modes:
                 if (name, n, mode) in done:
                     continue
                 if time.perf_counter() - started > args.max_time_s:

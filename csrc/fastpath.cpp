@@ -66,6 +66,7 @@ cusparseHandle_t getCurrentCUDASparseHandle();
 
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -97,6 +98,12 @@ struct VendorPlan {
   cusparseDnVecDescr_t x = nullptr, y = nullptr;  // spmv
   size_t buffer_bytes = 0;
   bool sized = false;
+  // SpMV preprocessed once (cusparseSpMV_preprocess: the row partition, kept in the workspace):
+  // the workspace is then the entry's own, used on the stream it was made on, and calls on
+  // another stream or under graph capture go through at::addmv instead
+  at::Tensor workspace;
+  cudaStream_t stream = nullptr;
+  bool preprocessed = false;
   ~VendorPlan();
 #endif
 };
@@ -205,6 +212,7 @@ struct Cusparse {
   decltype(&cusparseDestroyDnVec) destroy_dnvec;
   decltype(&cusparseSpMV_bufferSize) spmv_size;
   decltype(&cusparseSpMV) spmv;
+  decltype(&cusparseSpMV_preprocess) spmv_preprocess;  // optional (cuSPARSE 12.4+): null where missing
   decltype(&cusparseSpMM_bufferSize) spmm_size;
   decltype(&cusparseSpMM) spmm;
 };
@@ -243,6 +251,7 @@ const Cusparse* cusparse_api() {
     get(fns.spmv, "cusparseSpMV");
     get(fns.spmm_size, "cusparseSpMM_bufferSize");
     get(fns.spmm, "cusparseSpMM");
+    fns.spmv_preprocess = reinterpret_cast<decltype(fns.spmv_preprocess)>(dlsym(lib, "cusparseSpMV_preprocess"));
     return ok ? &fns : nullptr;
   }();
   return api;
@@ -257,6 +266,9 @@ VendorPlan::~VendorPlan() {
   if (x) api->destroy_dnvec(x);
   if (y) api->destroy_dnvec(y);
 }
+
+// Whether new vendor entries preprocess their SpMV (benchmarks turn it off to measure it).
+std::atomic<bool> spmv_preprocess_on{true};
 
 // out = A @ X by cuSPARSE through the entry's kept descriptors; nothing where this cannot be
 // done (no cuSPARSE found, a dtype or index type it is not set up for, an empty product, a
@@ -321,9 +333,21 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
     p.failed = true;
     return std::nullopt;
   }
-  // the workspace comes from torch's caching allocator on the current stream, every call
-  at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(p.buffer_bytes, 1))},
-                                X.options().dtype(at::kByte));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  if (!matrix && !p.preprocessed && p.stream == nullptr && !capturing && api->spmv_preprocess != nullptr &&
+      spmv_preprocess_on.load()) {
+    p.stream = stream;  // tried once, on this stream
+    p.workspace = at::empty({static_cast<int64_t>(std::max<size_t>(p.buffer_bytes, 1))}, X.options().dtype(at::kByte));
+    p.preprocessed = api->spmv_preprocess(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, dt,
+                                          CUSPARSE_SPMV_ALG_DEFAULT, p.workspace.data_ptr()) == CUSPARSE_STATUS_SUCCESS;
+    if (!p.preprocessed) p.workspace = at::Tensor();  // plain calls with a workspace of their own
+  }
+  if (p.preprocessed && (stream != p.stream || capturing)) return std::nullopt;  // not this workspace's stream
+  // else the workspace comes from torch's caching allocator on the current stream, every call
+  at::Tensor buffer = p.preprocessed ? p.workspace
+                                     : at::empty({static_cast<int64_t>(std::max<size_t>(p.buffer_bytes, 1))},
+                                                 X.options().dtype(at::kByte));
   if (matrix)
     check(api->spmm(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.X, beta,
                     p.Y, dt, CUSPARSE_SPMM_ALG_DEFAULT, buffer.data_ptr()));
@@ -639,6 +663,14 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
   m.def("cusparse_direct() -> bool", [] {
 #if SPARSERL_CUSPARSE
     return cusparse_api() != nullptr;
+#else
+    return false;
+#endif
+  });
+  // whether vendor entries made from now on preprocess their SpMV (returns the previous setting)
+  m.def("cusparse_preprocess(bool on) -> bool", [](bool on) {
+#if SPARSERL_CUSPARSE
+    return spmv_preprocess_on.exchange(on);
 #else
     return false;
 #endif

@@ -476,6 +476,59 @@ def test_cusparse_is_called_directly():
     assert fastpath.cusparse_direct(), fastpath.status()
 
 
+@pytest.mark.parametrize("preprocess", [True, False])
+def test_cusparse_spmv_stays_correct_as_values_operands_and_streams_change(tmp_path, poison_uninitialized,
+                                                                          preprocess):
+    """A vendor SpMV entry preprocesses once (its workspace kept) and then serves calls whose
+    values are written in place or replaced, on fresh vectors; a call on another stream or
+    under graph capture is served through at::addmv instead, and is as correct."""
+    was = torch.ops.sparserl_fastpath.cusparse_preprocess(preprocess)
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="off"), cache=KernelCache(tmp_path))
+    previous = rt.set_active(runtime)
+    try:
+        M = sp.random(3000, 2000, density=0.004, random_state=np.random.default_rng(11), format="csr")
+        M.data[:] = np.random.default_rng(12).standard_normal(M.nnz)
+        A = ts.csr(M, dtype=torch.float32, device="cuda")
+
+        def check(x, stream=None):
+            want = torch.from_numpy(np.asarray(as_float64_scipy(A.crow, A.col, A.val, 2000) @ x.cpu().double().numpy()))
+            stream = stream or torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                got = A @ x
+            torch.cuda.synchronize()
+            assert_close_to_reference(got, want, torch.float32)
+
+        check(_operand("spmv", M, 1, seed=0))  # Python serves and records
+        served = _counts()[1]
+        for call in range(1, 6):
+            if call == 2:
+                A.val.mul_(-0.5)  # the values written in place
+            if call == 4:
+                A.val.copy_(torch.randn_like(A.val))
+            check(_operand("spmv", M, 1, seed=call))
+        assert _counts()[1] - served == 5  # all of them C++'s, through cuSPARSE
+        check(_operand("spmv", M, 1, seed=9), stream=torch.cuda.Stream())
+        graph_x = _operand("spmv", M, 1, seed=10)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            A @ graph_x  # warm-up on the capture's stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = A @ graph_x
+        graph_x.copy_(_operand("spmv", M, 1, seed=11))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = as_float64_scipy(A.crow, A.col, A.val, 2000) @ graph_x.cpu().double().numpy()
+        assert_close_to_reference(captured, torch.from_numpy(np.asarray(want)), torch.float32)
+    finally:
+        torch.ops.sparserl_fastpath.cusparse_preprocess(was)
+        rt.set_active(previous)
+        runtime.close()
+
+
 @pytest.mark.parametrize("vector", [False, True])
 def test_eager_products_with_the_transpose_are_served_in_cxx_on_a_square_matrix(runtime, poison_uninitialized,
                                                                                  vector):
