@@ -37,7 +37,9 @@
 #include <ATen/ops/_sparse_csr_tensor_unsafe.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/addmv.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
@@ -561,6 +563,52 @@ double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::T
   return spent.count() / static_cast<double>(calls);
 }
 
+// Host µs per call of what a served product issues, for the runtime's end-to-end decision (the
+// best of three loops of `calls`, on the current stream): [0] an output's allocation, [1] one
+// launch (a cudaMemsetAsync: a zero-fill, and the price of a kernel launch), [2] a cuSPARSE SpMV
+// and [3] a cuSPARSE SpMM (N=32) through a vendor entry's kept descriptors, allocation included
+// (-1 where cuSPARSE is not called directly). Measured on a 256 x 256 diagonal matrix: the
+// host's work does not grow with the matrix.
+std::vector<double> host_costs_us(const at::Tensor& like, int64_t calls) {
+  TORCH_CHECK(like.is_cuda() && calls > 0, "sparserl_fastpath.host_costs_us: expected a CUDA tensor and a positive "
+              "number of calls (got a ", like.device(), " tensor, calls ", calls, ")");
+  c10::cuda::CUDAGuard guard(like.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
+  auto per_call = [calls](auto&& fn) {
+    double best = 1e300;
+    for (int round = 0; round < 3; ++round) {
+      const auto started = std::chrono::steady_clock::now();
+      for (int64_t i = 0; i < calls; ++i) fn();
+      const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - started;
+      best = std::min(best, spent.count() / static_cast<double>(calls));
+    }
+    return best;
+  };
+  const auto floats = like.options().dtype(at::kFloat);
+  std::vector<double> costs(4, -1.0);
+  costs[0] = per_call([&] { at::empty({256}, floats); });
+  const at::Tensor buffer = at::empty({256}, floats);
+  costs[1] = per_call([&] { zero_fill(buffer, stream); });
+#if SPARSERL_CUSPARSE
+  if (cusparse_api() != nullptr) {
+    const auto ints = like.options().dtype(at::kInt);
+    const at::Tensor rowptr = at::arange(257, ints), colidx = at::arange(256, ints);
+    const at::Tensor val = at::ones({256}, floats), x = at::ones({256}, floats), X = at::ones({256, 32}, floats);
+    for (const bool matrix : {false, true}) {
+      Entry e;
+      e.vendor = true;
+      e.plan = std::make_unique<VendorPlan>();
+      e.nnz = e.out_rows = e.vendor_cols = e.in_rows = e.ncols = 256;
+      e.n = matrix ? 32 : 1;
+      if (!cusparse_product(e, rowptr, colidx, val, matrix ? X : x, matrix)) continue;  // refused
+      costs[matrix ? 3 : 2] = per_call([&] { cusparse_product(e, rowptr, colidx, val, matrix ? X : x, matrix); });
+    }
+  }
+#endif
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));  // the entries' workspaces are freed with them
+  return costs;
+}
+
 void forget() {
   std::vector<std::shared_ptr<Entry>> dropped;
   std::lock_guard<std::mutex> hold(registry_lock);
@@ -658,6 +706,7 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
   m.def("entries() -> int", &entries);
   m.def("bare_launch_us(Tensor crow, Tensor col, Tensor val, int ncols, Tensor X, int op, int calls) -> float",
         &bare_launch_us);
+  m.def("host_costs_us(Tensor like, int calls) -> float[]", &host_costs_us);
   m.def("driver_functions() -> bool", [] { return driver_launch() != nullptr; });
   // whether vendor entries call cuSPARSE directly (else through at::addmm / at::addmv)
   m.def("cusparse_direct() -> bool", [] {

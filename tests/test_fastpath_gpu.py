@@ -548,6 +548,19 @@ def test_eager_products_with_the_transpose_are_served_in_cxx_on_a_square_matrix(
         assert (sum(_counts()) - sum(before)) == (0 if call == 0 else 1)
 
 
+def test_host_costs_are_measured_through_the_library():
+    """What the runtime's end-to-end gate weighs: this process's host µs per call of the door,
+    an allocation, a launch and a cuSPARSE call of each product, all measured."""
+    from torch_sparserl.jit import endtoend
+
+    costs = endtoend.host_costs(torch.device("cuda", torch.cuda.current_device()))
+    assert costs is not None
+    assert 0 < costs.door_us < 100 and 0 < costs.alloc_us < 100 and 0 < costs.launch_us < 100
+    assert set(costs.cusparse_us) == {"spmv", "spmm"}
+    assert all(costs.launch_us < us < 1000 for us in costs.cusparse_us.values())
+    assert endtoend.host_costs(torch.device("cuda", torch.cuda.current_device())) is costs  # once per device
+
+
 def test_an_eager_process_takes_the_door_without_asking(tmp_path):
     """A process that only runs eager products (no compile, no prewarm) loads the built library
     with its first CUDA product, and C++ serves from the call after the one Python recorded."""

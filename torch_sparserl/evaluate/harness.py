@@ -582,8 +582,11 @@ def _check_timing(record: EvalRecord, problem: _Problem, config: EvalConfig) -> 
         raise _Fail(ErrorKind.STALE, f"after {config.warmup + config.reps} timed calls the output no longer "
                                      f"matches the reference: {reason}")
     record.runtime_us = statistics.median(cand_us)
+    prepared = problem.prepared
+    # what a call issues from the host, zero-fills included (the runtime weighs their host cost)
+    launches = (prepared.grid > 0) + bool(prepared.init_zero) + bool(prepared.work_numel)
     record.timing = {"kernel_us": _stats(cand_us), "reps": config.reps,
-                     "warmup": config.warmup, "flush_bytes": flush.numel()}
+                     "warmup": config.warmup, "flush_bytes": flush.numel(), "launches": launches}
     if not config.baseline:
         record.baseline = None
         return

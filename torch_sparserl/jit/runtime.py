@@ -8,7 +8,8 @@ C++ fast path all read, so the hot path is a dictionary lookup and a launch:
 
 * ``Installed`` — a validated specialized kernel bound to its prepared plan data: launched.
 * ``Pending`` — specialization runs in the background; this call is served by cuSPARSE.
-* ``Fallback`` — no kernel (none beat cuSPARSE by the margin, the problem is outside the
+* ``Fallback`` — no kernel (none beat cuSPARSE by the margin, in GPU time or per call with the
+  host's costs (:mod:`~torch_sparserl.jit.endtoend`), the problem is outside the
   kernel ABI, or specialization failed, with the reason logged once): cuSPARSE serves, and
   the decision is not revisited.
 
@@ -18,7 +19,8 @@ returns in ``mode="sync"`` (tests, benchmarks); in ``mode="background"`` (the de
 call only records ``Pending`` and all of it, a cache hit's install too, runs in a
 background thread, so a training loop never waits for a decision. The *specializer*
 decides (by default: the autotuner, every candidate evaluated in the sandbox's child
-process, installed only when it beats cuSPARSE by ``margin``); the
+process, chosen when it beats cuSPARSE by ``margin`` in GPU time, and installed only when it does
+so per call too, host costs included); the
 *installer* turns a cache entry into a launchable kernel (by default: the lean extension
 build). Both are injectable, which is how every fallback path is tested without a GPU. In
 background mode, while the specializer's worker builds a kernel's library (seconds of nvcc), the
@@ -59,7 +61,7 @@ from ..pattern import Pattern, run_kept
 from ..pattern.fingerprint import SpecializationKey, fingerprint
 from .specializers import POLICY_OPS, default_specializer, settings_policy_id
 from .specializers import autotune_specializer, learned_specializer  # noqa: F401 - their former home
-from . import fastpath
+from . import endtoend, fastpath
 from .cache import CacheEntry, KernelCache
 from .decisions import Decision, DecisionTable, Fallback, Installed, Pending, SpecializationError
 from .install import check_fused
@@ -430,6 +432,13 @@ class Runtime:
     def _install(self, pattern, decision, key, entry: CacheEntry, crow, col):
         if entry.spec_source is None:
             return self._fallback(pattern, decision, key, f"no kernel: {entry.reason}", None, quiet=True)
+        # the kernel won on GPU time; installed only if it also wins per call, host costs included
+        allowed, weighed = endtoend.gate(entry.record, decision.op, decision.dtype, col.device, self.settings.margin)
+        if not allowed:
+            return self._fallback(pattern, decision, key, f"no kernel: {entry.family} ({entry.reason}) is under "
+                                  f"the {self.settings.margin}x margin end to end: {weighed}", None, quiet=True)
+        if weighed:
+            log.info("sparserl: %s n=%d: %s end to end: %s", decision.op, decision.n, entry.family, weighed)
         prebuild = getattr(self.specializer, "prebuild", None)
         arch = key.arch if key is not None else _device_arch(col.device)
         if prebuild is not None and self.interim_installer is not None and self.settings.mode != "sync" \
