@@ -238,7 +238,7 @@ def test_a_symlinked_lock_is_not_followed_nor_its_target_truncated(tmp_path, whi
     folder.mkdir()
     if which == "cache":
         cache = KernelCache(folder)
-        (folder / f"{KEY.digest()}.lock").symlink_to(target)
+        cache.lock_path(KEY).symlink_to(target)
         assert cache.get_or_create(KEY, lambda key: _entry()).family == "group_row"  # memory only, no raise
     else:
         (folder / inline.LOCK_NAME).symlink_to(target)

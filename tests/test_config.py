@@ -34,6 +34,9 @@ GOOD = {
     "SPARSERL_JIT_POLICY": [("autotune", "autotune"), ("LEARNED", "learned")],
     "SPARSERL_JIT_K": [("1", 1), ("64", 64), (" 8 ", 8)],
     "SPARSERL_JIT_IDLE_S": [("0", 0.0), ("2.5", 2.5)],
+    "SPARSERL_JIT_ADMIT_CALLS": [("1", 1), ("5", 5)],
+    "SPARSERL_JIT_QUEUE": [("1", 1), ("16", 16)],
+    "SPARSERL_CACHE_MAX_MB": [("0.5", 0.5), ("1024", 1024.0)],
     "SPARSERL_CACHE_DIR": [("/tmp/sparserl-cache", Path("/tmp/sparserl-cache")), ("relative", Path("relative"))],
     "SPARSERL_FAST_PATH": [("0", False), ("on", True)],
     "SPARSERL_POLICY_DEVICE": [(" CPU ", "cpu"), ("cuda", "cuda")],
@@ -50,6 +53,9 @@ BAD = {
     "SPARSERL_JIT_POLICY": ["oracle"],
     "SPARSERL_JIT_K": ["0", "65", "4.5", "x"],
     "SPARSERL_JIT_IDLE_S": ["-1", "later"],
+    "SPARSERL_JIT_ADMIT_CALLS": ["0", "2.5", "often"],
+    "SPARSERL_JIT_QUEUE": ["0", "-3", "many"],
+    "SPARSERL_CACHE_MAX_MB": ["0", "-1", "big"],
     "SPARSERL_FAST_PATH": ["maybe"],
     "SPARSERL_POLICY_DEVICE": ["tpu"],
     "SPARSERL_EVAL_BURST_REPS": ["four", "-1"],
@@ -187,7 +193,7 @@ def test_an_unknown_configure_keyword_is_refused_with_the_valid_names():
     with pytest.raises(TypeError, match=re.escape(f"configure: unknown setting(s) ['mdoe']; expected some of {valid}")):
         rt.configure(mdoe="sync")
     assert rt.active() is before
-    assert valid == ["budget_s", "idle_s", "k", "margin", "mode", "policy", "strict"]
+    assert valid == ["admit_calls", "budget_s", "idle_s", "k", "margin", "mode", "policy", "queue", "strict"]
 
 
 # ------------------------------------------------------------------------------ strict

@@ -25,8 +25,11 @@ variable                      field                       values (default)
 ``SPARSERL_JIT_POLICY``       ``jit.policy``              ``learned``, ``autotune`` (learned)
 ``SPARSERL_JIT_K``            ``jit.k``                   a whole number in 1..64 (4)
 ``SPARSERL_JIT_IDLE_S``       ``jit.idle_s``              seconds >= 0; 0 keeps the worker (30)
+``SPARSERL_JIT_ADMIT_CALLS``  ``jit.admit_calls``         a whole number >= 1 (1)
+``SPARSERL_JIT_QUEUE``        ``jit.queue``               a whole number >= 1 (4)
 ``SPARSERL_CACHE_DIR``        ``cache.dir``               a folder (``$XDG_CACHE_HOME/torch_sparserl``,
                                                           else ``~/.cache/torch_sparserl``)
+``SPARSERL_CACHE_MAX_MB``     ``cache.max_mb``            megabytes > 0 (256)
 ``SPARSERL_FAST_PATH``        ``fast_path.enabled``       a boolean (1)
 ``SPARSERL_POLICY_DEVICE``    ``specializer.policy_device``  ``cuda``, ``cpu`` (cuda where there is one)
 ``SPARSERL_EVAL_BURST_REPS``  ``specializer.eval_burst_reps``  a whole number >= 0; 0: no bursts (0)
@@ -79,6 +82,11 @@ DEFAULT_JIT_BUDGET_S = 20.0
 DEFAULT_JIT_POLICY = "learned"
 DEFAULT_JIT_K = 4
 DEFAULT_JIT_IDLE_S = 30.0
+# 1: a product is decided on its first call. Mini-batch training, where each step has a new
+# pattern, wants 3 (a fixed graph's products get there in the second step, a step's one-off
+# pattern never does); the default follows once the GPU benchmarks measure it (issue 36).
+DEFAULT_JIT_ADMIT_CALLS = 1
+DEFAULT_JIT_QUEUE = 4  # decisions waiting for the background thread; more are dropped, not queued
 
 DEFAULT_BACKEND_STRICT = None  # the runtime's jit.strict
 DEFAULT_INTERCEPT_SPARSE = True
@@ -91,6 +99,7 @@ DEFAULT_FAST_PATH = True
 DEFAULT_FLATTEN_MATRICES = True
 
 DEFAULT_CACHE_DIR = None  # $XDG_CACHE_HOME/torch_sparserl, else ~/.cache/torch_sparserl
+DEFAULT_CACHE_MAX_MB = 256.0  # the decisions on disk; least recently used ones go first
 DEFAULT_FAST_PATH_ENABLED = True
 DEFAULT_POLICY_DEVICE = "cuda"
 DEFAULT_EVAL_BURST_REPS = 0
@@ -245,6 +254,17 @@ class JitOptions(_Group):
     sandbox, with the policy on the GPU) is stopped, giving back its GPU memory and context;
     the next specialization starts it again, in the background. 0: keep it for the runtime's life."""
 
+    admit_calls: int = setting(DEFAULT_JIT_ADMIT_CALLS, whole("a whole number >= 1", lambda v: v >= 1))
+    """The call of a product (pattern, op, N, dtype) on which its decision starts: the calls
+    before are cuSPARSE's, and cost no fingerprint, cache lookup nor search, so that a pattern
+    used once or twice (a mini-batch's sampled subgraph) never pays for a decision. 1: on its
+    first call. Compile-time decisions (``prespecialize``) do not wait."""
+
+    queue: int = setting(DEFAULT_JIT_QUEUE, whole("a whole number >= 1", lambda v: v >= 1))
+    """Decisions that may wait for the background thread. When that many wait, a new product
+    is not queued: cuSPARSE serves it, and a later call asks again. Compile-time decisions are
+    always queued (a graph recorded for CUDA graphs waits for them)."""
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> JitOptions:
         """The defaults, overridden by the ``SPARSERL_JIT*`` variables of ``environ``."""
@@ -349,6 +369,10 @@ class CacheOptions(_Group):
     """The folder of the cache (kernels, decisions, built libraries), private to the user.
     None: ``$XDG_CACHE_HOME/torch_sparserl``, else ``~/.cache/torch_sparserl``."""
 
+    max_mb: float = setting(DEFAULT_CACHE_MAX_MB, number("a number of megabytes > 0", lambda v: v > 0))
+    """The most the decisions on disk may take: a write past it removes the least recently
+    used ones (``sparserl cache prune`` does it on demand)."""
+
 
 @dataclass(frozen=True)
 class FastPathOptions(_Group):
@@ -452,7 +476,10 @@ ENVIRONMENT: dict[str, Variable] = {v.name: v for v in (
     Variable("SPARSERL_JIT_POLICY", "jit.policy"),
     Variable("SPARSERL_JIT_K", "jit.k"),
     Variable("SPARSERL_JIT_IDLE_S", "jit.idle_s"),
+    Variable("SPARSERL_JIT_ADMIT_CALLS", "jit.admit_calls"),
+    Variable("SPARSERL_JIT_QUEUE", "jit.queue"),
     Variable("SPARSERL_CACHE_DIR", "cache.dir"),
+    Variable("SPARSERL_CACHE_MAX_MB", "cache.max_mb"),
     Variable("SPARSERL_FAST_PATH", "fast_path.enabled"),
     Variable("SPARSERL_POLICY_DEVICE", "specializer.policy_device"),
     Variable("SPARSERL_EVAL_BURST_REPS", "specializer.eval_burst_reps"),

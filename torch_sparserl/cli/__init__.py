@@ -87,6 +87,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of megabytes >= 0 (got {text!r})")
+    return value
+
+
 def _device(text: str) -> str:
     if text == "auto":
         return text
@@ -477,6 +487,12 @@ def cache_command(args) -> int:
     if args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.root}")
         return 0
+    if args.action == "prune":
+        limit = int(args.max_mb * (1 << 20)) if args.max_mb is not None else None
+        removed, freed, kept = cache.prune(limit)
+        print(f"removed {removed} least recently used entries ({freed / 2**20:.2f} MB) from {cache.root}; "
+              f"{kept / 2**20:.2f} MB kept (limit {(limit if limit is not None else cache.max_bytes) / 2**20:g} MB)")
+        return 0
     if args.action == "list":
         listing = _listing(cache)
         print(f"{len(listing)} entries in {cache.root}")
@@ -574,11 +590,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=explain_command)
     p = commands.add_parser("fastpath", help="build and load the C++ fast path of compiled products now (CUDA torch)")
     p.set_defaults(run=fastpath_command)
-    p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear")
-    p.add_argument("action", choices=["list", "info", "clear"])
+    p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear, prune")
+    p.add_argument("action", choices=["list", "info", "clear", "prune"])
     p.add_argument("key", nargs="?", help="entry digest (or its prefix) for info")
     p.add_argument("--dir", type=_folder,
                    help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
+    p.add_argument("--max-mb", type=_megabytes,
+                   help="prune: keep at most this many megabytes of entries (default: cache.max_mb, "
+                        "$SPARSERL_CACHE_MAX_MB)")
     p.set_defaults(run=cache_command)
     return _run(parser.parse_args(argv))
 

@@ -17,10 +17,14 @@ On disk (``<cache_dir>/kernels/<digest>.json``):
   detected, removed and rebuilt, never used;
 * read only as a regular file of bounded size, never through a symbolic link, never blocking
   (:func:`~torch_sparserl.toolchain.trust.read_regular`);
-* shared by processes: :meth:`KernelCache.get_or_create` takes an ``flock`` per key, so of
+* shared by processes: :meth:`KernelCache.get_or_create` takes an ``flock`` for the key, so of
   several processes (DDP ranks, parallel jobs) asking for the same key one builds and the
   others wait and read its entry. The OS releases the lock of a process that dies, so a
-  killed builder cannot deadlock the rest.
+  killed builder cannot deadlock the rest. The locks are striped over 256 files by the key's
+  first byte, so that their number stays bounded however many patterns pass;
+* bounded: a write that takes the entries past ``cache.max_mb`` removes the least recently
+  used ones (a read from disk counts as a use), and :meth:`KernelCache.prune` does it on
+  demand (``sparserl cache prune``). Memory keeps the most recent :data:`MEMORY_ENTRIES`.
 
 A cache never raises for its folder: where the folder cannot be created, read or written
 (a file in its place, no permission, a refused folder, no key), it logs one warning and
@@ -29,6 +33,7 @@ keeps its decisions in memory only.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import hmac
 import json
@@ -53,7 +58,10 @@ FORMAT = 2  # 2: signed with the user's key (1 carried a plain SHA-256, which an
 DEFAULT_LOCK_TIMEOUT_S = 1800.0  # longer than any specialization; a dead holder frees it at once
 MAX_ENTRY_BYTES = 4 << 20  # an entry is a kernel source and its record: tens of kB
 STALE_TEMP_S = 3600.0  # clear() removes another process's temporary file only when older than this
+MEMORY_ENTRIES = 4096  # decisions kept in memory (a few kB each), most recently used
+PRUNE_TO = 0.8  # a write past the cap removes entries until they take this fraction of it
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{16,64}\.json$")
+_KEY_LOCK_NAME = re.compile(r"^[0-9a-f]{16,64}\.lock$")  # one lock per key: earlier versions' scheme
 _PURPOSE = b"cache-entry"
 
 
@@ -94,11 +102,20 @@ class _Rejected(ValueError):
 
 
 class KernelCache:
-    def __init__(self, root: Path | str | None = None, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S):
+    def __init__(self, root: Path | str | None = None, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+                 max_bytes: int | None = None):
         self.lock_timeout_s = lock_timeout_s
-        self._memory: dict[str, CacheEntry] = {}
+        if max_bytes is None:
+            from .. import config
+
+            max_bytes = int(config.read("cache.max_mb") * (1 << 20))
+        if max_bytes <= 0:
+            raise ValueError(f"KernelCache: max_bytes must be positive (got {max_bytes})")
+        self.max_bytes = max_bytes
+        self._disk_bytes: int | None = None  # the entries' total size, once counted (put keeps it)
+        self._memory: collections.OrderedDict[str, CacheEntry] = collections.OrderedDict()
         self._memory_lock = threading.Lock()
-        self.stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "rejected": 0, "builds": 0}
+        self.stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "rejected": 0, "builds": 0, "evicted": 0}
         self.disk = True  # False: memory only (the folder could not be used; warned once)
         self.problem = ""  # why not, when not
         if root is None:
@@ -129,10 +146,24 @@ class KernelCache:
     def path(self, key: SpecializationKey) -> Path:
         return self.root / f"{key.digest()}.json"
 
+    def lock_path(self, key: SpecializationKey) -> Path:
+        """The file whose ``flock`` serializes builds of ``key`` (and of the keys sharing its stripe)."""
+        return self.root / f"{key.digest()[:2]}.lock"
+
+    def _remember(self, digest: str, entry: CacheEntry) -> None:
+        with self._memory_lock:
+            self._memory[digest] = entry
+            self._memory.move_to_end(digest)
+            while len(self._memory) > MEMORY_ENTRIES:
+                self._memory.popitem(last=False)
+
     # ------------------------------------------------------------------ read
     def get(self, key: SpecializationKey) -> CacheEntry | None:
         digest = key.digest()
-        entry = self._memory.get(digest)
+        with self._memory_lock:
+            entry = self._memory.get(digest)
+            if entry is not None:
+                self._memory.move_to_end(digest)
         if entry is not None:
             self.stats["memory_hits"] += 1
             return entry
@@ -141,8 +172,7 @@ class KernelCache:
             self.stats["misses"] += 1
             return None
         self.stats["disk_hits"] += 1
-        with self._memory_lock:
-            self._memory[digest] = entry
+        self._remember(digest, entry)
         return entry
 
     def _load(self, path: Path) -> CacheEntry:
@@ -187,6 +217,10 @@ class KernelCache:
                     check_source(entry.spec_source)
                 except PlanError as exc:
                     raise _Rejected(f"its kernel source fails the ABI check: {exc}") from None
+            try:
+                os.utime(path)  # a use: the least recently used entries are removed first
+            except OSError:
+                pass
             return entry
         except FileNotFoundError:
             return None
@@ -207,8 +241,7 @@ class KernelCache:
     # ------------------------------------------------------------------ write
     def put(self, entry: CacheEntry) -> Path:
         path = self.path(entry.key)
-        with self._memory_lock:
-            self._memory[entry.key.digest()] = entry
+        self._remember(entry.key.digest(), entry)
         secret = trust.key() if self.disk else None
         if secret is None:
             return path
@@ -225,6 +258,7 @@ class KernelCache:
                 json.dump(document, handle, sort_keys=True)
                 handle.flush()
                 os.fsync(handle.fileno())
+            size = os.path.getsize(tmp)
             os.replace(tmp, path)  # atomic: readers see the old entry or the new one
         except BaseException as exc:
             try:
@@ -234,12 +268,35 @@ class KernelCache:
             if not isinstance(exc, OSError):
                 raise
             self._disable(f"cannot write {path.name} ({type(exc).__name__}: {exc})")
+            return path
+        self._grew(size)
         return path
+
+    def _grew(self, size: int) -> None:
+        """After a write of ``size`` bytes: prune when the entries pass the cap."""
+        if self._disk_bytes is None:
+            self._disk_bytes = sum(size for _, size, _ in self._usage())
+        else:
+            self._disk_bytes += size
+        if self._disk_bytes > self.max_bytes:
+            self.prune(int(self.max_bytes * PRUNE_TO))
+
+    def _usage(self) -> list[tuple[Path, int, float]]:
+        """Every entry as ``(path, bytes, last use)``, least recently used first."""
+        out = []
+        for path in self.entries():
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            out.append((path, st.st_size, st.st_mtime))
+        out.sort(key=lambda item: item[2])
+        return out
 
     # ------------------------------------------------------------------ build once
     @contextmanager
     def _locked(self, key: SpecializationKey):
-        lock_path = self.root / f"{key.digest()}.lock"
+        lock_path = self.lock_path(key)
         fd = None
         if self.disk:
             try:
@@ -280,8 +337,7 @@ class KernelCache:
                     raise CacheError(f"cache: create() returned an entry for another key ({entry.key})")
                 self.stats["builds"] += 1
                 self.put(entry)
-            with self._memory_lock:
-                self._memory[key.digest()] = entry
+            self._remember(key.digest(), entry)
             return entry
 
     # ------------------------------------------------------------------ maintenance
@@ -330,4 +386,57 @@ class KernelCache:
         # process lock a fresh file of the same name and build the same key concurrently.
         with self._memory_lock:
             self._memory.clear()
+        self._disk_bytes = None
         return removed
+
+    def prune(self, max_bytes: int | None = None) -> tuple[int, int, int]:
+        """Remove the least recently used entries until the rest take at most ``max_bytes``
+        (default: the cache's cap), with temporary files older than :data:`STALE_TEMP_S` and the
+        one-lock-per-key files of earlier versions that no process holds. Returns ``(entries
+        removed, bytes freed, bytes kept)``. A removed entry is decided again when next asked."""
+        limit = self.max_bytes if max_bytes is None else max_bytes
+        if limit < 0:
+            raise ValueError(f"prune: max_bytes must be >= 0 (got {limit})")
+        usage = self._usage()
+        kept = sum(size for _, size, _ in usage)
+        removed = freed = 0
+        for path, size, _ in usage:
+            if kept <= limit:
+                break
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.debug("cache: cannot remove %s: %s", path, exc)
+                continue
+            kept -= size
+            freed += size
+            removed += 1
+            with self._memory_lock:
+                self._memory.pop(path.stem, None)
+        self.stats["evicted"] += removed
+        self._disk_bytes = kept
+        self._sweep()
+        if removed:
+            log.info("cache: %s: removed the %d least recently used entries (%d kB); %d kB kept",
+                     self.root, removed, freed >> 10, kept >> 10)
+        return removed, freed, kept
+
+    def _sweep(self) -> None:
+        """Stale temporary files, and per-key lock files of earlier versions no process holds."""
+        now = time.time()
+        for name in self._names():
+            path = self.root / name
+            try:
+                if name.startswith(".tmp-") and now - os.lstat(path).st_mtime > STALE_TEMP_S:
+                    os.unlink(path)
+                elif _KEY_LOCK_NAME.match(name):
+                    fd = trust.open_lock(path)
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held elsewhere: BlockingIOError
+                        os.unlink(path)
+                    finally:
+                        os.close(fd)
+            except OSError as exc:  # held, gone meanwhile, a symbolic link: left as it is
+                log.debug("cache: %s stays: %s", path, exc)

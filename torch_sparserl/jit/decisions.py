@@ -20,7 +20,9 @@ registry. Records die with their pattern (the table holds it weakly) or with the
 The states:
 
 * :class:`Installed` — a validated specialized kernel bound to its prepared plan data.
-* :class:`Pending` — specialization runs in the background; cuSPARSE serves meanwhile.
+* :class:`Pending` — specialization runs in the background; cuSPARSE serves meanwhile. A
+  Pending that is not in the table (:func:`not_yet`) answers a call whose product is not
+  decided yet (not admitted, or the background queue was full): the next call asks again.
 * :class:`Fallback` — no kernel: cuSPARSE serves, and the decision is not revisited.
 """
 
@@ -67,15 +69,24 @@ class Fallback:
 State = Installed | Pending | Fallback
 
 
+def not_yet() -> Pending:
+    """The answer for a product whose decision has not started: cuSPARSE serves this call, and
+    the record stays empty, so that the next call asks again."""
+    future: Future = Future()
+    future.cancel()
+    return Pending(None, future)
+
+
 class Decision:
     """The record of one ``(op, n, dtype)`` on one pattern. ``state`` is None until the
     product is first asked for; only :meth:`DecisionTable.set` writes it."""
 
-    __slots__ = ("op", "n", "dtype", "state", "fast")
+    __slots__ = ("op", "n", "dtype", "state", "fast", "calls")
 
     def __init__(self, op: str, n: int, dtype: torch.dtype):
         self.op, self.n, self.dtype = op, n, dtype
         self.state: State | None = None
+        self.calls = 0  # calls that asked while no state was set (the runtime's admission counts them)
         # (registry epoch, operator) pairs the C++ registry was given for this record: an
         # entry of an older epoch was dropped with the registry (fastpath.record reads this)
         self.fast: set = set()

@@ -63,7 +63,7 @@ from .specializers import POLICY_OPS, default_specializer, settings_policy_id
 from .specializers import autotune_specializer, learned_specializer  # noqa: F401 - their former home
 from . import endtoend, fastpath
 from .cache import CacheEntry, KernelCache
-from .decisions import Decision, DecisionTable, Fallback, Installed, Pending, SpecializationError
+from .decisions import Decision, DecisionTable, Fallback, Installed, Pending, SpecializationError, not_yet
 from .install import check_fused
 from .install import family_params, fused_installer, inline_installer, library_built, nvrtc_installer
 
@@ -77,7 +77,7 @@ _INT32_LIMIT = 2**31 - 1
 
 RuntimeSettings = JitOptions
 """The runtime's settings: :class:`torch_sparserl.config.JitOptions` (mode, strict, margin,
-budget_s, policy, k, idle_s)."""
+budget_s, policy, k, idle_s, admit_calls, queue)."""
 
 
 Specializer = Callable[[SpecializationKey, torch.Tensor, torch.Tensor, int], CacheEntry]
@@ -165,6 +165,7 @@ class Runtime:
         self._executor: ThreadPoolExecutor | None = None
         self._library_executor: ThreadPoolExecutor | None = None  # libraries built after interim installs
         self._in_flight = 0  # background tasks submitted and not finished
+        self._decisions_in_flight = 0  # of them, decisions (the bounded queue: settings.queue)
         self._lock = threading.RLock()  # reentrant: sync mode specializes inside _resolve
         self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
         self._idle_timer: threading.Timer | None = None
@@ -177,9 +178,11 @@ class Runtime:
         # specialization and build: the JIT cost a training loop sees) and seconds the
         # background thread spent deciding; the idle worker's stops; searches run again after
         # a TransientFailure; kernels served from their NVRTC build while their library was built
+        # calls served by cuSPARSE before their product was admitted; products not queued because
+        # the queue was full
         self._stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
                        "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0,
-                       "interim_installs": 0}
+                       "interim_installs": 0, "unadmitted_calls": 0, "dropped": 0}
 
     @property
     def stats(self) -> dict:
@@ -336,7 +339,7 @@ class Runtime:
         compile time); returns the state, Pending in background mode."""
         if not self.decides_on(col.device):
             return None
-        return self.state(op, pattern, n, dtype) or self._resolve(op, n, pattern, crow, col, dtype)
+        return self.state(op, pattern, n, dtype) or self._resolve(op, n, pattern, crow, col, dtype, admitted=True)
 
     def _key(self, op: str, n: int, pattern: Pattern, crow, col, dtype) -> SpecializationKey:
         # The learned policy writes spmm/spmv kernels; other ops are the autotuner's, whatever the settings.
@@ -351,7 +354,11 @@ class Runtime:
         custom specializer reads the same cache entries as one with the default."""
         return getattr(self.specializer, "policy_id", None) or settings_policy_id(self.settings)
 
-    def _resolve(self, op, n, pattern, crow, col, dtype):
+    def _resolve(self, op, n, pattern, crow, col, dtype, *, admitted: bool = False):
+        """The state of a product asked for while its record has none: decided now (sync),
+        queued for the background thread (Pending), or, before its ``admit_calls``-th call
+        and while ``queue`` decisions wait (unless ``admitted``: compile time), not yet
+        (:func:`~torch_sparserl.jit.decisions.not_yet`: cuSPARSE serves, the next call asks again)."""
         with self._lock, self._clock("jit_s"):
             decision = self._decisions.record(pattern, op, n, dtype)
             state = decision.state
@@ -360,18 +367,37 @@ class Runtime:
             why = outside_abi(op, pattern, n, dtype)
             if why is not None:
                 return self._fallback(pattern, decision, None, why, None, quiet=True)
+            decision.calls += 1
+            if not admitted and decision.calls < self.settings.admit_calls:
+                self._stats["unadmitted_calls"] += 1
+                return not_yet()
             if self.settings.mode == "sync":
                 return self._decide(op, n, pattern, decision, crow, col, dtype)
+            if not admitted and self._decisions_in_flight > self.settings.queue:  # one running, `queue` waiting
+                self._stats["dropped"] += 1
+                log.debug("sparserl: %s n=%d %s: %d decisions wait already; cuSPARSE serves and a later call "
+                          "asks again", op, n, DTYPE_NAMES[dtype], self._decisions_in_flight - 1)
+                return not_yet()
             # Background: the caller's thread records Pending and returns; the fingerprint,
             # the cache lookup, the specialization and the install all run in the background
             # thread. The worker's final state is written under this lock, so it cannot be
             # overwritten by the Pending set here.
-            future = self._in_background(self._decide, op, n, pattern, decision, crow, col, dtype)
+            future = self._in_background(self._decide_counted, op, n, pattern, decision, crow, col, dtype)
+            if not future.cancelled():
+                self._decisions_in_flight += 1
             state = Pending(None, future)
             self._decisions.set(decision, state)
             log.info("sparserl: %s n=%d %s: deciding in the background; cuSPARSE serves meanwhile",
                      op, n, DTYPE_NAMES[dtype])
             return state
+
+    def _decide_counted(self, *args):
+        """:meth:`_decide` in the background thread, counted while it waits and runs (the queue's bound)."""
+        try:
+            return self._decide(*args)
+        finally:
+            with self._lock:
+                self._decisions_in_flight -= 1
 
     def _decide(self, op, n, pattern, decision, crow, col, dtype):
         """Fingerprint, cache, and otherwise specialize: the decision for one record. The
@@ -759,7 +785,7 @@ def configure(settings: RuntimeSettings | None = None, **changes) -> Runtime:
     """Replace the process's runtime: ``configure(mode="sync")``, ``configure(strict=True)``.
 
     ``changes`` name fields of :class:`RuntimeSettings` (``mode``, ``strict``, ``margin``,
-    ``budget_s``, ``policy``, ``k``, ``idle_s``); another name is a TypeError listing them.
+    ``budget_s``, ``policy``, ``k``, ``idle_s``, ``admit_calls``, ``queue``); another name is a TypeError listing them.
     Unnamed settings keep their current values (the environment's, before the first runtime).
     Decisions of the previous runtime are not reused (they may have been taken under other
     settings); its disk cache is.
