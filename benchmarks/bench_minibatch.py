@@ -1,0 +1,278 @@
+"""Mini-batch GraphSAGE: every step a new sampled subgraph, so every product a new pattern.
+
+The batches of each epoch are sampled once (``torch_sparserl.data.sampling``: 1024 seeds, fanouts
+10 and 5, the subgraph's adjacency with mean values) and every *way* trains on the same ones
+from the same initial weights, one after another, each with a fresh runtime and an empty
+kernel cache of its own:
+
+* ``torch`` — ``torch.sparse.mm`` on a ``torch.sparse_csr`` tensor (cuSPARSE);
+* ``sparserl`` — ``ts.csr(A_i) @ X`` in eager code, at the runtime's settings (``--admit-calls``);
+* ``sparserl_compiled`` — the same model under ``torch.compile(backend="sparserl", dynamic=True)``;
+* ``pyg`` — PyG's ``SAGEConv`` on ``edge_index`` (gather + scatter), where PyG is installed.
+
+Per way: each epoch's wall time (the first includes compiles and decisions), the losses (equal
+across ways within float32 tolerance), the runtime's counters (decisions installed, calls
+before admission, decisions not queued), the kernel cache's entries and bytes on disk, and the
+process's resident memory growth over the way.
+
+    python benchmarks/bench_minibatch.py --graph dblp-2010 --out benchmarks/results/
+    python benchmarks/bench_minibatch.py --graph rmat:scale=22,edge_factor=16 --epochs 2 --batches 300
+    python benchmarks/bench_minibatch.py --graph cora --device cpu --epochs 2 --batches 3 --out /tmp/m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import html
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SCHEMA = "torch_sparserl.bench_minibatch/1"
+WAYS = ("torch", "sparserl", "sparserl_compiled", "pyg")
+
+
+def rss_mb() -> float:
+    """The process's resident memory now (Linux), in MB."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def make_model(features: int, hidden: int, classes: int):
+    """Two mean-aggregation GraphSAGE layers: out = neigh(A @ x) + root(x), ReLU between."""
+    import torch
+
+    class SAGE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.neigh = torch.nn.ModuleList([torch.nn.Linear(features, hidden), torch.nn.Linear(hidden, classes)])
+            self.root = torch.nn.ModuleList([torch.nn.Linear(features, hidden, bias=False),
+                                             torch.nn.Linear(hidden, classes, bias=False)])
+
+        def forward(self, A, x):
+            for layer, (neigh, root) in enumerate(zip(self.neigh, self.root)):
+                aggregated = torch.sparse.mm(A, x) if A.layout == torch.sparse_csr else A @ x
+                x = neigh(aggregated) + root(x)
+                if layer == 0:
+                    x = torch.relu(x)
+            return x
+
+    return SAGE()
+
+
+def pyg_model(model):
+    """PyG's SAGEConv layers holding ``model``'s weights (lin_l: the neighbours', lin_r: the root's)."""
+    import torch
+    from torch_geometric.nn import SAGEConv
+
+    class PygSAGE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.convs = torch.nn.ModuleList()
+            for neigh, root in zip(model.neigh, model.root):
+                conv = SAGEConv(neigh.in_features, neigh.out_features, aggr="mean")
+                with torch.no_grad():
+                    conv.lin_l.weight.copy_(neigh.weight)
+                    conv.lin_l.bias.copy_(neigh.bias)
+                    conv.lin_r.weight.copy_(root.weight)
+                self.convs.append(conv)
+
+        def forward(self, edge_index, x):
+            x = torch.relu(self.convs[0](x, edge_index))
+            return self.convs[1](x, edge_index)
+
+    return PygSAGE()
+
+
+def run_way(way: str, batches, features, labels, model0, args) -> dict:
+    import copy
+
+    import torch
+
+    import torch_sparserl as ts
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import KernelCache
+
+    device = torch.device(args.device)
+    folder = tempfile.mkdtemp(prefix=f"sparserl-minibatch-{way}-")
+    changes = {} if args.admit_calls is None else {"admit_calls": args.admit_calls}
+    runtime = rt.Runtime(rt.config.from_environment().jit.replace("bench_minibatch", **changes),
+                         cache=KernelCache(folder))
+    previous = rt.set_active(runtime)
+    rss0 = rss_mb()
+    graphs0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        model = pyg_model(model0) if way == "pyg" else copy.deepcopy(model0)
+        model = model.to(device)
+        step = torch.compile(model, backend="sparserl", dynamic=True) if way == "sparserl_compiled" else model
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        epochs, losses = [], []
+        for _ in range(args.epochs):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            epoch_losses = []
+            for batch in batches:
+                x = features[batch.nodes_t]
+                if way == "torch":
+                    A = torch.sparse_csr_tensor(batch.crow_t, batch.col_t, batch.val_t, (batch.n, batch.n))
+                elif way == "pyg":
+                    A = batch.edge_index_t
+                else:
+                    A = ts.CSRMatrix(batch.crow_t, batch.col_t, batch.val_t, (batch.n, batch.n))
+                opt.zero_grad(set_to_none=True)
+                out = step(A, x)[: batch.seeds]
+                loss = torch.nn.functional.cross_entropy(out, labels[batch.nodes_t[: batch.seeds]])
+                loss.backward()
+                opt.step()
+                epoch_losses.append(loss.detach())
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            epochs.append(time.perf_counter() - started)
+            losses.append([float(v) for v in torch.stack(epoch_losses).cpu()])
+        cache = runtime.cache
+        entries = cache.entries()
+        stats = {k: v for k, v in runtime.stats.items() if isinstance(v, (int, float))}
+        return {"status": "ok", "epoch_s": epochs, "losses": losses, "runtime": stats,
+                "cache_entries": len(entries), "cache_bytes": sum(p.stat().st_size for p in entries),
+                "rss_growth_mb": rss_mb() - rss0,
+                "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs0}
+    except ImportError as exc:
+        return {"status": "skipped", "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        rt.set_active(previous)
+        runtime.close()
+
+
+class _Prepared:
+    """A batch's tensors on the device, made before timing (so that every way times only its step)."""
+
+    def __init__(self, batch, device):
+        import numpy as np
+        import torch
+
+        self.seeds, self.n = batch.seeds, batch.nodes.size
+        self.nodes_t = torch.from_numpy(batch.nodes).to(device)
+        self.crow_t = torch.from_numpy(batch.crow).to(device)
+        self.col_t = torch.from_numpy(batch.col).to(device)
+        self.val_t = torch.from_numpy(batch.adjacency("mean").data).to(device)
+        rows = np.repeat(np.arange(self.n), np.diff(batch.crow))
+        # PyG's flow: messages from edge_index[0] (a neighbour) to edge_index[1] (the row)
+        self.edge_index_t = torch.from_numpy(np.stack([batch.col, rows])).to(device)
+
+
+def summary(doc: dict) -> list[dict]:
+    rows = []
+    reference = next((w["losses"] for w in doc["ways"].values() if w.get("status") == "ok"), None)
+    for way, result in doc["ways"].items():
+        if result.get("status") != "ok":
+            rows.append({"way": way, "status": result.get("status"), "error": result.get("error")})
+            continue
+        epochs = result["epoch_s"]
+        flat = [v for epoch in result["losses"] for v in epoch]
+        ref = [v for epoch in reference for v in epoch]
+        rows.append({"way": way, "status": "ok", "first_epoch_s": epochs[0],
+                     "steady_epoch_s": statistics.median(epochs[1:]) if len(epochs) > 1 else None,
+                     "loss_max_diff": max(abs(a - b) for a, b in zip(flat, ref)),
+                     "installs": result["runtime"].get("installs", 0),
+                     "unadmitted_calls": result["runtime"].get("unadmitted_calls", 0),
+                     "dropped": result["runtime"].get("dropped", 0),
+                     "cache_entries": result["cache_entries"], "cache_kb": result["cache_bytes"] / 1024,
+                     "rss_growth_mb": result["rss_growth_mb"], "graphs": result["graphs"]})
+    return rows
+
+
+def markdown(doc: dict) -> str:
+    setup = doc["setup"]
+    lines = [f"# Mini-batch GraphSAGE: {setup['graph']} on {doc['env'].get('gpu') or 'CPU'}", "",
+             f"{setup['batches']} batches of {setup['batch_size']} seeds per epoch, fanouts {setup['fanouts']}, "
+             f"hidden {setup['hidden']}, {setup['epochs']} epochs; {setup['mean_rows']:.0f} rows and "
+             f"{setup['mean_nnz']:.0f} nonzeros per subgraph on average. Every way trains on the same batches "
+             f"from the same weights, with an empty kernel cache.", "",
+             "| way | first epoch s | steady epoch s | loss diff | kernels | calls before admission | "
+             "not queued | cache entries (kB) | RSS growth MB | graphs compiled |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in doc["summary"]:
+        if row["status"] != "ok":
+            lines.append(f"| {row['way']} | {row['status']}: {html.escape(str(row.get('error'))[:80])} ||||||||| ")
+            continue
+        steady = "–" if row["steady_epoch_s"] is None else f"{row['steady_epoch_s']:.3f}"
+        lines.append(f"| {row['way']} | {row['first_epoch_s']:.3f} | {steady} | {row['loss_max_diff']:.1e} | "
+                     f"{row['installs']} | {row['unadmitted_calls']} | {row['dropped']} | "
+                     f"{row['cache_entries']} ({row['cache_kb']:.0f}) | {row['rss_growth_mb']:.0f} | {row['graphs']} |")
+    lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graph", default="pubmed", help="a matrix name, a .npz path or a synthetic spec")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--fanouts", default="10,5")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--classes", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batches", type=int, help="batches per epoch (default: every node once)")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"some of {','.join(WAYS)}")
+    parser.add_argument("--admit-calls", type=int, help="the runtime's jit.admit_calls (default: its setting)")
+    parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
+    parser.add_argument("--out", default="benchmarks/results/", help="a .json file, or a folder for the default name")
+    args = parser.parse_args(argv)
+    ways = args.ways.split(",")
+    if not set(ways) <= set(WAYS):
+        parser.error(f"--ways: expected some of {','.join(WAYS)} (got {args.ways})")
+
+    import numpy as np
+    import torch
+
+    from bench_gnn import load_graph
+    from bench_kernels import environment
+    from report import results_path, write_json_md
+    from torch_sparserl.data.sampling import neighbor_batches
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    A = load_graph(args.graph)
+    A = ((A + A.T) > 0).astype(np.float32).tocsr()  # neighbours both ways
+    fanouts = [int(f) for f in args.fanouts.split(",")]
+    sampled = list(neighbor_batches(A, args.batch_size, fanouts, seed=0, limit=args.batches))
+    batches = [_Prepared(b, args.device) for b in sampled]
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(A.shape[0], args.features, generator=g).to(args.device)
+    labels = torch.randint(0, args.classes, (A.shape[0],), generator=g).to(args.device)
+    torch.manual_seed(0)
+    model0 = make_model(args.features, args.hidden, args.classes)
+    env = environment()
+    path = results_path(args.out, "minibatch", env["gpu"] if args.device == "cuda" else None,
+                        dt.date.today().isoformat())
+    doc = {"schema": SCHEMA, "env": env, "runs": [{"started": dt.datetime.now().isoformat(timespec="seconds"),
+                                                   "command": " ".join(["python benchmarks/bench_minibatch.py"]
+                                                                       + (argv if argv is not None else sys.argv[1:]))}],
+           "setup": {"graph": args.graph, "nodes": A.shape[0], "edges": int(A.nnz), "batch_size": args.batch_size,
+                     "fanouts": fanouts, "hidden": args.hidden, "epochs": args.epochs, "batches": len(batches),
+                     "mean_rows": float(np.mean([b.nodes.size for b in sampled])),
+                     "mean_nnz": float(np.mean([b.nnz for b in sampled])), "device": args.device},
+           "ways": {}}
+    for way in ways:
+        doc["ways"][way] = run_way(way, batches, features, labels, model0, args)
+        result = doc["ways"][way]
+        print(f"{way}: {result.get('status')} " + (" ".join(f"{s:.3f}" for s in result["epoch_s"]) + " s/epoch"
+                                                   if result.get("status") == "ok" else str(result.get("error"))),
+              flush=True)
+        doc["summary"] = summary(doc)
+        write_json_md(doc, path, markdown)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

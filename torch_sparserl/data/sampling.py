@@ -1,0 +1,111 @@
+"""Mini-batches of a large graph: seed nodes and their sampled neighbourhoods, as CSR.
+
+What a GNN trained with neighbour sampling (PyG's ``NeighborLoader``) multiplies by every
+step, without needing PyG: for each batch of seed nodes, up to ``fanouts[0]`` neighbours of
+each seed are drawn without replacement, then up to ``fanouts[1]`` of each node reached, and so
+on; the subgraph's adjacency holds the sampled edges (a row per node, its sampled neighbours
+as columns), numbered with the seeds first. Every step's pattern is new: the case of issue 36.
+
+    batches = list(neighbor_batches(A, batch_size=1024, fanouts=(10, 5), seed=0))
+    batch = batches[0]
+    A_i = ts.csr(batch.adjacency(), device="cuda")      # rows: batch.nodes, mean aggregation
+    out = model(A_i, features[batch.nodes])[: batch.seeds]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One sampled subgraph. ``nodes[i]`` is local node ``i`` in the full graph; the first
+    ``seeds`` of them are the batch's seeds (the rows a step trains on). ``crow``/``col`` are
+    the subgraph's CSR structure over local numbers (int64, columns sorted in each row)."""
+
+    nodes: np.ndarray
+    seeds: int
+    crow: np.ndarray
+    col: np.ndarray
+
+    @property
+    def nnz(self) -> int:
+        return int(self.col.size)
+
+    def adjacency(self, values: str = "mean") -> scipy.sparse.csr_matrix:
+        """The subgraph's adjacency as SciPy CSR (float32): ``mean`` gives each row 1/degree (a
+        mean over the sampled neighbours, GraphSAGE's), ``ones`` gives 1 (a sum)."""
+        if values not in ("mean", "ones"):
+            raise ValueError(f"Batch.adjacency: values must be 'mean' or 'ones' (got {values!r})")
+        data = np.ones(self.nnz, dtype=np.float32)
+        if values == "mean":
+            degree = np.diff(self.crow)
+            data /= np.repeat(np.maximum(degree, 1), degree).astype(np.float32)
+        n = self.nodes.size
+        return scipy.sparse.csr_matrix((data, self.col, self.crow), shape=(n, n))
+
+
+def neighbor_batches(adjacency: scipy.sparse.csr_matrix, batch_size: int, fanouts: Sequence[int], *,
+                     seed: int = 0, shuffle: bool = True, limit: int | None = None) -> Iterator[Batch]:
+    """The batches of one epoch over every node of ``adjacency`` (square CSR: row ``v`` lists
+    the neighbours of ``v``), ``batch_size`` seeds each (the last may be smaller), sampled
+    with ``fanouts`` (one per hop). ``limit``: stop after that many batches. Deterministic for
+    a ``seed``."""
+    if not scipy.sparse.issparse(adjacency) or adjacency.shape[0] != adjacency.shape[1]:
+        raise ValueError(f"neighbor_batches: expected a square sparse matrix (got "
+                         f"{getattr(adjacency, 'shape', type(adjacency).__name__)})")
+    if batch_size < 1 or not fanouts or any(int(f) < 1 for f in fanouts):
+        raise ValueError(f"neighbor_batches: expected batch_size >= 1 and fanouts of positive counts "
+                         f"(got {batch_size}, {list(fanouts)})")
+    A = adjacency.tocsr()
+    indptr, indices = A.indptr.astype(np.int64), A.indices.astype(np.int64)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(A.shape[0]) if shuffle else np.arange(A.shape[0])
+    for number, start in enumerate(range(0, order.size, batch_size)):
+        if limit is not None and number >= limit:
+            return
+        yield _sample(indptr, indices, order[start:start + batch_size], fanouts, rng)
+
+
+def _sample(indptr: np.ndarray, indices: np.ndarray, seeds: np.ndarray, fanouts: Sequence[int],
+            rng: np.random.Generator) -> Batch:
+    nodes = [seeds]
+    known = np.zeros(indptr.size - 1, dtype=bool)  # nodes in the subgraph so far
+    known[seeds] = True
+    rows, cols = [], []  # sampled edges, global numbers: row (the node expanded) -> col (a neighbour)
+    frontier = seeds
+    for fanout in fanouts:
+        source, target = _draw(indptr, indices, frontier, int(fanout), rng)
+        rows.append(source)
+        cols.append(target)
+        fresh = np.unique(target[~known[target]])
+        known[fresh] = True
+        nodes.append(fresh)
+        frontier = fresh
+    every = np.concatenate(nodes)
+    local = np.empty(indptr.size - 1, dtype=np.int64)  # only the subgraph's entries are read
+    local[every] = np.arange(every.size)
+    row = local[np.concatenate(rows)]
+    col = local[np.concatenate(cols)]
+    order = np.lexsort((col, row))
+    row, col = row[order], col[order]
+    crow = np.zeros(every.size + 1, dtype=np.int64)
+    np.add.at(crow, row + 1, 1)
+    return Batch(nodes=every, seeds=int(seeds.size), crow=np.cumsum(crow), col=col)
+
+
+def _draw(indptr, indices, frontier, fanout: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``fanout`` neighbours of each frontier node, without replacement: every candidate
+    edge gets a random key, and each node keeps its ``fanout`` smallest."""
+    start, degree = indptr[frontier], indptr[frontier + 1] - indptr[frontier]
+    owner = np.repeat(np.arange(frontier.size), degree)
+    offset = np.arange(owner.size) - np.repeat(np.cumsum(degree) - degree, degree)
+    candidate = indices[np.repeat(start, degree) + offset]
+    order = np.lexsort((rng.random(owner.size), owner))  # by node, then by a random key
+    rank = np.arange(owner.size) - np.repeat(np.cumsum(degree) - degree, degree)  # place within its node
+    keep = order[rank < fanout]
+    return frontier[owner[keep]], candidate[keep]
