@@ -1,12 +1,14 @@
 """Mini-batch GraphSAGE: every step a new sampled subgraph, so every product a new pattern.
 
 The batches of each epoch are sampled once (``torch_sparserl.data.sampling``: 1024 seeds, fanouts
-10 and 5, the subgraph's adjacency with mean values) and every *way* trains on the same ones
+10 and 5, the subgraph's adjacency with mean values) and kept on the host, pinned, as a loader
+hands them over; every *way* moves each batch to the device itself and trains on the same ones
 from the same initial weights, one after another, each with a fresh runtime and an empty
 kernel cache of its own:
 
 * ``torch`` — ``torch.sparse.mm`` on a ``torch.sparse_csr`` tensor (cuSPARSE);
-* ``sparserl`` — ``ts.csr(A_i) @ X`` in eager code, at the runtime's settings (``--admit-calls``);
+* ``sparserl`` — ``ts.csr(A_i, device=...) @ X`` in eager code (the indices checked on the host),
+  at the runtime's settings (``--admit-calls``);
 * ``sparserl_compiled`` — the same model under ``torch.compile(backend="sparserl", dynamic=True)``;
 * ``pyg`` — PyG's ``SAGEConv`` on ``edge_index`` (gather + scatter), where PyG is installed.
 
@@ -121,17 +123,19 @@ def run_way(way: str, batches, features, labels, model0, args) -> dict:
                 torch.cuda.synchronize()
             started = time.perf_counter()
             epoch_losses = []
-            for batch in batches:
-                x = features[batch.nodes_t]
+            for batch in batches:  # on the host, pinned, as a loader hands them over
+                nodes = batch.nodes.to(device, non_blocking=True)
+                x = features[nodes]
+                shape = (batch.n, batch.n)
                 if way == "torch":
-                    A = torch.sparse_csr_tensor(batch.crow_t, batch.col_t, batch.val_t, (batch.n, batch.n))
+                    A = torch.sparse_csr_tensor(*(t.to(device, non_blocking=True) for t in batch.csr), shape)
                 elif way == "pyg":
-                    A = batch.edge_index_t
-                else:
-                    A = ts.CSRMatrix(batch.crow_t, batch.col_t, batch.val_t, (batch.n, batch.n))
+                    A = batch.edge_index.to(device, non_blocking=True)
+                else:  # checked on the host, sent without blocking
+                    A = ts.csr(batch.csr, shape, device=device)
                 opt.zero_grad(set_to_none=True)
                 out = step(A, x)[: batch.seeds]
-                loss = torch.nn.functional.cross_entropy(out, labels[batch.nodes_t[: batch.seeds]])
+                loss = torch.nn.functional.cross_entropy(out, labels[nodes[: batch.seeds]])
                 loss.backward()
                 opt.step()
                 epoch_losses.append(loss.detach())
@@ -154,20 +158,21 @@ def run_way(way: str, batches, features, labels, model0, args) -> dict:
 
 
 class _Prepared:
-    """A batch's tensors on the device, made before timing (so that every way times only its step)."""
+    """A batch's host tensors, made before timing and pinned where a GPU takes them (as a
+    loader with ``pin_memory=True`` hands them over): every way times its own transfers."""
 
     def __init__(self, batch, device):
         import numpy as np
         import torch
 
+        pin = torch.device(device).type == "cuda"
+        host = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).pin_memory()) if pin else torch.from_numpy
         self.seeds, self.n = batch.seeds, batch.nodes.size
-        self.nodes_t = torch.from_numpy(batch.nodes).to(device)
-        self.crow_t = torch.from_numpy(batch.crow).to(device)
-        self.col_t = torch.from_numpy(batch.col).to(device)
-        self.val_t = torch.from_numpy(batch.adjacency("mean").data).to(device)
+        self.nodes = host(batch.nodes)
+        self.csr = (host(batch.crow), host(batch.col), host(batch.adjacency("mean").data))
         rows = np.repeat(np.arange(self.n), np.diff(batch.crow))
         # PyG's flow: messages from edge_index[0] (a neighbour) to edge_index[1] (the row)
-        self.edge_index_t = torch.from_numpy(np.stack([batch.col, rows])).to(device)
+        self.edge_index = host(np.stack([batch.col, rows]))
 
 
 def summary(doc: dict) -> list[dict]:

@@ -226,3 +226,30 @@ def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypat
     assert calls == ["spmm"]
     with pytest.raises(ValueError, match="sparserl.spmm: X must have ncols"):
         A @ torch.randn(M.shape[1] + 1, 4)  # same checks, same errors on the direct path
+
+
+def test_host_indices_bound_for_another_device_are_checked_on_the_host(monkeypatch):
+    """``ts.csr(host data, device=...)`` checks the indices on the host copy that travels (no
+    device-to-host synchronization per new pattern), so its products find the pattern
+    validated; bad indices are refused before anything travels, with the usual message."""
+    import scipy.sparse as sp
+
+    from torch_sparserl import pattern as patterns
+    from torch_sparserl.tensor import csr_matrix
+
+    checked = []
+    real = csr_matrix.check_csr_values
+    monkeypatch.setattr(csr_matrix, "check_csr_values",
+                        lambda op, crow, col, ncols: checked.append((crow.device.type, col.device.type)) or
+                        real(op, crow, col, ncols))
+    M = sp.random(20, 10, density=0.3, format="csr", random_state=np.random.default_rng(0))
+    with torch.inference_mode():
+        A = ts.csr(M, device="meta")
+    assert checked == [("cpu", "cpu")] and A.crow.device.type == "meta"
+    assert not A.crow.is_inference() and patterns.owned(A.crow) and patterns.owned(A.col)
+    assert patterns.validated(A.crow, A.col, 10) is not None
+    crow, col = torch.tensor([0, 2, 1]), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"torch_sparserl.csr: crow\[-1\] must equal nnz = len\(col\) = 2 \(got 1\)"):
+        ts.csr((crow, col, torch.ones(2)), (2, 3), device="meta")
+    with pytest.raises(ValueError, match=r"col must be < ncols = 3"):
+        ts.csr((torch.tensor([0, 1, 2]), torch.tensor([0, 3]), torch.ones(2)), (2, 3), device="meta")

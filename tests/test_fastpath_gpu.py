@@ -548,6 +548,36 @@ def test_eager_products_with_the_transpose_are_served_in_cxx_on_a_square_matrix(
         assert (sum(_counts()) - sum(before)) == (0 if call == 0 else 1)
 
 
+@pytest.mark.parametrize("admit_calls", [1, 3])
+def test_a_host_sampled_matrix_is_multiplied_without_waiting_for_the_gpu(tmp_path, poison_uninitialized,
+                                                                        admit_calls):
+    """A mini-batch step: ``ts.csr`` of host indices (checked on the host, sent pinned) and its
+    first product, served by cuSPARSE while the product is not admitted or its decision runs in
+    the background, make no synchronizing call."""
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_calls=admit_calls),
+                         cache=KernelCache(tmp_path), specializer=_specializer)
+    previous = rt.set_active(runtime)
+    try:
+        X = _operand("spmm", make_pattern("random"), 16, seed=0)
+        ts.csr(make_pattern("random", seed=1), dtype=torch.float32, device="cuda") @ X  # warm-up
+        runtime.wait()
+        M = make_pattern("random", seed=2)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+        try:
+            A = ts.csr(M, dtype=torch.float32, device="cuda")
+            got = A @ X
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert_close_to_reference(got, torch.from_numpy(np.asarray(as_float64_scipy(
+            A.crow, A.col, A.val, M.shape[1]) @ X.cpu().double().numpy())), torch.float32)
+        runtime.wait()
+    finally:
+        rt.set_active(previous)
+        runtime.close()
+
+
 def test_host_costs_are_measured_through_the_library():
     """What the runtime's end-to-end gate weighs: this process's host µs per call of the door,
     an allocation, a launch and a cuSPARSE call of each product, all measured."""

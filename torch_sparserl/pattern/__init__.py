@@ -236,6 +236,14 @@ class Pattern:
             check_csr_values(op, crow, col, self.ncols)
             self.validated = True
 
+    def checked_on_host(self, crow: torch.Tensor, col: torch.Tensor) -> None:
+        """Mark the pattern validated: ``crow`` and ``col`` are the library's own tensors, copied
+        to the device from host indices that passed :func:`check_csr_values` (``ts.csr``)."""
+        if not (owned(crow) and owned(col)):
+            raise ValueError("checked_on_host: only for the library's own index tensors")
+        self._freeze(crow, col)
+        self.validated = True
+
     def _freeze(self, crow: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The indices this pattern reads from now on: the library's own tensors as they are, a
         caller's copied once (:func:`private_copy`, outside any CUDA graph pool) and registered

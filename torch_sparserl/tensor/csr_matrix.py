@@ -25,7 +25,7 @@ from .. import pattern as patterns
 from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..jit import fastpath
 from ..jit import runtime as rt
-from ..pattern.validation import check_csr_meta, require
+from ..pattern.validation import check_csr_meta, check_csr_values, require
 
 _ops = torch.ops.sparserl
 _SOURCE_HASH = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=8).hexdigest()
@@ -698,6 +698,25 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         col = _as_index_dtype(op, "col", col, index_dtype)
     if dtype is not None:
         val = val.to(dtype)
+    checked = False
+    if device is not None and torch.device(device).type != "cpu" and crow.device.type == "cpu" \
+            and col.device.type == "cpu":
+        # Host indices bound for a GPU (a mini-batch sampled on the host): checked on a private
+        # host copy, the one that travels, so that no product waits for the device to check
+        # them (a device-to-host synchronization per new pattern) and no write to the caller's
+        # arrays between the check and the copy reaches the matrix. To a CUDA device the copy
+        # is pinned and travels without blocking the host (torch's pinned-memory allocator
+        # keeps it until the transfer is done).
+        pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
+        with torch.inference_mode(False):  # ordinary tensors, with version counters
+            crow, col = (torch.empty_like(t, memory_format=torch.contiguous_format, pin_memory=pinned).copy_(t)
+                         for t in (crow, col))
+            if validate:
+                _check_parts(op, crow, col, val, size)
+                check_csr_values(op, crow, col, size[1])
+                checked = True
+            crow, col = crow.to(device, non_blocking=pinned), col.to(device, non_blocking=pinned)
+        patterns.own(crow, col)  # made here from the private copies: nobody else holds them
     if device is not None:
         crow, col, val = crow.to(device), col.to(device), val.to(device)
     _check_parts(op, crow, col, val, size)
@@ -709,5 +728,9 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         with torch.inference_mode(False):
             val = val.clone()
     if validate:
-        patterns.lookup(crow, col, size[1]).validate(op, crow, col)
+        entry = patterns.lookup(crow, col, size[1])
+        if checked:
+            entry.checked_on_host(crow, col)
+        else:
+            entry.validate(op, crow, col)
     return CSRMatrix(crow, col, val, size)
