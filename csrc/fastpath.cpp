@@ -534,9 +534,10 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   registry.swap(kept);
 }
 
-// Host microseconds per launch of `calls` bare launches of the kernel of the entry that serves
-// these operands, into one preallocated output: no lookup, no allocation, no zero-fill, no
-// check. The floor that the benchmarks hold a hit's host cost against (bench_eager.py).
+// Host microseconds per launch of `calls` bare launches (the best of five loops) of the kernel
+// of the entry that serves these operands, into one preallocated output: no lookup, no
+// allocation, no zero-fill, no check. The floor that the benchmarks hold a hit's host cost
+// against (bench_eager.py).
 double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
                       const at::Tensor& X, int64_t op, int64_t calls) {
   TORCH_CHECK(op >= SPMM && op <= SPMV_T && calls > 0, "sparserl_fastpath.bare_launch_us: op must be 0..3 and calls "
@@ -557,10 +558,17 @@ double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::T
   at::Tensor y = matrix ? at::empty({e->out_rows, e->n}, X.options()) : at::empty({e->out_rows}, X.options());
   at::Tensor work = e->work_numel ? at::zeros({e->work_numel}, X.options().dtype(at::kFloat)) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
-  const auto started = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < calls; ++i) launch_kernel(*e, rowptr, colidx, values, Xa, y, work, stream);
-  const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - started;
-  return spent.count() / static_cast<double>(calls);
+  // the best of five loops, as the benchmarks time a served call's host cost
+  double best = 1e300;
+  for (int round = 0; round < 5; ++round) {
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto started = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < calls; ++i) launch_kernel(*e, rowptr, colidx, values, Xa, y, work, stream);
+    const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - started;
+    best = std::min(best, spent.count() / static_cast<double>(calls));
+  }
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return best;
 }
 
 // Host µs per call of what a served product issues, for the runtime's end-to-end decision (the
