@@ -716,7 +716,10 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
                 check_csr_values(op, crow, col, size[1])
                 checked = True
             crow, col = crow.to(device, non_blocking=pinned), col.to(device, non_blocking=pinned)
-        patterns.own(crow, col)  # made here from the private copies: nobody else holds them
+        patterns.own(crow, col)
+        if pinned and val.device.type == "cpu":  # the values travel the same way (a copy either way)
+            val = torch.empty_like(val, memory_format=torch.contiguous_format, pin_memory=True).copy_(val)
+            val = val.to(device, non_blocking=True)  # made here from the private copies: nobody else holds them
     if device is not None:
         crow, col, val = crow.to(device), col.to(device), val.to(device)
     _check_parts(op, crow, col, val, size)
