@@ -57,7 +57,8 @@ def test_cache_commands(tmp_path, capsys):
     key = SpecializationKey(pattern="feed", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
     KernelCache(tmp_path).put(CacheEntry(key, None, reason="none beat cuSPARSE"))
     assert main(["cache", "list", "--dir", str(tmp_path)]) == 0
-    assert "1 entries" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "1 entries" in listed and "MB of at most 256 MB)" in listed
     assert main(["cache", "info", key.digest()[:8], "--dir", str(tmp_path)]) == 0
     assert '"reason": "none beat cuSPARSE"' in capsys.readouterr().out
     assert main(["cache", "info", "zzzz", "--dir", str(tmp_path)]) == 2

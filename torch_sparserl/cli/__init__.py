@@ -495,7 +495,8 @@ def cache_command(args) -> int:
         return 0
     if args.action == "list":
         listing = _listing(cache)
-        print(f"{len(listing)} entries in {cache.root}")
+        size = sum(path.stat().st_size for path in cache.entries())
+        print(f"{len(listing)} entries in {cache.root} ({size / 2**20:.2f} MB of at most {cache.max_bytes / 2**20:g} MB)")
         for path, entry, problem in listing:
             if entry is None:
                 print(f"{path.stem}  unreadable: {problem}")
