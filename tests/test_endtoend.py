@@ -108,3 +108,19 @@ def test_the_runtime_installs_only_what_wins_end_to_end(tmp_path, monkeypatch, l
             assert "under the 1.05x margin end to end" in state.reason and "3 launches" in state.reason
     finally:
         runtime.close()
+
+
+def test_a_failed_measurement_is_a_warning_and_the_gpu_time_decision_stands(monkeypatch, caplog):
+    """Where the costs cannot be measured (here: no CUDA), the runtime warns once and installs on
+    GPU time; the device is not measured again."""
+    from torch_sparserl.jit import fastpath
+
+    if torch.cuda.is_available():
+        pytest.skip("measures for real on a GPU (tests/test_fastpath_gpu.py)")
+    monkeypatch.setattr(fastpath, "loaded", True)
+    monkeypatch.setattr(endtoend, "_COSTS", {})
+    with caplog.at_level("WARNING", logger="torch_sparserl.jit.endtoend"):
+        assert endtoend.host_costs(torch.device("cuda", 0)) is None
+        assert endtoend.host_costs(torch.device("cuda", 0)) is None
+    assert caplog.text.count("host costs could not be measured") == 1
+    assert endtoend.gate(record(3.0, 5.0, 9), "spmv", torch.float32, torch.device("cuda", 0), 1.05) == (True, "")
