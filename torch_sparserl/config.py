@@ -84,7 +84,8 @@ DEFAULT_JIT_K = 4
 DEFAULT_JIT_IDLE_S = 30.0
 # 1: a product is decided on its first call. Mini-batch training, where each step has a new
 # pattern, wants 3 (a fixed graph's products get there in the second step, a step's one-off
-# pattern never does); the default follows once the GPU benchmarks measure it (issue 36).
+# pattern never does); the default stays 1 until benchmarks/bench_minibatch.py has measured both
+# on a GPU.
 DEFAULT_JIT_ADMIT_CALLS = 1
 DEFAULT_JIT_QUEUE = 4  # decisions waiting for the background thread; more are dropped, not queued
 
