@@ -30,6 +30,8 @@ def test_info():
     out = subprocess.run([sys.executable, "-m", "torch_sparserl", "info"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "sparserl::spmm" in out.stdout and "cora" in out.stdout
+    assert "JIT runtime (from the environment): mode=" in out.stdout and "admit_calls=" in out.stdout
+    assert "kernel cache: " in out.stdout
 
 
 @pytest.mark.slow

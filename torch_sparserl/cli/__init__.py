@@ -339,6 +339,20 @@ def info(args) -> int:
     print("operators: " + ", ".join(f"sparserl::{op}" for op in ts.ops.registered_ops()))
     print("shipped matrices: " + ", ".join(list_matrices()))
     print(f"C++ fast path: {ts.jit.fastpath.status()}")
+    jit = config.from_environment().jit
+    print(f"JIT runtime (from the environment): mode={jit.mode}, policy={jit.policy}, margin={jit.margin}, "
+          f"admit_calls={jit.admit_calls}, queue={jit.queue}")
+    from ..jit.cache import ENTRY_NAME
+    from ..toolchain.paths import configured_cache_dir
+
+    folder = configured_cache_dir() / "kernels"  # read only: info creates nothing
+    try:
+        sizes = [entry.lstat().st_size for entry in folder.iterdir() if ENTRY_NAME.match(entry.name)]
+    except OSError:
+        sizes = None
+    print(f"kernel cache: {folder}, " + (f"{len(sizes)} entries, {sum(sizes) / 2**20:.2f} MB" if sizes is not None
+                                         else "not created yet")
+          + f" (at most {config.read('cache.max_mb'):g} MB)")
     return 0
 
 
@@ -495,7 +509,7 @@ def cache_command(args) -> int:
         return 0
     if args.action == "list":
         listing = _listing(cache)
-        size = sum(path.stat().st_size for path in cache.entries())
+        size = sum(path.lstat().st_size for path in cache.entries())
         print(f"{len(listing)} entries in {cache.root} ({size / 2**20:.2f} MB of at most {cache.max_bytes / 2**20:g} MB)")
         for path, entry, problem in listing:
             if entry is None:

@@ -60,7 +60,7 @@ MAX_ENTRY_BYTES = 4 << 20  # an entry is a kernel source and its record: tens of
 STALE_TEMP_S = 3600.0  # clear() removes another process's temporary file only when older than this
 MEMORY_ENTRIES = 4096  # decisions kept in memory (a few kB each), most recently used
 PRUNE_TO = 0.8  # a write past the cap removes entries until they take this fraction of it
-_ENTRY_NAME = re.compile(r"^[0-9a-f]{16,64}\.json$")
+ENTRY_NAME = re.compile(r"^[0-9a-f]{16,64}\.json$")  # an entry's file name
 _KEY_LOCK_NAME = re.compile(r"^[0-9a-f]{16,64}\.lock$")  # one lock per key: earlier versions' scheme
 _PURPOSE = b"cache-entry"
 
@@ -351,7 +351,7 @@ class KernelCache:
 
     def entries(self) -> list[Path]:
         """The entries' files (not the temporary files of writes in flight, not the locks)."""
-        return [self.root / name for name in self._names() if _ENTRY_NAME.match(name)]
+        return [self.root / name for name in self._names() if ENTRY_NAME.match(name)]
 
     def listing(self) -> list[tuple[Path, CacheEntry | None, str]]:
         """Every entry on disk as ``(path, entry, problem)``: the signed entry, or None with why
@@ -375,7 +375,7 @@ class KernelCache:
         for name in self._names():
             path = self.root / name
             try:
-                if _ENTRY_NAME.match(name):
+                if ENTRY_NAME.match(name):
                     os.unlink(path)
                     removed += 1
                 elif name.startswith(".tmp-") and now - os.lstat(path).st_mtime > STALE_TEMP_S:
