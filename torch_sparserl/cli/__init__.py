@@ -77,24 +77,23 @@ def _columns(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+def _finite(text: str, expected: str, *, zero: bool) -> float:
+    """``text`` as a finite number > 0 (>= 0 with ``zero``); else argparse's error saying ``expected``."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds (got {text!r})")
+    if not (0 <= value if zero else 0 < value) or not value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected {expected} (got {text!r})")
     return value
+
+
+def _seconds(text: str) -> float:
+    return _finite(text, "a positive number of seconds", zero=False)
 
 
 def _megabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a number of megabytes >= 0 (got {text!r})")
-    return value
+    return _finite(text, "a number of megabytes >= 0", zero=True)
 
 
 def _device(text: str) -> str:

@@ -590,6 +590,11 @@ def _check_parts(op: str, crow, col, val, size) -> None:
             f"crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]}) for shape {size}")
 
 
+def _host_copy(t: Tensor, pinned: bool) -> Tensor:
+    """A contiguous host copy of ``t`` (in pinned memory with ``pinned``), autograd-aware."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format, pin_memory=pinned).copy_(t)
+
+
 def _tensor(x, name: str) -> Tensor:
     """``x`` as a tensor. Anything that is not already a torch tensor (NumPy arrays, lists) is
     copied: torch cannot see writes to memory it shares with NumPy."""
@@ -709,8 +714,7 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         # keeps it until the transfer is done).
         pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         with torch.inference_mode(False):  # ordinary tensors, with version counters
-            crow, col = (torch.empty_like(t, memory_format=torch.contiguous_format, pin_memory=pinned).copy_(t)
-                         for t in (crow, col))
+            crow, col = _host_copy(crow, pinned), _host_copy(col, pinned)
             if validate:
                 _check_parts(op, crow, col, val, size)
                 check_csr_values(op, crow, col, size[1])
@@ -718,8 +722,7 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
             crow, col = crow.to(device, non_blocking=pinned), col.to(device, non_blocking=pinned)
         patterns.own(crow, col)
         if pinned and val.device.type == "cpu":  # the values travel the same way (a copy either way)
-            val = torch.empty_like(val, memory_format=torch.contiguous_format, pin_memory=True).copy_(val)
-            val = val.to(device, non_blocking=True)  # made here from the private copies: nobody else holds them
+            val = _host_copy(val, True).to(device, non_blocking=True)  # made here from the private copies: nobody else holds them
     if device is not None:
         crow, col, val = crow.to(device), col.to(device), val.to(device)
     _check_parts(op, crow, col, val, size)
