@@ -336,16 +336,17 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
     return std::nullopt;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
-  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-  if (!matrix && !p.preprocessed && p.stream == nullptr && !capturing && api->spmv_preprocess != nullptr &&
-      spmv_preprocess_on.load()) {
+  // asked only where a preprocessed workspace is or may be involved (SpMV), not on every call
+  auto capturing = [] { return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None; };
+  if (!matrix && !p.preprocessed && p.stream == nullptr && api->spmv_preprocess != nullptr &&
+      spmv_preprocess_on.load() && !capturing()) {
     p.stream = stream;  // tried once, on this stream
     p.workspace = at::empty({static_cast<int64_t>(std::max<size_t>(p.buffer_bytes, 1))}, X.options().dtype(at::kByte));
     p.preprocessed = api->spmv_preprocess(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, dt,
                                           CUSPARSE_SPMV_ALG_DEFAULT, p.workspace.data_ptr()) == CUSPARSE_STATUS_SUCCESS;
     if (!p.preprocessed) p.workspace = at::Tensor();  // plain calls with a workspace of their own
   }
-  if (p.preprocessed && (stream != p.stream || capturing)) return std::nullopt;  // not this workspace's stream
+  if (p.preprocessed && (stream != p.stream || capturing())) return std::nullopt;  // not this workspace's stream
   // else the workspace comes from torch's caching allocator on the current stream, every call
   at::Tensor buffer = p.preprocessed ? p.workspace
                                      : at::empty({static_cast<int64_t>(std::max<size_t>(p.buffer_bytes, 1))},
