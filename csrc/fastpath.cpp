@@ -572,6 +572,30 @@ double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::T
   return best;
 }
 
+// Host microseconds per call of `calls` hits served from C++ alone (the best of five loops):
+// the registry's lookup, the checks, the output's allocation and free, every launch. Against
+// bare_launch_us it says what a hit costs in C++; against a served Python call, what the door
+// adds (bench_eager.py).
+double served_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
+                 const at::Tensor& X, int64_t op, int64_t calls) {
+  TORCH_CHECK(op >= SPMM && op <= SPMV_T && calls > 0, "sparserl_fastpath.served_us: op must be 0..3 and calls "
+              "positive (got op ", op, ", calls ", calls, ")");
+  TORCH_CHECK(X.is_cuda(), "sparserl_fastpath.served_us: expected a CUDA operand (got a ", X.device(), " tensor)");
+  TORCH_CHECK(hit(op, crow, col, val, ncols, X).has_value(), "sparserl_fastpath.served_us: no entry serves these "
+              "operands (record them with one product first)");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
+  double best = 1e300;
+  for (int round = 0; round < 5; ++round) {
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto started = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < calls; ++i) hit(op, crow, col, val, ncols, X);
+    const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - started;
+    best = std::min(best, spent.count() / static_cast<double>(calls));
+  }
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return best;
+}
+
 // Host µs per call of what a served product issues, for the runtime's end-to-end decision (the
 // best of three loops of `calls`, on the current stream): [0] an output's allocation, [1] one
 // launch (a cudaMemsetAsync: a zero-fill, and the price of a kernel launch), [2] a cuSPARSE SpMV
@@ -715,6 +739,8 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
   m.def("entries() -> int", &entries);
   m.def("bare_launch_us(Tensor crow, Tensor col, Tensor val, int ncols, Tensor X, int op, int calls) -> float",
         &bare_launch_us);
+  m.def("served_us(Tensor crow, Tensor col, Tensor val, int ncols, Tensor X, int op, int calls) -> float",
+        &served_us);
   m.def("host_costs_us(Tensor like, int calls) -> float[]", &host_costs_us);
   m.def("driver_functions() -> bool", [] { return driver_launch() != nullptr; });
   // whether vendor entries call cuSPARSE directly (else through at::addmm / at::addmv)
