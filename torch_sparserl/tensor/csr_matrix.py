@@ -96,12 +96,20 @@ class CSRMatrix(Tensor):
     # -- the hot path ---------------------------------------------------------------
 
     def __matmul__(self, other):
-        # Eager ``A @ X`` with an installed kernel: straight to its launch (see _hot_product),
-        # where the C++ fast path is not loaded; where it is, _product asks its eager door first.
-        # Anything else goes to the same handler as torch.matmul, called here rather than
+        # Eager ``A @ X`` recorded for the C++ fast path: its eager door first, with nothing in
+        # between (on a small graph a served call's host time is this and the launch), and on a
+        # miss the Python path without asking the door again. With no C++ library loaded, an
+        # installed kernel straight to its launch (see _hot_product). Anything else goes to the same handler as torch.matmul, called here rather than
         # through Tensor.__matmul__, which turns every TypeError (a wrong dtype, a sparse
         # operand) into NotImplemented and so into Python's bare "unsupported operand type(s)".
         if type(other) is Tensor:
+            ncols = self.__dict__.get("_eager_ncols")
+            serve = fastpath.serve
+            dim = other.dim()
+            if (ncols is not None and serve is not None and (dim == 1 or dim == 2)
+                    and not torch.compiler.is_compiling()):
+                out = serve(2 - dim, self.crow, self.col, self.val, ncols, other)  # op 1: spmv, 0: spmm
+                return out if out is not None else _python_product("spmv" if dim == 1 else "spmm", self, other)
             out = _hot_product(self, other)
             if out is not None:
                 return out
@@ -228,6 +236,11 @@ def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
         out = _served_in_cpp(A, X, op)
         if out is not None:
             return out
+    return _python_product(op, A, X)
+
+
+def _python_product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
+    """:func:`_product` once the C++ door has declined it."""
     val, X = autocast_operands(values_of(A), X)
     if ops.direct_ok(val, X):
         runtime = rt.active_or_none()
