@@ -179,3 +179,25 @@ def test_bursts_leave_the_gpu_idle_between_them_and_time_every_run():
     gapped = time.perf_counter() - start
     assert len(at_once) == len(bursts) == 9 and min(bursts) > 0
     assert gapped >= whole + 0.04  # two gaps of 20 ms: after runs 4 and 8
+
+
+@pytest.mark.parametrize("op, n, cleanup", [
+    ("spmm", 32, "if (mine) __stcg(hub + cc + i, 0.f);"),   # the sums left behind
+    ("spmv", 1, "__stcg(hub, 0.f);"),
+    ("spmm", 32, "if (last) atomicExch(count, 0);"),        # the counter left behind
+])
+def test_a_kernel_that_leaves_its_kept_workspace_dirty_is_stale(op, n, cleanup):
+    """work_init=once promises a workspace left zero; the evaluation holds a kernel to it (the
+    shipped rowchunks kernel passes, the same kernel without its cleanup does not)."""
+    from torch_sparserl.evaluate.harness import Matrix, evaluate_candidate
+    from torch_sparserl.specialize import families
+
+    rowptr, col, shape = random_pattern(rows=512, cols=512, per_row=24, seed=2)
+    matrix = Matrix.from_numpy(rowptr, col, shape)
+    good = families.render("rowchunks", {"seg": 5}, op=op, dtype="f32", n=n)  # every row a hub
+    assert "work_init=once" in good.source.splitlines()[0] and cleanup in good.source
+    record = evaluate_candidate(good, matrix, n, torch.float32, CONFIG)
+    assert record.error_kind is None and record.timing["launches"] == 1, record.log
+    dirty = KernelSpec(good.source.replace(cleanup, ""), family="rowchunks")
+    record = evaluate_candidate(dirty, matrix, n, torch.float32, CONFIG)
+    assert record.error_kind is ErrorKind.STALE, record.log

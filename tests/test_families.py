@@ -86,8 +86,14 @@ def test_renders_a_valid_abi_source(name, op, dtype, n):
     assert 'extern "C" __global__' in spec.source and "sparserl_kernel(" in spec.source
     if plan.split != "none":
         assert plan.rows == "natural"
-        # spmm/spmv pieces of a row meet atomically in zeroed output; sddmm outputs are per nonzero
-        assert plan.init == ("none" if op == "sddmm" else "zero")
+        # spmm/spmv pieces of a row meet atomically in zeroed output, or (rowchunks) in a float32
+        # workspace that every launch leaves zero, every row stored once; sddmm outputs are per nonzero
+        if op == "sddmm":
+            assert plan.init == "none"
+        elif name == "rowchunks":
+            assert plan.init == "none" and "hubs" in plan.work.text and plan.work_init == "once"
+        else:
+            assert plan.init == "zero"
     if op == "sddmm":
         assert "sparserl SDDMM helpers" in spec.source and "SR_PASSES 1\n" in spec.source
     # the grid evaluates for an empty and for an ordinary pattern

@@ -193,7 +193,7 @@ def _expected_aux(plan: Plan, A, n):
         t = plan.split_arg
         seg_row, seg_start, seg_hub, hubs = [], [], [], 0
         for r in range(rows):
-            pieces = range(rowptr[r], rowptr[r + 1], t)
+            pieces = range(rowptr[r], rowptr[r + 1], t) or [rowptr[r]]  # an empty row: one empty segment
             for start in pieces:
                 seg_row.append(r)
                 seg_start.append(start)
@@ -277,3 +277,21 @@ def test_prepare_on_a_real_graph_matches_the_layout():
         expected, parts = _expected_aux(plan, A, 1)
         prep = prepare(plan, rowptr, col, A.shape, n=1)
         assert prep.parts == parts and prep.aux.tolist() == [int(v) for v in expected]
+
+
+def test_work_init_says_whether_the_workspace_is_zeroed_per_launch_or_once():
+    once = parse_plan("// sparserl: op=spmv dtype=f32 split=rowchunks(8) block=256 grid=parts work=hubs*2 "
+                      "work_init=once")
+    assert once.work_init == "once" and parse_plan(once.format()) == once and "work_init=once" in once.format()
+    plain = parse_plan("// sparserl: op=spmv dtype=f32 split=rowchunks(8) block=256 grid=parts work=hubs*2")
+    assert plain.work_init == "zero" and "work_init" not in plain.format()
+    with pytest.raises(PlanError, match=r"work_init must be zero \(the default\) for a plan without a workspace"):
+        parse_plan("// sparserl: op=spmv dtype=f32 block=256 grid=rows work_init=once")
+    with pytest.raises(PlanError, match="work_init must be zero or once"):
+        parse_plan("// sparserl: op=spmv dtype=f32 block=256 grid=rows work=rows work_init=never")
+    A = make_pattern("short and huge rows")
+    rowptr, col = torch.from_numpy(A.indptr.astype(np.int32)), torch.from_numpy(A.indices.astype(np.int32))
+    prep = prepare(once, rowptr, col, A.shape, n=1)
+    assert prep.work_once and prep.work_numel == 2 * prep.hubs > 0
+    assert prep.parts == int(np.maximum(-(-np.diff(A.indptr) // 8), 1).sum())  # an empty row is a segment
+    assert not prepare(plain, rowptr, col, A.shape, n=1).work_once

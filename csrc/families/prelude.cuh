@@ -181,11 +181,13 @@ __device__ __forceinline__ void sr_atomicv(T* p, const float (&a)[VEC]) {
 #endif
 }
 
-// Half-precision hub rows (split=rowchunks): each group of W lanes (an aligned power of two <= 32)
-// has added its piece of the row to the row's float32 workspace slot; `count` is the slot's
-// counter (zeroed with the workspace). Returns, to every lane of the group, whether this group
-// added the row's last piece of `pieces`: it then reads the finished sums (__ldcg: from L2,
-// where the atomics landed) and stores the row once, rounded once. The group must be converged.
+// Hub rows (split=rowchunks, nnz): each group of W lanes (an aligned power of two <= 32) has
+// added its piece of the row to the row's float32 workspace slot; `count` is the slot's counter
+// (zero before the launch). Returns, to every lane of the group, whether this group added the
+// row's last piece of `pieces`: it then reads the finished sums (__ldcg: from L2, where the
+// atomics landed), stores the row once (rounded once) and zeroes the sums (the caller does
+// both). The counter is zero again on return, so the workspace is left as it was found
+// (work_init=once). The group must be converged.
 template <int W>
 __device__ __forceinline__ bool sr_hub_last(int* count, int pieces) {
     const int lane = threadIdx.x & 31;
@@ -194,7 +196,10 @@ __device__ __forceinline__ bool sr_hub_last(int* count, int pieces) {
     __threadfence();  // this lane's adds are visible device-wide before the count moves
     __syncwarp(mask);
     int last = 0;
-    if (lane == leader) last = atomicAdd(count, 1) == pieces - 1;
+    if (lane == leader) {
+        last = atomicAdd(count, 1) == pieces - 1;
+        if (last) atomicExch(count, 0);  // every piece has counted: no other group touches it now
+    }
     last = __shfl_sync(mask, last, leader);
     if (last) __threadfence();  // the other groups' adds, counted before ours, are read after it
     return last != 0;

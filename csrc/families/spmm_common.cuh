@@ -84,11 +84,11 @@ __device__ __forceinline__ void sr_flush(T* __restrict__ y, int row, int col0, f
     }
 }
 
-#if SR_DTYPE != 0
-// Half-precision rows stored in pieces (split=rowchunks, split=nnz) meet in a float32 workspace
-// slot per hub row (plan work=hubs*SR_HUB): SR_N sums, padded to 16 bytes, then the slot's
-// counter (sr_hub_last). The group that added a row's last piece stores the row from its slot:
-// read from L2 (__ldcg, where the atomics landed) and rounded once.
+// Rows stored in pieces (split=rowchunks, split=nnz) meet in a float32 workspace slot per hub
+// row (plan work=hubs*SR_HUB): SR_N sums, padded to 16 bytes, then the slot's counter
+// (sr_hub_last). The group that added a row's last piece stores the row from its slot (read from
+// L2, __ldcg, where the atomics landed; a half-precision row rounded once) and zeroes the slot
+// again, so the workspace is zero after every launch (work_init=once).
 #define SR_HUB (((SR_N + 3) / 4) * 4 + 4)
 __device__ __forceinline__ void sr_hub_add(float* hub, int col0, const float (&acc)[SR_TB][SR_VEC]) {
 #pragma unroll
@@ -97,7 +97,7 @@ __device__ __forceinline__ void sr_hub_add(float* hub, int col0, const float (&a
         if (SR_EXACT || cc < SR_N) sr_atomicv_f32<SR_VEC>(hub + cc, acc[t]);
     }
 }
-__device__ __forceinline__ void sr_store_hub(T* __restrict__ y, int row, int gl, const float* hub) {
+__device__ __forceinline__ void sr_store_hub(T* __restrict__ y, int row, int gl, float* hub) {
 #pragma unroll 1
     for (int pass = 0; pass < SR_PASSES; ++pass) {
         const int col0 = pass * SR_TB * SR_W + gl * SR_VEC;
@@ -106,12 +106,15 @@ __device__ __forceinline__ void sr_store_hub(T* __restrict__ y, int row, int gl,
         for (int t = 0; t < SR_TB; ++t) {
             const int cc = col0 + t * SR_W;
 #pragma unroll
-            for (int i = 0; i < SR_VEC; ++i) acc[t][i] = (SR_EXACT || cc < SR_N) ? __ldcg(hub + cc + i) : 0.f;
+            for (int i = 0; i < SR_VEC; ++i) {
+                const bool mine = SR_EXACT || cc < SR_N;
+                acc[t][i] = mine ? __ldcg(hub + cc + i) : 0.f;
+                if (mine) __stcg(hub + cc + i, 0.f);  // what sr_hub_add added: zero for the next launch
+            }
         }
         sr_flush(y, row, col0, acc, false);
     }
 }
-#endif
 
 #ifdef SR_UNROLL
 // Sequential pass over nonzeros [j, end) of one row, SR_UNROLL independent rows of X in flight.

@@ -1,9 +1,10 @@
 // Family rowchunks (SpMV): split=rowchunks(SR_SEG); SR_LANES lanes per segment of at most SR_SEG
-// nonzeros of one row, reduced with shuffles; single-segment rows stored, hub rows atomically
-// added (init=zero; for the half types in float32, to the row's workspace slot of work=hubs*2:
-// the sum, then a counter, and the group adding the last piece stores it). Why fast: vector_row
-// on ordinary rows with hubs cut into equal pieces, so one 10^5-nonzero row no longer decides
-// the runtime (power-law, arrow).
+// nonzeros of one row (an empty row is one empty segment), reduced with shuffles. Single-segment
+// rows are stored; a hub row's pieces are added in float32 to its workspace slot (work=hubs*2:
+// the sum, then a counter), and the group adding the last piece stores the row and zeroes the
+// slot (work_init=once). Every row of y is stored once: no zero-fill, one launch per call.
+// Why fast: vector_row on ordinary rows with hubs cut into equal pieces, so one 10^5-nonzero row
+// no longer decides the runtime (power-law, arrow).
 // Needs: SR_BLOCK, SR_LANES, SR_UNROLL, SR_SEG.
 extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int* __restrict__ rowptr, const int* __restrict__ col, const T* __restrict__ val,
@@ -41,17 +42,15 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
 #if SR_LANES > 1
     sum = sr_group_sum<SR_LANES>(sum);
 #endif
-#if SR_DTYPE != 0
     if (row >= 0 && !whole) {  // a whole group: its lanes share seg
         float* hub = work + 2 * (size_t)__ldg(aux + 2 * parts + seg);
         if (lane == 0) atomicAdd(hub, sum);
         const int rlen = __ldg(rowptr + row + 1) - __ldg(rowptr + row);
-        if (sr_hub_last<SR_LANES>(reinterpret_cast<int*>(hub + 1), (rlen + SR_SEG - 1) / SR_SEG) && lane == 0)
+        if (sr_hub_last<SR_LANES>(reinterpret_cast<int*>(hub + 1), (rlen + SR_SEG - 1) / SR_SEG) && lane == 0) {
             sr_st(y + row, __ldcg(hub));
+            __stcg(hub, 0.f);  // zero for the next launch
+        }
         return;
     }
-#endif
-    if (row >= 0 && lane == 0) {
-        if (whole) sr_st(y + row, sum); else sr_atomic(y + row, sum);
-    }
+    if (row >= 0 && lane == 0) sr_st(y + row, sum);
 }

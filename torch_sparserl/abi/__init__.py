@@ -35,6 +35,10 @@ HUB_SPLITS = {"spmm": ("rowchunks", "nnz"), "spmv": ("rowchunks",)}
 """The splits whose half-precision kernels (op=spmm, spmv) sum a row's pieces in a float32
 workspace (``work=...hubs...``), and so the only splits the ABI takes for those dtypes."""
 INITS = ("none", "zero")
+WORK_INITS = ("zero", "once")
+"""How the plan's workspace is zeroed: ``zero``, by the caller before every launch; ``once``, by
+the caller before the first launch only, since every launch leaves it zero again (a caller may
+keep one workspace across the launches of one stream, with no zero-fill per call)."""
 # What a kernel may apply to a finished row of y before storing it, in this order:
 # y = relu(scale[row] * (A @ X)[row] + bias). A plan names a '+'-joined subset, e.g. bias+relu.
 EPILOGUE_STEPS = ("scale", "bias", "relu")
@@ -46,7 +50,7 @@ MAX_SMEM_BYTES = 227 * 1024  # sm_90 opt-in limit per block
 MAX_BINS = 8
 MAX_CHUNK = 1 << 20
 
-_KEYS = ("op", "dtype", "n", "rows", "split", "block", "grid", "smem", "init", "work", "epilogue")
+_KEYS = ("op", "dtype", "n", "rows", "split", "block", "grid", "smem", "init", "work", "work_init", "epilogue")
 _REQUIRED = ("op", "dtype", "block", "grid")
 
 
@@ -204,6 +208,7 @@ class Plan:
     init: str = "none"
     work: Expr = field(default_factory=lambda: parse_expr("0"))
     epilogue: str = "none"
+    work_init: str = "zero"
 
     def __post_init__(self):
         def bad(key, expected, got):
@@ -243,6 +248,10 @@ class Plan:
             bad("split", " or ".join(SPLITS), self.split)
         if self.init not in INITS:
             bad("init", " or ".join(INITS), self.init)
+        if self.work_init not in WORK_INITS:
+            bad("work_init", " or ".join(WORK_INITS), self.work_init)
+        if self.work_init != "zero" and self.work.text == "0":
+            bad("work_init", "zero (the default) for a plan without a workspace", self.work_init)
         if self.rows == "binned":
             edges = self.rows_args
             if not 1 <= len(edges) <= MAX_BINS - 1 or edges[0] < 1 or any(
@@ -300,6 +309,8 @@ class Plan:
             parts.append(f"init={self.init}")
         if self.work.text != "0":
             parts.append(f"work={self.work}")
+        if self.work_init != "zero":
+            parts.append(f"work_init={self.work_init}")
         if self.epilogue != "none":
             parts.append(f"epilogue={self.epilogue}")
         return f"{PLAN_PREFIX} {' '.join(parts)}"
@@ -359,6 +370,7 @@ def parse_plan(line: str) -> Plan:
         split_arg=split_args[0] if split_args else None,
         smem=parse_expr(fields.get("smem", "0")), init=fields.get("init", "none"),
         work=parse_expr(fields.get("work", "0")), epilogue=fields.get("epilogue", "none"),
+        work_init=fields.get("work_init", "zero"),
     )
 
 

@@ -36,6 +36,7 @@ class Prepared:
     nnz: int
     n: int
     hubs: int = 0  # rows stored in more than one piece (split=rowchunks, nnz)
+    work_once: bool = False  # work_init=once: zero before the first launch, left zero by every launch
 
     @property
     def env(self) -> dict[str, int]:
@@ -125,14 +126,15 @@ def _merge_split(rowptr: torch.Tensor, nnz: int, chunk: int) -> tuple[torch.Tens
 
 def _rowchunks(rowptr: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int, int]:
     device = rowptr.device
-    per_row = (lengths + chunk - 1) // chunk  # segments of each row; 0 for empty rows
+    # segments of each row; an empty row is one empty segment, so every row of y is written
+    per_row = ((lengths + chunk - 1) // chunk).clamp(min=1)
     parts = int(per_row.sum())
     seg_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), per_row)
     first_seg = per_row.cumsum(0) - per_row
     seg_index = torch.arange(parts, device=device) - first_seg[seg_row]
     seg_start = rowptr.long()[seg_row] + seg_index * chunk
-    # hubs: the rows of more than one segment, numbered in row order (a half-precision kernel
-    # sums their pieces in a float32 workspace slot); -1 for the segments of whole rows
+    # hubs: the rows of more than one segment, numbered in row order (the shipped kernels sum
+    # their pieces in a float32 workspace slot); -1 for the segments of whole rows
     hub = per_row > 1
     hub_slot = torch.where(hub, hub.long().cumsum(0) - 1, torch.full_like(per_row, -1))
     return torch.cat([seg_row, seg_start, hub_slot[seg_row]]), parts, int(hub.sum())
@@ -182,4 +184,4 @@ def prepare(plan: Plan, rowptr: torch.Tensor, col: torch.Tensor, shape: tuple[in
         raise PlanError(f"prepare: work={plan.work} evaluates to {work} elements (expected 0..2^31)")
     return Prepared(plan=plan, aux=aux, parts=parts, grid=grid, block=plan.block, smem=smem,
                     init_zero=plan.init == "zero", work_numel=work,
-                    rows=rows, cols=cols, nnz=nnz, n=n, hubs=hubs)
+                    rows=rows, cols=cols, nnz=nnz, n=n, hubs=hubs, work_once=work > 0 and plan.work_init == "once")

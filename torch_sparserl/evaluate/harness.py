@@ -315,6 +315,8 @@ class _Problem:
         self.work_buf = (_Guarded(prepared.work_numel, torch.float32, (prepared.work_numel,),
                                   config.guard_bytes, device) if prepared.work_numel else None)
         self.work = self.work_buf.tensor if self.work_buf is not None else None
+        if self.work is not None and prepared.work_once:
+            self.work.zero_()  # once: the kernel must leave it zero (check_side_effects)
         self.pattern = Pattern(matrix.rowptr, matrix.col, cols)
         # Copies of what the kernel must not write, taken before its first launch.
         self.rowptr0 = matrix.rowptr.clone()
@@ -374,6 +376,12 @@ class _Problem:
             where = buf.check(name) if buf is not None else None
             if where:
                 raise _Fail(ErrorKind.OUT_OF_BOUNDS, where)
+        if self.prepared.work_once and self.work is not None:
+            left = int(self.work.count_nonzero())
+            if left:
+                raise _Fail(ErrorKind.STALE, f"the plan says work_init=once, but the kernel left {left} of "
+                                             f"{self.work.numel()} workspace elements non-zero: the next "
+                                             f"launch would start from them")
 
     def unwritten(self, out: torch.Tensor) -> int:
         return int((_bits(out) == _UNWRITTEN[self.dtype]).sum())
@@ -584,7 +592,7 @@ def _check_timing(record: EvalRecord, problem: _Problem, config: EvalConfig) -> 
     record.runtime_us = statistics.median(cand_us)
     prepared = problem.prepared
     # what a call issues from the host, zero-fills included (the runtime weighs their host cost)
-    launches = (prepared.grid > 0) + bool(prepared.init_zero) + bool(prepared.work_numel)
+    launches = (prepared.grid > 0) + bool(prepared.init_zero) + bool(prepared.work_numel and not prepared.work_once)
     record.timing = {"kernel_us": _stats(cand_us), "reps": config.reps,
                      "warmup": config.warmup, "flush_bytes": flush.numel(), "launches": launches}
     if not config.baseline:

@@ -194,13 +194,17 @@ def _summed_in_pieces(family: str, op: str, dtype: str) -> None:
                          f"float32), got {dtype!r}")
 
 
-def _hub_work(op: str, dtype: str, n: int) -> dict[str, str]:
-    """The plan's float32 workspace where a half-precision row stored in pieces (a hub) meets:
-    per hub, the sums (spmm: n, padded to 16 bytes) and a counter (the kernels' SR_HUB layout).
-    Nothing for float32 (its pieces are added atomically into y) and for sddmm (no pieces)."""
-    if dtype not in HALF_DTYPES or op == "sddmm":
+def _hub_work(op: str, dtype: str, n: int, *, every_dtype: bool = False) -> dict[str, str]:
+    """The plan's float32 workspace where a row stored in pieces (a hub) meets: per hub, the
+    sums (spmm: n, padded to 16 bytes) and a counter (the kernels' SR_HUB layout). The group
+    adding a hub's last piece zeroes its slot again, so the workspace is zeroed once, not per
+    call (work_init=once). Half-precision rows always meet there (atomics into y would round
+    every partial sum); float32 ones where the family stores hubs from it (``every_dtype``:
+    rowchunks, whose every row then is stored once and needs no zero-fill), else they are added
+    atomically into zero-filled y. Nothing for sddmm (no pieces)."""
+    if op == "sddmm" or (dtype not in HALF_DTYPES and not every_dtype):
         return {}
-    return {"work": "hubs*2" if op == "spmv" else f"hubs*{(n + 3) // 4 * 4 + 4}"}
+    return {"work": "hubs*2" if op == "spmv" else f"hubs*{(n + 3) // 4 * 4 + 4}", "work_init": "once"}
 
 
 def _atomic_init(op: str) -> dict[str, str]:
@@ -298,8 +302,9 @@ def _rowchunks(op, dtype, n, params) -> _Rendered:
     seg = c.int_("seg", 1, MAX_CHUNK)
     block = _block(c)
     unroll = c.one_of("unroll", UNROLLS)
+    # every row is a segment or more, and hubs are stored from the workspace: no zero-fill
     plan = {"rows": "natural", "split": f"rowchunks({seg})", "block": str(block),
-            "grid": f"ceil(parts/{block // lanes})", **_atomic_init(op), **_hub_work(op, dtype, n)}
+            "grid": f"ceil(parts/{block // lanes})", **_hub_work(op, dtype, n, every_dtype=True)}
     return _Rendered(plan=plan, defines={"SR_BLOCK": block, **geo, "SR_UNROLL": unroll, "SR_SEG": seg},
                      params=c.p)
 

@@ -146,14 +146,16 @@ class BoundKernel:
                  zeroed: bool = False, bias: torch.Tensor | None = None,
                  scale: torch.Tensor | None = None) -> torch.Tensor:
         """Launch on ``stream``; ``zeroed=True`` says ``y`` is already zero (plans with ``init=zero``);
-        ``bias`` and ``scale`` are the epilogue's operands (plans with one)."""
+        ``bias`` and ``scale`` are the epilogue's operands (plans with one). ``work`` is zeroed here
+        before the launch, except under ``work_init=once``, where a caller's workspace is zero
+        already (zeroed once; every launch leaves it zero); without one, a zeroed one is made."""
         prepared = self.prepared
         if prepared.init_zero and not zeroed:
             y.zero_()
         if prepared.work_numel:
             if work is None:
                 work = torch.zeros(prepared.work_numel, dtype=torch.float32, device=y.device)
-            else:
+            elif not prepared.work_once:
                 work.zero_()
         if prepared.grid == 0:
             return y
