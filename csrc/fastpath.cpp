@@ -134,6 +134,12 @@ struct Entry {
   int ints[5] = {0, 0, 0, 0, 0};  // rows cols n nnz parts, as the kernel ABI passes them
   bool init_zero = false;
   int64_t work_numel = 0;
+  // work_init=once: the workspace is zeroed when made and every launch leaves it zero, so one is
+  // kept, on the stream it was made on (calls on another stream zero a fresh one)
+  bool work_once = false;
+  std::mutex work_lock;
+  at::Tensor kept_work;
+  cudaStream_t work_stream = nullptr;
 };
 
 std::mutex registry_lock;
@@ -432,7 +438,16 @@ at::Tensor serve(Entry& e, const at::Tensor& crow, const at::Tensor& col, const 
   at::Tensor y = matrix ? at::empty({e.out_rows, e.n}, X.options()) : at::empty({e.out_rows}, X.options());
   if (e.init_zero) zero_fill(y, stream);
   at::Tensor work;
-  if (e.work_numel) {
+  if (e.work_numel && e.work_once) {
+    std::lock_guard<std::mutex> hold(e.work_lock);
+    if (!e.kept_work.defined()) {
+      e.kept_work = at::empty({e.work_numel}, X.options().dtype(at::kFloat));
+      zero_fill(e.kept_work, stream);
+      e.work_stream = stream;
+    }
+    if (e.work_stream == stream) work = e.kept_work;
+  }
+  if (e.work_numel && !work.defined()) {
     work = at::empty({e.work_numel}, X.options().dtype(at::kFloat));
     zero_fill(work, stream);
   }
@@ -479,7 +494,7 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
              const c10::optional<at::Tensor>& rowptr, const c10::optional<at::Tensor>& colidx,
              const c10::optional<at::Tensor>& perm, int64_t launcher, at::IntArrayRef geometry,
              const c10::optional<at::Tensor>& aux, at::IntArrayRef ints, bool init_zero, int64_t work_numel,
-             int64_t vendor_cols, int64_t function) {
+             int64_t vendor_cols, int64_t function, bool work_once) {
   TORCH_CHECK(op >= SPMM && op <= SPMV_T, "sparserl_fastpath.install: op must be 0..3 (got ", op, ")");
   TORCH_CHECK(crow.is_cuda() && col.is_cuda() && !crow.is_inference() && !col.is_inference(),
               "sparserl_fastpath.install: crow and col must be CUDA tensors with version counters");
@@ -523,6 +538,7 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   for (int i = 0; i < 5; ++i) e->ints[i] = static_cast<int>(ints[i]);
   e->init_zero = init_zero;
   e->work_numel = work_numel;
+  e->work_once = work_once;
   std::lock_guard<std::mutex> hold(registry_lock);
   std::vector<std::shared_ptr<Entry>> kept;
   kept.reserve(registry.size() + 1);
@@ -733,7 +749,7 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
   m.def(
       "install(Tensor crow, Tensor col, int ncols, int op, int n, ScalarType dtype, int nnz, int in_rows, "
       "int out_rows, Tensor? rowptr, Tensor? colidx, Tensor? perm, int launcher, int[] geometry, Tensor? aux, "
-      "int[] ints, bool init_zero, int work_numel, int vendor_cols, int function=0) -> ()",
+      "int[] ints, bool init_zero, int work_numel, int vendor_cols, int function=0, bool work_once=False) -> ()",
       &install);
   m.def("forget() -> ()", &forget);
   m.def("entries() -> int", &entries);

@@ -649,3 +649,44 @@ def test_eager_training_steps_run_their_products_in_cxx(runtime):
         assert_close_to_reference(X.grad, torch.from_numpy(M.T @ ones), torch.float32)
         val.grad = None
     assert served == [0, 2, 2]
+
+
+def _small_segments(key, crow, col, ncols):
+    """rowchunks cut into segments of at most 3 nonzeros: most rows of the test pattern are hubs,
+    stored from the kept workspace (work_init=once)."""
+    spec = families.render("rowchunks", {"seg": 3}, op=key.op, dtype=key.dtype, n=key.n)
+    return CacheEntry(key, spec.source, family="rowchunks", reason="chosen by the test")
+
+
+@pytest.mark.parametrize("n", [1, KERNEL_N])
+def test_a_kept_workspace_serves_call_after_call_on_its_stream_and_a_fresh_one_elsewhere(tmp_path,
+                                                                                        poison_uninitialized, n):
+    """A kernel whose hub rows meet in a workspace it leaves zero (rowchunks) is launched from C++
+    with no zero-fill: one workspace, zeroed once, kept on the stream it was made on. Every call
+    stays right, on that stream, on another (a fresh workspace) and back; empty rows are written."""
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=_small_segments)
+    previous = rt.set_active(runtime)
+    try:
+        M = make_pattern("short and huge rows", seed=5)  # rows of 0, 1-3, 150 and 300 nonzeros
+        assert (np.diff(M.indptr) == 0).any() and (np.diff(M.indptr) > 3).sum() >= 2
+        A = ts.csr(M, dtype=torch.float32, device="cuda")
+        plan = None
+        side = torch.cuda.Stream()
+        for seed, stream in enumerate([None] * 5 + [side] * 3 + [None] * 2):
+            X = _operand("spmv" if n == 1 else "spmm", A, n, seed)
+            before = _counts()
+            with torch.cuda.stream(stream or torch.cuda.current_stream()):
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.default_stream())
+                got = A @ X
+            torch.cuda.synchronize()
+            assert_close_to_reference(got.cpu(), _want("spmv" if n == 1 else "spmm", A.crow, A.col, A.val,
+                                                       M.shape[1], X), torch.float32)
+            if seed:
+                assert _counts() == (before[0] + 1, before[1]), seed  # the kernel, from C++
+            plan = plan or runtime.explain("spmv" if n == 1 else "spmm", patterns.lookup(A.crow, A.col, M.shape[1]),
+                                           n, torch.float32)
+        assert "rowchunks" in plan
+    finally:
+        rt.set_active(previous)
+        runtime.close()

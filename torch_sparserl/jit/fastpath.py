@@ -302,22 +302,22 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
                     rowptr, colidx = fast.copies
                 if fast.launcher or driver_functions():
                     args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints),
-                            fast.init_zero, fast.work_numel, fast.function)
+                            fast.init_zero, fast.work_numel, fast.function, fast.work_once)
         elif val.dtype not in _HALF and (
                 (isinstance(state, Fallback) and (state.decided or not runtime.settings.strict))
                 or isinstance(state, Pending)
                 or (state is None and not runtime.decides_on(X.device))):
-            args = (0, [0, 0, 0], None, [0] * 5, False, 0, 0)
+            args = (0, [0, 0, 0], None, [0] * 5, False, 0, 0, False)
         if args is None:
             return
-        launcher, geometry, aux, ints, init_zero, work_numel, function = args
+        launcher, geometry, aux, ints, init_zero, work_numel, function, work_once = args
         if _owner is not runtime:
             _forget_locked()
             _owner = runtime
             epoch = _epoch
         torch.ops.sparserl_fastpath.install(
             crow, col, ncols, OPS.index(op), n, val.dtype, entry.nnz, X.shape[0], used.nrows, rowptr, colidx,
-            perm, launcher, geometry, aux, ints, init_zero, work_numel, used.ncols, function)
+            perm, launcher, geometry, aux, ints, init_zero, work_numel, used.ncols, function, work_once)
         decision.fast.add((epoch, op))
 
 

@@ -196,5 +196,5 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, 
             launcher=kernel.launcher or 0, function=kernel.function or 0, grid=prepared.grid, block=prepared.block,
             smem=prepared.smem,
             aux=prepared.aux, ints=(prepared.rows, prepared.cols, prepared.n, prepared.nnz, prepared.parts),
-            init_zero=init_zero, work_numel=prepared.work_numel, copies=copies)
+            init_zero=init_zero, work_numel=prepared.work_numel, work_once=prepared.work_once, copies=copies)
     return launch
