@@ -404,3 +404,20 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     assert rows["sparserl_compiled"]["graphs"] <= 2  # not one per batch
     assert doc["setup"]["batches"] == 3 and doc["setup"]["mean_nnz"] > 0
     assert "| sparserl_compiled |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_host_summary_and_markdown():
+    host = load_benchmark("bench_host")
+    cell = dict(n=32, correct=True, alloc=1.0, launch=1.0, empty=2.0)
+    cells = [dict(cell, matrix="a", part="default", decision="installed: group_row{}", bare=3.0, cpp=5.0, python=7.5),
+             dict(cell, matrix="b", part="off", decision="cuSPARSE", bare=None, cpp=9.0, python=11.0),
+             dict(cell, matrix="a", part="once", decision="installed: rowchunks{}", bare=3.0, cpp=5.0, python=7.0),
+             dict(cell, matrix="a", part="zero", decision="installed: rowchunks{}", bare=3.0, cpp=9.0, python=12.0)]
+    doc = {"env": {"gpu": "H100", "torch": "2.11"}, "command": "python benchmarks/bench_host.py", "started": "now",
+           "cells": cells}
+    doc["summary"] = host.summary(doc)
+    assert set(doc["summary"]) == {"default", "once", "zero"}  # no bare launch with the runtime off
+    assert doc["summary"]["zero"]["cpp_over_bare_us"] == 6.0 and doc["summary"]["once"]["door_us"] == 2.0
+    text = host.markdown(doc)
+    assert "| default | 1 | 2.00 | 4.50 | 2.50 | 2.00 |" in text
+    assert "| b | 32 | off | – | 9.00 | 11.00 | 1.00 | 1.00 | 2.00 | True | cuSPARSE |" in text
