@@ -392,9 +392,10 @@ def _transposed(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
     rows = pattern.row_indices(crow)
     perm = torch.argsort(col, stable=True)
     col_t = rows.index_select(0, perm).to(pattern.index_dtype)
-    counts = torch.bincount(col.to(torch.int64), minlength=pattern.ncols)
-    crow_t = torch.zeros(pattern.ncols + 1, dtype=pattern.index_dtype, device=col.device)
-    crow_t[1:] = counts.cumsum(0)
+    # row c of the transpose starts where the sorted columns reach c: no host synchronization
+    # (bincount sizes its output from the largest column, which a GPU tensor must send to the host)
+    boundaries = torch.arange(pattern.ncols + 1, device=col.device, dtype=col.dtype)
+    crow_t = torch.searchsorted(col.index_select(0, perm), boundaries).to(pattern.index_dtype)
     # In the identity cache too (it holds weak references only), so that what reaches the
     # transposed tensors by lookup (the specializer's host copy) meets this entry.
     pattern_t = _derived_entry(pattern, crow_t, col_t, pattern.nrows)
