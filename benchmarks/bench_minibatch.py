@@ -15,7 +15,10 @@ kernel cache of its own:
 Per way: each epoch's wall time (the first includes compiles and decisions), the losses (equal
 across ways within float32 tolerance), the runtime's counters (decisions installed, calls
 before admission, decisions not queued), the kernel cache's entries and bytes on disk, and the
-process's resident memory growth over the way.
+process's resident memory growth over the way. ``--breakdown`` also times the library's
+per-pattern host work in the sparserl ways (``ts.csr``, its index check, the transpose for the
+backward, the runtime's call, the vendor product's Python path, the C++ recording), in host ms per step
+of the last epoch; its wrappers add a microsecond or so per call to the epochs.
 
     python benchmarks/bench_minibatch.py --graph dblp-2010 --out benchmarks/results/
     python benchmarks/bench_minibatch.py --graph rmat:scale=22,edge_factor=16 --epochs 2 --batches 300
@@ -95,7 +98,65 @@ def pyg_model(model):
     return PygSAGE()
 
 
+_BREAKDOWN = (  # (module, attribute, label): the library's per-pattern host work, timed by --breakdown
+    ("torch_sparserl", "csr", "ts.csr"),
+    ("torch_sparserl.tensor.csr_matrix", "check_csr_values", "index check"),  # host indices, in ts.csr
+    ("torch_sparserl.pattern", "check_csr_values", "index check"),  # device indices, at the first product
+    ("torch_sparserl.pattern", "Pattern.transpose", "transpose"),
+    ("torch_sparserl.jit.runtime", "Runtime.call", "runtime.call"),
+    ("torch_sparserl.kernels.vendor", "_product", "vendor product, Python path"),  # cuSPARSE on CUDA
+    ("torch_sparserl.jit.fastpath", "record", "C++ recording"),
+)
+
+
+class HostBreakdown:
+    """Host seconds spent in each of :data:`_BREAKDOWN`'s functions while active (patched in
+    place, restored on exit)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._saved = []
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def __enter__(self):
+        import importlib
+
+        for module_name, attribute, label in _BREAKDOWN:
+            owner = importlib.import_module(module_name)
+            *path, name = attribute.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            self._saved.append((owner, name, original))
+            setattr(owner, name, self._timed(label, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    def _timed(self, label: str, fn):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - started
+                self.calls[label] = self.calls.get(label, 0) + 1
+        return timed
+
+    def per_step(self, steps: int) -> dict:
+        return {label: {"ms": self.seconds[label] / steps * 1e3, "calls": self.calls[label] / steps}
+                for label in self.seconds}
+
+
 def run_way(way: str, batches, features, labels, model0, args) -> dict:
+    import contextlib
     import copy
 
     import torch
@@ -112,6 +173,7 @@ def run_way(way: str, batches, features, labels, model0, args) -> dict:
     previous = rt.set_active(runtime)
     rss0 = rss_mb()
     graphs0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    breakdown = HostBreakdown() if getattr(args, "breakdown", False) and way.startswith("sparserl") else None
     try:
         model = pyg_model(model0) if way == "pyg" else copy.deepcopy(model0)
         model = model.to(device)
@@ -121,24 +183,27 @@ def run_way(way: str, batches, features, labels, model0, args) -> dict:
         for _ in range(args.epochs):
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            if breakdown is not None:
+                breakdown.reset()  # the last epoch's is reported
             started = time.perf_counter()
             epoch_losses = []
-            for batch in batches:  # on the host, pinned, as a loader hands them over
-                nodes = batch.nodes.to(device, non_blocking=True)
-                x = features[nodes]
-                shape = (batch.n, batch.n)
-                if way == "torch":
-                    A = torch.sparse_csr_tensor(*(t.to(device, non_blocking=True) for t in batch.csr), shape)
-                elif way == "pyg":
-                    A = batch.edge_index.to(device, non_blocking=True)
-                else:  # checked on the host, sent without blocking
-                    A = ts.csr(batch.csr, shape, device=device)
-                opt.zero_grad(set_to_none=True)
-                out = step(A, x)[: batch.seeds]
-                loss = torch.nn.functional.cross_entropy(out, labels[nodes[: batch.seeds]])
-                loss.backward()
-                opt.step()
-                epoch_losses.append(loss.detach())
+            with breakdown if breakdown is not None else contextlib.nullcontext():
+                for batch in batches:  # on the host, pinned, as a loader hands them over
+                    nodes = batch.nodes.to(device, non_blocking=True)
+                    x = features[nodes]
+                    shape = (batch.n, batch.n)
+                    if way == "torch":
+                        A = torch.sparse_csr_tensor(*(t.to(device, non_blocking=True) for t in batch.csr), shape)
+                    elif way == "pyg":
+                        A = batch.edge_index.to(device, non_blocking=True)
+                    else:  # checked on the host, sent without blocking
+                        A = ts.csr(batch.csr, shape, device=device)
+                    opt.zero_grad(set_to_none=True)
+                    out = step(A, x)[: batch.seeds]
+                    loss = torch.nn.functional.cross_entropy(out, labels[nodes[: batch.seeds]])
+                    loss.backward()
+                    opt.step()
+                    epoch_losses.append(loss.detach())
             if device.type == "cuda":
                 torch.cuda.synchronize()
             epochs.append(time.perf_counter() - started)
@@ -149,7 +214,8 @@ def run_way(way: str, batches, features, labels, model0, args) -> dict:
         return {"status": "ok", "epoch_s": epochs, "losses": losses, "runtime": stats,
                 "cache_entries": len(entries), "cache_bytes": sum(p.stat().st_size for p in entries),
                 "rss_growth_mb": rss_mb() - rss0,
-                "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs0}
+                "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs0,
+                "host_ms_per_step": breakdown.per_step(len(batches)) if breakdown is not None else None}
     except ImportError as exc:
         return {"status": "skipped", "error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -214,6 +280,12 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {row['way']} | {row['first_epoch_s']:.3f} | {steady} | {row['loss_max_diff']:.1e} | "
                      f"{row['installs']} | {row['unadmitted_calls']} | {row['dropped']} | "
                      f"{row['cache_entries']} ({row['cache_kb']:.0f}) | {row['rss_growth_mb']:.0f} | {row['graphs']} |")
+    for way, result in doc["ways"].items():
+        parts = result.get("host_ms_per_step")
+        if parts:
+            lines += ["", f"Host ms per step of the last epoch in the library's per-pattern work, {way} "
+                          "(calls per step):", ""]
+            lines += [f"- {label}: {v['ms']:.3f} ({v['calls']:g})" for label, v in parts.items()]
     lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
     return "\n".join(lines) + "\n"
 
@@ -230,6 +302,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, help="batches per epoch (default: every node once)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"some of {','.join(WAYS)}")
     parser.add_argument("--admit-calls", type=int, help="the runtime's jit.admit_calls (default: its setting)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the library's per-pattern host work in the sparserl ways")
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     parser.add_argument("--out", default="benchmarks/results/", help="a .json file, or a folder for the default name")
     args = parser.parse_args(argv)

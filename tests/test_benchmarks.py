@@ -396,7 +396,7 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     out = tmp_path / "m.json"
     assert bench.main(["--graph", "cora", "--device", "cpu", "--epochs", "2", "--batches", "3", "--batch-size",
                        "128", "--hidden", "16", "--features", "8", "--ways", "torch,sparserl,sparserl_compiled",
-                       "--out", str(out)]) == 0
+                       "--breakdown", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     rows = {row["way"]: row for row in doc["summary"]}
     assert set(rows) == {"torch", "sparserl", "sparserl_compiled"} and all(r["status"] == "ok" for r in rows.values())
@@ -404,6 +404,13 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     assert rows["sparserl_compiled"]["graphs"] <= 2  # not one per batch
     assert doc["setup"]["batches"] == 3 and doc["setup"]["mean_nnz"] > 0
     assert "| sparserl_compiled |" in out.with_suffix(".md").read_text()
+    # --breakdown: the sparserl ways' per-pattern host work, one ts.csr and its check per step
+    parts = doc["ways"]["sparserl"]["host_ms_per_step"]
+    assert parts["ts.csr"]["calls"] == 1 and parts["index check"]["calls"] == 1 and parts["index check"]["ms"] > 0
+    assert doc["ways"]["torch"]["host_ms_per_step"] is None
+    import torch_sparserl as ts
+    from torch_sparserl.pattern import Pattern
+    assert ts.csr.__name__ == "csr" and Pattern.transpose.__name__ == "transpose"  # restored
 
 
 def test_bench_host_summary_and_markdown():
