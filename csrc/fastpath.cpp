@@ -369,7 +369,85 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
   }
   return out;
 }
+// Aᵀ @ X by cuSPARSE on A's own CSR arrays (opA = transpose), with descriptors made for this
+// call: the transposed product of a pattern whose transpose was never computed (a one-off
+// pattern's backward, torch_sparserl/ops: _transposed_once). Nothing where cuSPARSE cannot do it
+// here (not found, a dtype or index type it is not set up for, an empty product, a refusal,
+// graph capture): the caller computes the transpose instead. cuSPARSE's transposed products may
+// differ in the last bits from run to run; the caller does not ask under deterministic mode.
+std::optional<at::Tensor> cusparse_transposed(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
+                                              int64_t ncols, const at::Tensor& X_in) {
+  const Cusparse* api = cusparse_api();
+  const bool matrix = X_in.dim() == 2;
+  if (api == nullptr || !X_in.is_cuda() || (X_in.dim() != 1 && !matrix) || !crow.is_cuda() || !col.is_cuda() ||
+      !val.is_cuda() || crow.dim() != 1 || col.dim() != 1 || val.dim() != 1 || crow.device() != X_in.device() ||
+      col.device() != X_in.device() || val.device() != X_in.device() || crow.scalar_type() != col.scalar_type() ||
+      val.scalar_type() != X_in.scalar_type() || !crow.is_contiguous() || !col.is_contiguous() ||
+      !val.is_contiguous())
+    return std::nullopt;
+  cudaDataType dt;
+  if (val.scalar_type() == at::kFloat) dt = CUDA_R_32F;
+  else if (val.scalar_type() == at::kDouble) dt = CUDA_R_64F;
+  else return std::nullopt;
+  if (crow.scalar_type() != at::kInt && crow.scalar_type() != at::kLong) return std::nullopt;
+  const int64_t rows = crow.size(0) - 1, nnz = col.size(0), n = matrix ? X_in.size(1) : 1;
+  if (rows <= 0 || ncols <= 0 || nnz == 0 || n == 0 || val.size(0) != nnz || X_in.size(0) != rows)
+    return std::nullopt;
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return std::nullopt;
+  c10::cuda::CUDAGuard guard(X_in.device());
+  const at::Tensor X = X_in.contiguous();
+  at::Tensor out = matrix ? at::empty({ncols, n}, X.options()) : at::empty({ncols}, X.options());
+  const cusparseIndexType_t index = crow.scalar_type() == at::kInt ? CUSPARSE_INDEX_32I : CUSPARSE_INDEX_64I;
+  const double one64 = 1.0, zero64 = 0.0;
+  const float one32 = 1.0f, zero32 = 0.0f;
+  const void* alpha = dt == CUDA_R_32F ? static_cast<const void*>(&one32) : static_cast<const void*>(&one64);
+  const void* beta = dt == CUDA_R_32F ? static_cast<const void*>(&zero32) : static_cast<const void*>(&zero64);
+  cusparseHandle_t handle = at::cuda::getCurrentCUDASparseHandle();  // on the current stream
+  // descriptors of this call, destroyed on every way out
+  struct Descriptors {
+    const Cusparse* api;
+    cusparseSpMatDescr_t A = nullptr;
+    cusparseDnMatDescr_t B = nullptr, C = nullptr;
+    cusparseDnVecDescr_t x = nullptr, y = nullptr;
+    ~Descriptors() {
+      if (A) api->destroy_sp(A);
+      if (B) api->destroy_dnmat(B);
+      if (C) api->destroy_dnmat(C);
+      if (x) api->destroy_dnvec(x);
+      if (y) api->destroy_dnvec(y);
+    }
+  } d{api};
+  bool ok = true;
+  auto check = [&](cusparseStatus_t status) { ok = ok && status == CUSPARSE_STATUS_SUCCESS; };
+  check(api->create_csr(&d.A, rows, ncols, nnz, crow.data_ptr(), col.data_ptr(), val.data_ptr(), index, index,
+                        CUSPARSE_INDEX_BASE_ZERO, dt));
+  size_t bytes = 0;
+  if (matrix) {
+    if (ok) check(api->create_dnmat(&d.B, rows, n, n, X.data_ptr(), dt, CUSPARSE_ORDER_ROW));
+    if (ok) check(api->create_dnmat(&d.C, ncols, n, n, out.data_ptr(), dt, CUSPARSE_ORDER_ROW));
+    if (ok)
+      check(api->spmm_size(handle, CUSPARSE_OPERATION_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B,
+                           beta, d.C, dt, CUSPARSE_SPMM_ALG_DEFAULT, &bytes));
+  } else {
+    if (ok) check(api->create_dnvec(&d.x, rows, X.data_ptr(), dt));
+    if (ok) check(api->create_dnvec(&d.y, ncols, out.data_ptr(), dt));
+    if (ok)
+      check(api->spmv_size(handle, CUSPARSE_OPERATION_TRANSPOSE, alpha, d.A, d.x, beta, d.y, dt,
+                           CUSPARSE_SPMV_ALG_DEFAULT, &bytes));
+  }
+  if (!ok) return std::nullopt;
+  const at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, X.options().dtype(at::kByte));
+  if (matrix)
+    check(api->spmm(handle, CUSPARSE_OPERATION_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta,
+                    d.C, dt, CUSPARSE_SPMM_ALG_DEFAULT, buffer.data_ptr()));
+  else
+    check(api->spmv(handle, CUSPARSE_OPERATION_TRANSPOSE, alpha, d.A, d.x, beta, d.y, dt, CUSPARSE_SPMV_ALG_DEFAULT,
+                    buffer.data_ptr()));
+  if (!ok) return std::nullopt;
+  return out;
+}
 #endif
+
 
 at::Tensor aligned(const at::Tensor& t) {
   // the kernels' vector loads need contiguous, 16-byte aligned operands (Runtime.launch)
@@ -775,6 +853,16 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
     return false;
 #endif
   });
+  // Aᵀ @ X by cuSPARSE on A's own arrays (no transpose computed); None where it cannot
+  m.def("cusparse_transposed(Tensor crow, Tensor col, Tensor val, int ncols, Tensor X) -> Tensor?",
+        [](const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
+           const at::Tensor& X) -> std::optional<at::Tensor> {
+#if SPARSERL_CUSPARSE
+          return cusparse_transposed(crow, col, val, ncols, X);
+#else
+          return std::nullopt;
+#endif
+        });
   m.def("bind_counters(Tensor counters) -> ()", &bind_counters);
 }
 

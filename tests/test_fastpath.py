@@ -217,3 +217,67 @@ def test_the_first_cuda_product_starts_the_library_once(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="torch_sparserl.jit.fastpath"):
         fastpath.start()
     assert "could not be loaded: no space left on device" in caplog.text
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: enough for the checks of ops._transposed_once."""
+
+    is_cuda = True
+
+
+@pytest.fixture
+def one_off(monkeypatch):
+    """A validated CPU pattern, and a fake of the library's cusparse_transposed (Aᵀ @ G in float64)."""
+    from torch_sparserl import pattern as patterns
+
+    A = make_pattern("short and huge rows", seed=4)
+    crow, col, val = to_parts(A, torch.float64, torch.int64, "cpu")
+    entry = patterns.lookup(crow, col, A.shape[1])
+    entry.validate("test", crow, col)
+    calls = []
+
+    def cusparse_transposed(c, k, v, ncols, G):
+        calls.append((c, k))
+        return torch.from_numpy(A.T @ G.as_subclass(torch.Tensor).numpy())
+
+    monkeypatch.setattr(fastpath, "cusparse_transposed", cusparse_transposed)
+    G = torch.randn(A.shape[0], 3, dtype=torch.float64).as_subclass(_OnCuda)
+    return A, entry, crow, col, val, G, calls
+
+
+def test_a_patterns_first_transposed_product_skips_the_transpose(one_off):
+    from torch_sparserl import ops, pattern as patterns
+
+    A, entry, crow, col, val, G, calls = one_off
+    avoided = patterns.stats()["transposes_avoided"]
+    out = ops._transposed_once(entry, crow, col, val, A.shape[1], G)
+    torch.testing.assert_close(out, torch.from_numpy(A.T @ G.as_subclass(torch.Tensor).numpy()))
+    assert calls == [entry.indices(crow, col)] and not entry.has_transpose
+    assert patterns.stats()["transposes_avoided"] == avoided + 1
+    # the second is not a one-off: the caller computes the transpose (and may specialize it)
+    assert ops._transposed_once(entry, crow, col, val, A.shape[1], G) is None and len(calls) == 1
+
+
+def test_the_transpose_is_computed_where_the_shortcut_does_not_apply(one_off, monkeypatch):
+    from torch_sparserl import ops
+
+    A, entry, crow, col, val, G, calls = one_off
+    with monkeypatch.context() as m:
+        m.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)  # cuSPARSE's transpose may vary
+        assert ops._transposed_once(entry, crow, col, val, A.shape[1], G) is None
+    entry.transposed_products = 0
+    assert ops._transposed_once(entry, crow, col, val, A.shape[1], G.as_subclass(torch.Tensor)) is None  # CPU
+    entry.transpose(crow, col)
+    assert ops._transposed_once(entry, crow, col, val, A.shape[1], G) is None  # computed already
+    monkeypatch.setattr(fastpath, "cusparse_transposed", None)  # the library not loaded
+    entry.transposed_products = 0
+    assert ops._transposed_once(entry, crow, col, val, A.shape[1], G) is None
+    assert calls == []
+
+
+def test_a_transposed_product_served_without_the_transpose_is_not_recorded(one_off):
+    """C++ serves transposed products with the transpose: recording one that was served without
+    it would compute it after all. The next call computes it, and is recorded."""
+    A, entry, crow, col, val, G, _ = one_off
+    fastpath.record(object(), "spmm_transposed", crow, col, val, A.shape[1], G)  # returns before the runtime
+    assert not entry.has_transpose

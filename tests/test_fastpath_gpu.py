@@ -690,3 +690,41 @@ def test_a_kept_workspace_serves_call_after_call_on_its_stream_and_a_fresh_one_e
     finally:
         rt.set_active(previous)
         runtime.close()
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, KERNEL_N])
+def test_cusparse_multiplies_by_the_transpose_without_computing_it(poison_uninitialized, index_dtype, dtype, n):
+    M = make_pattern("short and huge rows", seed=8)
+    crow, col, val = to_parts(M, dtype, index_dtype, "cuda")
+    G = torch.randn(M.shape[0], n, dtype=dtype, device="cuda")
+    G = G[:, 0].contiguous() if n == 1 else G
+    got = fastpath.cusparse_transposed(crow, col, val, M.shape[1], G)
+    torch.cuda.synchronize()
+    want = torch.from_numpy(np.asarray(as_float64_scipy(crow, col, val, M.shape[1]).T
+                                       @ G.double().cpu().numpy()))
+    assert_close_to_reference(got.cpu(), want, dtype)
+    assert fastpath.cusparse_transposed(crow, col, val.half(), M.shape[1], G.half()) is None  # not here: Python's
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_a_one_off_patterns_backward_runs_without_its_transpose(runtime, poison_uninitialized, vector):
+    """The first transposed product of a pattern (a sampled mini-batch's backward) is cuSPARSE's
+    on the pattern itself; the second computes the transpose; deterministic mode always does."""
+    M = make_pattern("short and huge rows", seed=9)
+    dense = torch.from_numpy(M.toarray()).double()
+    for deterministic in (False, True):
+        A = ts.csr(M, dtype=torch.float32, device="cuda")
+        before = patterns.stats()
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        for call in range(2):
+            X = torch.randn(M.shape[1], *(() if vector else (KERNEL_N,)), device="cuda", requires_grad=True)
+            (A @ X).sum().backward()
+            torch.cuda.synchronize()
+            ones = torch.ones(M.shape[0], *(() if vector else (KERNEL_N,)), dtype=torch.float64)
+            assert_close_to_reference(X.grad.cpu(), dense.t() @ ones, torch.float32)
+            stats = patterns.stats()
+            avoided = stats["transposes_avoided"] - before["transposes_avoided"]
+            computed = stats["transposes"] - before["transposes"]
+            assert (avoided, computed) == ((0, 1) if deterministic else (1, call)), (deterministic, call)

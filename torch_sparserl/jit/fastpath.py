@@ -67,6 +67,11 @@ eager CSRMatrix product (``op`` an index into :data:`OPS`) served from the regis
 the dispatcher, or None where the call is not the registry's or needs autograd, autocast or a
 mode (the caller then runs the Python path, which records it)."""
 
+cusparse_transposed = None
+"""Once the library is loaded, its ``cusparse_transposed(crow, col, val, ncols, X) -> Tensor |
+None``: ``Aᵀ @ X`` by cuSPARSE on A's own arrays, no transpose computed (None where cuSPARSE
+cannot do it there); a one-off pattern's backward (ops: ``_transposed_once``)."""
+
 COUNTS = torch.zeros(2, dtype=torch.int64)
 """Calls the C++ path served with a kernel, with cuSPARSE (the runtime folds them into its stats)."""
 _COUNTS = COUNTS.numpy()  # shares COUNTS' memory: read without a torch call
@@ -153,7 +158,7 @@ def build() -> Path:
 
 
 def _load() -> bool:
-    global loaded, serve
+    global loaded, serve, cusparse_transposed
     with _lock:
         if loaded:
             return True
@@ -168,6 +173,7 @@ def _load() -> bool:
         torch.ops.loaded_libraries.add(str(path))
         torch.ops.sparserl_fastpath.bind_counters(COUNTS)
         serve = module.serve
+        cusparse_transposed = torch.ops.sparserl_fastpath.cusparse_transposed
         loaded = True
     log.info("sparserl: C++ fast path loaded from %s", path)
     return True
@@ -270,6 +276,8 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     if runtime is None or entry is None or entry.transient or entry.overfull:
         return  # what C++ cannot serve: Python serves every call
     transposed = op.endswith("_transposed")
+    if transposed and not entry.has_transpose:
+        return  # served without one (a first transposed product): the next call computes it and records
     base = op.removesuffix("_transposed")
     n = X.shape[1] if base == "spmm" else 1
     form = entry.transpose(crow, col) if transposed else None  # (pattern_t, crow_t, col_t, perm)

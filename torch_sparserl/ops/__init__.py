@@ -183,10 +183,38 @@ spmm.register_autograd(_spmm_backward, setup_context=_spmm_setup)
 # ------------------------------------------------------------------ spmm_transposed
 
 
+def _transposed_once(entry: patterns.Pattern, crow: Tensor, col: Tensor, val: Tensor, ncols: int,
+                     G: Tensor) -> Tensor | None:
+    """``Aᵀ @ G`` without the transpose, for a pattern's first transposed product: cuSPARSE on the
+    pattern's own arrays (its transpose operation), through the C++ library. A one-off pattern
+    (the backward of a sampled mini-batch) has no second one, and computing its transpose (a
+    sort and a handful of launches on the host's critical path) costs more than the product.
+    From the second on, the transpose is computed, and the product may be specialized and
+    served from C++. None where this does not apply: not CUDA, the library not loaded, the
+    transpose there already, an overfull pattern, deterministic algorithms asked for (cuSPARSE's
+    transposed products may differ in the last bits from run to run), or a product cuSPARSE is
+    not called with here (half precision, int64 sizes it refuses)."""
+    cusparse_transposed = fastpath.cusparse_transposed
+    if cusparse_transposed is None or not G.is_cuda or entry.has_transpose or entry.overfull:
+        return None
+    first = entry.transposed_products == 0
+    entry.transposed_products += 1
+    if not (first or entry.transient) or torch.are_deterministic_algorithms_enabled():
+        return None
+    crow, col = entry.indices(crow, col)
+    out = cusparse_transposed(crow, col, val, ncols, G)
+    if out is not None:
+        patterns.count("transposes_avoided")
+    return out
+
+
 def _spmm_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, G: Tensor) -> Tensor:
     op = "sparserl.spmm_transposed"
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "G", G, dim=2, rows=entry.nrows, rows_name="nrows", like=val)
+    out = _transposed_once(entry, crow, col, val, ncols, G)
+    if out is not None:
+        return out
     entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
     return _product("spmm", entry_t, crow_t, col_t, entry.transposed_values(val, perm), G)
 
@@ -249,6 +277,9 @@ def _spmv_transposed(crow: Tensor, col: Tensor, val: Tensor, ncols: int, g: Tens
     op = "sparserl.spmv_transposed"
     entry = _pattern(op, crow, col, val, ncols)
     check_dense(op, "g", g, dim=1, rows=entry.nrows, rows_name="nrows", like=val)
+    out = _transposed_once(entry, crow, col, val, ncols, g)
+    if out is not None:
+        return out
     entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
     return _product("spmv", entry_t, crow_t, col_t, entry.transposed_values(val, perm), g)
 

@@ -180,7 +180,7 @@ class Pattern:
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "_row_indices", "_transpose", "_diagonal",
                  "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "is_transpose",
-                 "_frozen", "_owned", "_freeze_lock", "transient", "__weakref__")
+                 "_frozen", "_owned", "_freeze_lock", "transient", "transposed_products", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -210,6 +210,7 @@ class Pattern:
         self._owned = owned(crow) and owned(col)  # read as they are: no copy (known once, not per call)
         self._freeze_lock = threading.Lock()
         self.transient = False  # not cached: inference-tensor indices, validated on every call (lookup)
+        self.transposed_products = 0  # asked before the transpose was computed (ops: _transposed_once)
 
     @property
     def overfull(self) -> bool:
@@ -325,6 +326,12 @@ class Pattern:
         sorted, because the sort by column is stable and rows are visited in order.
         """
         return self._derived("_transpose", None, _transposed, crow, col)
+
+    @property
+    def has_transpose(self) -> bool:
+        """Whether :meth:`transpose` has been computed (it may still be recomputed, where the
+        tensors it handed out were written to)."""
+        return self._transpose is not None
 
     def transposed_values(self, val: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         """``val[perm]``: values in the order of the transposed pattern (``perm`` from
@@ -481,7 +488,7 @@ def _with_diagonal(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor):
 # operators look their pattern up on every call.
 _CACHE: dict[int, Pattern] = {}
 _CACHE_LOCK = threading.Lock()
-_STATS = {"lookups": 0, "misses": 0, "transposes": 0, "diagonals": 0}
+_STATS = {"lookups": 0, "misses": 0, "transposes": 0, "transposes_avoided": 0, "diagonals": 0}
 
 
 def _forget(key: int, ref: weakref.ref, cache: dict[int, Pattern] = _CACHE) -> None:
@@ -553,5 +560,11 @@ def validated(crow, col, ncols) -> Pattern | None:
 
 
 def stats() -> dict[str, int]:
-    """Counters of cache use (lookups, misses, transposes, diagonals); for tests and logs."""
+    """Counters of cache use (lookups, misses, transposes, transposed products served without
+    one, diagonals); for tests and logs."""
     return dict(_STATS)
+
+
+def count(name: str) -> None:
+    """One more of the counter ``name`` of :func:`stats`."""
+    _STATS[name] += 1
