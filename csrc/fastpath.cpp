@@ -86,8 +86,9 @@ using DriverLaunchFn = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, u
                                unsigned bz, unsigned smem, void* stream, void** params, void** extra);
 using ImplPtr = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
-enum Op : int64_t { SPMM = 0, SPMV = 1, SPMM_T = 2, SPMV_T = 3 };
-constexpr const char* kOpNames[] = {"spmm", "spmv", "spmm_transposed", "spmv_transposed"};
+// SDDMM: out[k] = dot(Y[row(k)], X[col(k)]), Y in the val slot (rows x n), out one value per nonzero
+enum Op : int64_t { SPMM = 0, SPMV = 1, SPMM_T = 2, SPMV_T = 3, SDDMM = 4 };
+constexpr const char* kOpNames[] = {"spmm", "spmv", "spmm_transposed", "spmv_transposed", "sddmm"};
 
 // cuSPARSE called directly for a vendor entry: its descriptors made once and kept, so a call
 // only points them at its operands (at::addmm / at::addmv make, size and free them every call).
@@ -182,8 +183,10 @@ void count(int which) {
 std::shared_ptr<Entry> find(int64_t op, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
                             int64_t ncols, const at::Tensor& X) {
   if (!X.is_cuda() || crow.is_inference() || col.is_inference()) return nullptr;
-  const bool matrix = (op == SPMM || op == SPMM_T);
-  if (X.dim() != (matrix ? 2 : 1) || val.dim() != 1 || X.layout() != c10::kStrided || val.layout() != c10::kStrided)
+  const bool sddmm = op == SDDMM;  // val is Y there: (rows, n)
+  const bool matrix = (op == SPMM || op == SPMM_T || sddmm);
+  if (X.dim() != (matrix ? 2 : 1) || val.dim() != (sddmm ? 2 : 1) || X.layout() != c10::kStrided ||
+      val.layout() != c10::kStrided)
     return nullptr;
   const int64_t n = matrix ? X.size(1) : 1;
   for (const auto& e : registry) {
@@ -197,8 +200,9 @@ std::shared_ptr<Entry> find(int64_t op, const at::Tensor& crow, const at::Tensor
     if (!held_intact(e->rowptr, e->rowptr_version) || !held_intact(e->colidx, e->colidx_version) ||
         !held_intact(e->perm, e->perm_version))
       return nullptr;
-    if (val.size(0) != e->nnz || X.size(0) != e->in_rows || X.scalar_type() != e->dtype || !val.is_cuda() ||
-        val.device() != X.device() || crow.device() != X.device())
+    if ((sddmm ? (val.size(0) != e->out_rows || val.size(1) != n) : val.size(0) != e->nnz) ||
+        X.size(0) != e->in_rows || X.scalar_type() != e->dtype || !val.is_cuda() || val.device() != X.device() ||
+        crow.device() != X.device())
       return nullptr;
     return e;
   }
@@ -513,7 +517,9 @@ at::Tensor serve(Entry& e, const at::Tensor& crow, const at::Tensor& col, const 
   const at::Tensor X = aligned(X_in);
   const at::Tensor val = aligned(val_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
-  at::Tensor y = matrix ? at::empty({e.out_rows, e.n}, X.options()) : at::empty({e.out_rows}, X.options());
+  at::Tensor y = e.op == SDDMM ? at::empty({e.nnz}, X.options())
+                 : matrix      ? at::empty({e.out_rows, e.n}, X.options())
+                               : at::empty({e.out_rows}, X.options());
   if (e.init_zero) zero_fill(y, stream);
   at::Tensor work;
   if (e.work_numel && e.work_once) {
@@ -565,6 +571,19 @@ at::Tensor product(const at::Tensor& crow, const at::Tensor& col, const at::Tens
   return slow.call(crow, col, val, ncols, X);
 }
 
+// sparserl::sddmm(crow, col, Y, X): the installed kernel from the registry, else the Python
+// implementation (sparserl_direct::sddmm), which decides and records (jit/fastpath.py:
+// record_sddmm). Only kernels are recorded for it: cuSPARSE's SDDMM stays in Python.
+at::Tensor sddmm_product(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& Y, const at::Tensor& X) {
+  if (X.dim() == 2) {
+    if (auto out = hit(SDDMM, crow, col, Y, X.size(0), X)) return *std::move(out);
+  }
+  static auto slow = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("sparserl_direct::sddmm", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return slow.call(crow, col, Y, X);
+}
+
 // ------------------------------------------------------------------ the registry's operators
 
 void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64_t op, int64_t n,
@@ -573,7 +592,9 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
              const c10::optional<at::Tensor>& perm, int64_t launcher, at::IntArrayRef geometry,
              const c10::optional<at::Tensor>& aux, at::IntArrayRef ints, bool init_zero, int64_t work_numel,
              int64_t vendor_cols, int64_t function, bool work_once) {
-  TORCH_CHECK(op >= SPMM && op <= SPMV_T, "sparserl_fastpath.install: op must be 0..3 (got ", op, ")");
+  TORCH_CHECK(op >= SPMM && op <= SDDMM, "sparserl_fastpath.install: op must be 0..4 (got ", op, ")");
+  TORCH_CHECK(op != SDDMM || launcher != 0 || function != 0, "sparserl_fastpath.install: an SDDMM entry needs a "
+              "kernel (cuSPARSE's SDDMM is served in Python)");
   TORCH_CHECK(crow.is_cuda() && col.is_cuda() && !crow.is_inference() && !col.is_inference(),
               "sparserl_fastpath.install: crow and col must be CUDA tensors with version counters");
   TORCH_CHECK(geometry.size() == 3 && ints.size() == 5,
@@ -635,7 +656,7 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
 // against (bench_eager.py).
 double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
                       const at::Tensor& X, int64_t op, int64_t calls) {
-  TORCH_CHECK(op >= SPMM && op <= SPMV_T && calls > 0, "sparserl_fastpath.bare_launch_us: op must be 0..3 and calls "
+  TORCH_CHECK(op >= SPMM && op <= SDDMM && calls > 0, "sparserl_fastpath.bare_launch_us: op must be 0..4 and calls "
               "positive (got op ", op, ", calls ", calls, ")");
   std::shared_ptr<Entry> e;
   {
@@ -650,7 +671,9 @@ double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::T
   const at::Tensor Xa = aligned(X);
   const at::Tensor values = aligned(op == SPMM_T || op == SPMV_T ? at::index_select(val, 0, e->perm) : val);
   const bool matrix = (op == SPMM || op == SPMM_T);
-  at::Tensor y = matrix ? at::empty({e->out_rows, e->n}, X.options()) : at::empty({e->out_rows}, X.options());
+  at::Tensor y = op == SDDMM ? at::empty({e->nnz}, X.options())
+                 : matrix    ? at::empty({e->out_rows, e->n}, X.options())
+                             : at::empty({e->out_rows}, X.options());
   at::Tensor work = e->work_numel ? at::zeros({e->work_numel}, X.options().dtype(at::kFloat)) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
   // the best of five loops, as the benchmarks time a served call's host cost
@@ -672,7 +695,7 @@ double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::T
 // adds (bench_eager.py).
 double served_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
                  const at::Tensor& X, int64_t op, int64_t calls) {
-  TORCH_CHECK(op >= SPMM && op <= SPMV_T && calls > 0, "sparserl_fastpath.served_us: op must be 0..3 and calls "
+  TORCH_CHECK(op >= SPMM && op <= SDDMM && calls > 0, "sparserl_fastpath.served_us: op must be 0..4 and calls "
               "positive (got op ", op, ", calls ", calls, ")");
   TORCH_CHECK(X.is_cuda(), "sparserl_fastpath.served_us: expected a CUDA operand (got a ", X.device(), " tensor)");
   TORCH_CHECK(hit(op, crow, col, val, ncols, X).has_value(), "sparserl_fastpath.served_us: no entry serves these "
@@ -769,7 +792,7 @@ bool plain(const at::Tensor& t) {
 }
 
 // serve(op, crow, col, val, ncols, X) -> Tensor | None: an eager product of a CSRMatrix served
-// from the registry without the dispatcher (op: 0..3 as in kOpNames). None where the call is
+// from the registry without the dispatcher (op: 0..4 as in kOpNames). None where the call is
 // not the registry's (a miss), or where something other than the backend kernel must see it:
 // autograd (grad mode with an operand that requires grad), autocast, a dispatch mode, wrapped
 // operands. The caller then runs the Python path, which checks, decides and records.
@@ -782,8 +805,8 @@ PyObject* py_serve(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
   const long long op = PyLong_AsLongLong(args[0]);
   const long long ncols = PyLong_AsLongLong(args[4]);
   if ((op == -1 || ncols == -1) && PyErr_Occurred()) return nullptr;
-  if (op < SPMM || op > SPMV_T) {
-    PyErr_Format(PyExc_ValueError, "sparserl fast path serve(): op must be 0..3 (got %lld)", op);
+  if (op < SPMM || op > SDDMM) {
+    PyErr_Format(PyExc_ValueError, "sparserl fast path serve(): op must be 0..4 (got %lld)", op);
     return nullptr;
   }
   for (int i : {1, 2, 3, 5}) {
@@ -880,4 +903,5 @@ TORCH_LIBRARY_IMPL(sparserl, CUDA, m) {
   m.impl("spmv", &product<SPMV>);
   m.impl("spmm_transposed", &product<SPMM_T>);
   m.impl("spmv_transposed", &product<SPMV_T>);
+  m.impl("sddmm", &sddmm_product);
 }

@@ -93,7 +93,7 @@ class _FakeServe:
         self.asked, self.answer = [], answer
 
     def __call__(self, op, crow, col, val, ncols, X):
-        self.asked.append((fastpath.OPS[op], ncols, tuple(X.shape)))
+        self.asked.append(((*fastpath.OPS, "sddmm")[op], ncols, tuple(X.shape)))
         return self.answer(X) if callable(self.answer) else self.answer
 
 
@@ -166,8 +166,8 @@ def ts_detached(A):
 
 def test_eager_autograd_asks_the_door_inside_its_node(monkeypatch, square):
     """A product autograd records asks the door from inside its node (grad mode is off there):
-    the forward's spmm, the backward's spmm_transposed; the sddmm of the values' gradient stays in
-    Python. The gradients are the Python path's."""
+    the forward's spmm, the backward's sddmm (the values' gradient: ncols is X's rows) and
+    spmm_transposed. The gradients are the Python path's."""
     A, dense = square
     fake = _FakeServe()
     monkeypatch.setattr(fastpath, "serve", fake)
@@ -175,7 +175,8 @@ def test_eager_autograd_asks_the_door_inside_its_node(monkeypatch, square):
     X = torch.randn(20, 3, dtype=torch.float64, requires_grad=True)
     (A @ X).sum().backward()
     torch.testing.assert_close(X.grad, dense.t() @ torch.ones(20, 3, dtype=torch.float64))
-    assert [op for op, _, _ in fake.asked] == ["spmm", "spmm_transposed"]
+    assert [op for op, _, _ in fake.asked] == ["spmm", "sddmm", "spmm_transposed"]
+    assert fake.asked[1] == ("sddmm", 20, (20, 3))
 
 
 def test_the_first_product_of_a_process_is_recorded_for_the_door(monkeypatch, square):

@@ -728,3 +728,24 @@ def test_a_one_off_patterns_backward_runs_without_its_transpose(runtime, poison_
             avoided = stats["transposes_avoided"] - before["transposes_avoided"]
             computed = stats["transposes"] - before["transposes"]
             assert (avoided, computed) == ((0, 1) if deterministic else (1, call)), (deterministic, call)
+@pytest.mark.parametrize("n", [KERNEL_N, 16])
+def test_sddmm_is_served_in_cxx_after_the_first_call(runtime, poison_uninitialized, n):
+    """sparserl::sddmm's CUDA calls: Python serves and records the first, C++ the later ones where
+    a kernel is installed (C = KERNEL_N); cuSPARSE's SDDMM (C = 16) stays in Python."""
+    from helpers import ref_sddmm
+
+    A = make_pattern("short and huge rows", seed=3)
+    crow, col, _ = to_parts(A, torch.float32, torch.int32, "cuda")
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        Y = torch.randn(A.shape[0], n, generator=g).cuda()
+        X = torch.randn(A.shape[1], n, generator=g).cuda()
+        before = _counts()
+        out = torch.ops.sparserl.sddmm(crow, col, Y, X)
+        torch.cuda.synchronize()
+        served = tuple(a - b for a, b in zip(_counts(), before))
+        assert served == ((1, 0) if seed and n == KERNEL_N else (0, 0)), (seed, served)
+        assert_close_to_reference(out.cpu(), ref_sddmm(crow, col, Y, X), torch.float32)
+    # a changed Y shape (other rows) is not the entry's: Python raises the operator's error
+    with pytest.raises((ValueError, RuntimeError), match="sddmm"):
+        torch.ops.sparserl.sddmm(crow, col, Y[:-1], X)

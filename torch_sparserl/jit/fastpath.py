@@ -55,6 +55,7 @@ log = logging.getLogger("torch_sparserl.jit.fastpath")
 
 SOURCE = Path(__file__).resolve().parents[1] / "_csrc" / "fastpath.cpp"
 OPS = ("spmm", "spmv", "spmm_transposed", "spmv_transposed")  # in csrc/fastpath.cpp's order
+SDDMM = 4  # csrc/fastpath.cpp's op of sparserl::sddmm (crow, col, Y, X): installed kernels only
 _HALF = (torch.float16, torch.bfloat16)  # cuSPARSE products of these widen in Python (kernels/vendor.py)
 
 loaded = False
@@ -275,11 +276,12 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     entry = patterns.validated(crow, col, ncols)
     if runtime is None or entry is None or entry.transient or entry.overfull:
         return  # what C++ cannot serve: Python serves every call
+    sddmm = op == "sddmm"  # val is Y (rows, n) and ncols X's rows; only an installed kernel is recorded
     transposed = op.endswith("_transposed")
     if transposed and not entry.has_transpose:
         return  # served without one (a first transposed product): the next call computes it and records
     base = op.removesuffix("_transposed")
-    n = X.shape[1] if base == "spmm" else 1
+    n = X.shape[1] if base in ("spmm", "sddmm") else 1
     form = entry.transpose(crow, col) if transposed else None  # (pattern_t, crow_t, col_t, perm)
     used = form[0] if transposed else entry
     decision = runtime.decision(base, used, n, val.dtype)
@@ -311,7 +313,7 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
                 if fast.launcher or driver_functions():
                     args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints),
                             fast.init_zero, fast.work_numel, fast.function, fast.work_once)
-        elif val.dtype not in _HALF and (
+        elif not sddmm and val.dtype not in _HALF and (
                 (isinstance(state, Fallback) and (state.decided or not runtime.settings.strict))
                 or isinstance(state, Pending)
                 or (state is None and not runtime.decides_on(X.device))):
@@ -324,7 +326,8 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
             _owner = runtime
             epoch = _epoch
         torch.ops.sparserl_fastpath.install(
-            crow, col, ncols, OPS.index(op), n, val.dtype, entry.nnz, X.shape[0], used.nrows, rowptr, colidx,
+            crow, col, ncols, SDDMM if sddmm else OPS.index(op), n, val.dtype, entry.nnz, X.shape[0], used.nrows,
+            rowptr, colidx,
             perm, launcher, geometry, aux, ints, init_zero, work_numel, used.ncols, function, work_once)
         decision.fast.add((epoch, op))
 

@@ -723,7 +723,18 @@ def _recording(op: str, impl):
     return run
 
 
-_DISPATCHED = {**{op: _recording(op, impl) for op, impl in _DIRECT.items()}, "sddmm": _sddmm,
+def _recording_sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
+    """:func:`_sddmm`, after which a CUDA call an installed kernel served is recorded for the
+    C++ fast path (cuSPARSE's SDDMM stays in Python)."""
+    out = _sddmm(crow, col, Y, X)
+    if fastpath.loaded and X.is_cuda:
+        active = runtime.active_or_none()
+        if active is not None:
+            fastpath.record(active, "sddmm", crow, col, Y, X.shape[0], X)
+    return out
+
+
+_DISPATCHED = {**{op: _recording(op, impl) for op, impl in _DIRECT.items()}, "sddmm": _recording_sddmm,
                "spmm_epilogue": _spmm_epilogue, **_HEADS}
 
 
@@ -747,8 +758,20 @@ def _door_first(op: str, recorded):
     return run
 
 
+def _sddmm_door_first(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
+    """The values' gradient in an eager backward: the C++ door's installed kernel, once the
+    Python implementation has served (and recorded) the same call."""
+    serve = fastpath.serve
+    if serve is not None and type(X) is Tensor and X.dim() == 2:
+        out = serve(fastpath.SDDMM, crow, col, Y, X.shape[0], X)
+        if out is not None:
+            return out
+    return _recording_sddmm(crow, col, Y, X)
+
+
 _EAGER = {op: _door_first(op, _DISPATCHED[op]) for op in _DIRECT}
 _IMPLS.update(_EAGER)  # the backward's products go through the door too
+_IMPLS["sddmm"] = _sddmm_door_first
 
 DIRECT_OPS: dict = dict(_define_twin(_direct_library, name, impl) for name, impl in _DISPATCHED.items())
 """``torch.ops.sparserl.<op>.default`` -> ``torch.ops.sparserl_direct.<op>.default``.
