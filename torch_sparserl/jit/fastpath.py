@@ -174,7 +174,8 @@ def _load() -> bool:
         torch.ops.loaded_libraries.add(str(path))
         torch.ops.sparserl_fastpath.bind_counters(COUNTS)
         serve = module.serve
-        cusparse_transposed = torch.ops.sparserl_fastpath.cusparse_transposed
+        # None where the library cannot say (then the transpose is computed, as without it)
+        cusparse_transposed = getattr(torch.ops.sparserl_fastpath, "cusparse_transposed", None)
         loaded = True
     log.info("sparserl: C++ fast path loaded from %s", path)
     return True
