@@ -728,6 +728,8 @@ def test_a_one_off_patterns_backward_runs_without_its_transpose(runtime, poison_
             avoided = stats["transposes_avoided"] - before["transposes_avoided"]
             computed = stats["transposes"] - before["transposes"]
             assert (avoided, computed) == ((0, 1) if deterministic else (1, call)), (deterministic, call)
+
+
 @pytest.mark.parametrize("n", [KERNEL_N, 16])
 def test_sddmm_is_served_in_cxx_after_the_first_call(runtime, poison_uninitialized, n):
     """sparserl::sddmm's CUDA calls: Python serves and records the first, C++ the later ones where
