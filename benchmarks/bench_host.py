@@ -27,7 +27,6 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,18 +38,6 @@ FOLD_CELLS = "cora:128,arrow:32,musae_github:128,ca-CondMat:32,pubmed:1"
 TIMES = ("bare", "cpp", "python", "alloc", "launch", "empty")
 
 
-def python_loop_us(fn, calls: int = CALLS) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    spent = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return spent
-
-
 def measure(M, name: str, n: int, part: str, runtime, rounds: int = 5) -> dict:
     import numpy as np
     import torch
@@ -58,6 +45,7 @@ def measure(M, name: str, n: int, part: str, runtime, rounds: int = 5) -> dict:
     import torch_sparserl as ts
     from torch_sparserl import pattern as patterns
     from torch_sparserl.dtypes import close_to_reference
+    from bench_eager import host_us
     from torch_sparserl.jit import fastpath
 
     lib = torch.ops.sparserl_fastpath
@@ -78,10 +66,10 @@ def measure(M, name: str, n: int, part: str, runtime, rounds: int = 5) -> dict:
         except RuntimeError:  # cuSPARSE serves: no kernel to launch bare
             pass
         best["cpp"] = min(best["cpp"], float(lib.served_us(*args)))
-        best["python"] = min(best["python"], python_loop_us(lambda: A @ operand))
+        best["python"] = min(best["python"], host_us(lambda: A @ operand, CALLS, repeats=1))
         alloc, launch = lib.host_costs_us(like, CALLS)[:2]
         best["alloc"], best["launch"] = min(best["alloc"], alloc), min(best["launch"], launch)
-        best["empty"] = min(best["empty"], python_loop_us(lambda: torch.empty(shape, device="cuda")))
+        best["empty"] = min(best["empty"], host_us(lambda: torch.empty(shape, device="cuda"), CALLS, repeats=1))
     decision = runtime.explain("spmv" if n == 1 else "spmm", patterns.lookup(A.crow, A.col, M.shape[1]), n,
                                torch.float32)
     cell = {"matrix": name, "n": n, "part": part, "decision": decision, "correct": ok,

@@ -650,6 +650,22 @@ void install(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64
   registry.swap(kept);
 }
 
+// Host microseconds per call of `calls` calls of fn with no synchronization inside: the best of
+// five loops, each started on an idle stream, as the benchmarks time a served call's host cost.
+template <typename Fn>
+double best_loop_us(cudaStream_t stream, int64_t calls, Fn&& fn) {
+  double best = 1e300;
+  for (int round = 0; round < 5; ++round) {
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto started = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < calls; ++i) fn();
+    const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - started;
+    best = std::min(best, spent.count() / static_cast<double>(calls));
+  }
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return best;
+}
+
 // Host microseconds per launch of `calls` bare launches (the best of five loops) of the kernel
 // of the entry that serves these operands, into one preallocated output: no lookup, no
 // allocation, no zero-fill, no check. The floor that the benchmarks hold a hit's host cost
@@ -676,17 +692,7 @@ double bare_launch_us(const at::Tensor& crow, const at::Tensor& col, const at::T
                              : at::empty({e->out_rows}, X.options());
   at::Tensor work = e->work_numel ? at::zeros({e->work_numel}, X.options().dtype(at::kFloat)) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
-  // the best of five loops, as the benchmarks time a served call's host cost
-  double best = 1e300;
-  for (int round = 0; round < 5; ++round) {
-    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto started = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < calls; ++i) launch_kernel(*e, rowptr, colidx, values, Xa, y, work, stream);
-    const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - started;
-    best = std::min(best, spent.count() / static_cast<double>(calls));
-  }
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return best;
+  return best_loop_us(stream, calls, [&] { launch_kernel(*e, rowptr, colidx, values, Xa, y, work, stream); });
 }
 
 // Host microseconds per call of `calls` hits served from C++ alone (the best of five loops):
@@ -701,16 +707,7 @@ double served_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor
   TORCH_CHECK(hit(op, crow, col, val, ncols, X).has_value(), "sparserl_fastpath.served_us: no entry serves these "
               "operands (record them with one product first)");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
-  double best = 1e300;
-  for (int round = 0; round < 5; ++round) {
-    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto started = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < calls; ++i) hit(op, crow, col, val, ncols, X);
-    const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - started;
-    best = std::min(best, spent.count() / static_cast<double>(calls));
-  }
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return best;
+  return best_loop_us(stream, calls, [&] { hit(op, crow, col, val, ncols, X); });
 }
 
 // Host µs per call of what a served product issues, for the runtime's end-to-end decision (the

@@ -97,11 +97,13 @@ class CSRMatrix(Tensor):
 
     def __matmul__(self, other):
         # Eager ``A @ X`` recorded for the C++ fast path: its eager door first, with nothing in
-        # between (on a small graph a served call's host time is this and the launch), and on a
-        # miss the Python path without asking the door again. With no C++ library loaded, an
-        # installed kernel straight to its launch (see _hot_product). Anything else goes to the same handler as torch.matmul, called here rather than
-        # through Tensor.__matmul__, which turns every TypeError (a wrong dtype, a sparse
-        # operand) into NotImplemented and so into Python's bare "unsupported operand type(s)".
+        # between (the checks of _served_in_cpp, inline: on a small graph a served call's host
+        # time is this and the launch), and on a miss the Python path without asking the door
+        # again. With no C++ library loaded, an installed kernel straight to its launch (see
+        # _hot_product). Anything else goes to the same handler as torch.matmul, called here
+        # rather than through Tensor.__matmul__, which turns every TypeError (a wrong dtype, a
+        # sparse operand) into NotImplemented and so into Python's bare "unsupported operand
+        # type(s)".
         if type(other) is Tensor:
             ncols = self.__dict__.get("_eager_ncols")
             serve = fastpath.serve
