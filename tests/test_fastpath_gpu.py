@@ -633,8 +633,10 @@ def test_bare_launches_of_a_served_kernel_are_timed_and_nothing_else_is(runtime)
 
 
 def test_eager_training_steps_run_their_products_in_cxx(runtime):
-    """An eager step on a matrix whose values train: the forward's spmm and the backward's
-    spmm_transposed are served in C++ from the second step; the gradients match float64."""
+    """An eager step on a matrix whose values train: the forward's spmm and the values' sddmm
+    are served in C++ from the second step, the backward's spmm_transposed from the third (the
+    first runs on cuSPARSE without a transpose, the second computes it and records); the
+    gradients match float64."""
     M = make_pattern("random")
     val = torch.tensor(M.data, dtype=torch.float32, device="cuda", requires_grad=True)
     A = ts.CSRMatrix(torch.tensor(M.indptr, device="cuda"), torch.tensor(M.indices, device="cuda"), val, M.shape)
@@ -648,7 +650,7 @@ def test_eager_training_steps_run_their_products_in_cxx(runtime):
         ones = np.ones((M.shape[0], KERNEL_N))
         assert_close_to_reference(X.grad, torch.from_numpy(M.T @ ones), torch.float32)
         val.grad = None
-    assert served == [0, 2, 2]
+    assert served == [0, 2, 3]
 
 
 def _small_segments(key, crow, col, ncols):
