@@ -373,14 +373,16 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
   }
   return out;
 }
-// Aᵀ @ X by cuSPARSE on A's own CSR arrays (opA = transpose), with descriptors made for this
-// call: the transposed product of a pattern whose transpose was never computed (a one-off
-// pattern's backward, torch_sparserl/ops: _transposed_once). Nothing where cuSPARSE cannot do it
-// here (not found, a dtype or index type it is not set up for, an empty product, a refusal,
-// graph capture): the caller computes the transpose instead. cuSPARSE's transposed products may
-// differ in the last bits from run to run; the caller does not ask under deterministic mode.
-std::optional<at::Tensor> cusparse_transposed(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
-                                              int64_t ncols, const at::Tensor& X_in) {
+// A @ X, or Aᵀ @ X (opA = transpose), by cuSPARSE on A's own CSR arrays, with descriptors made
+// for this call: the products of a pattern met once (a sampled mini-batch's, torch_sparserl/ops:
+// _vendor_once and _transposed_once), without the sparse tensor, the Python path and the
+// registry entry a recorded pattern has, and for a transposed one without its transpose.
+// Nothing where cuSPARSE cannot do it here (not found, a dtype or index type it is not set up
+// for, an empty product, a refusal, graph capture): the caller then takes its Python path.
+// cuSPARSE's transposed products may differ in the last bits from run to run; the caller does
+// not ask for them under deterministic mode.
+std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
+                                        int64_t ncols, const at::Tensor& X_in, bool transposed) {
   const Cusparse* api = cusparse_api();
   const bool matrix = X_in.dim() == 2;
   if (api == nullptr || !X_in.is_cuda() || (X_in.dim() != 1 && !matrix) || !crow.is_cuda() || !col.is_cuda() ||
@@ -395,12 +397,14 @@ std::optional<at::Tensor> cusparse_transposed(const at::Tensor& crow, const at::
   else return std::nullopt;
   if (crow.scalar_type() != at::kInt && crow.scalar_type() != at::kLong) return std::nullopt;
   const int64_t rows = crow.size(0) - 1, nnz = col.size(0), n = matrix ? X_in.size(1) : 1;
-  if (rows <= 0 || ncols <= 0 || nnz == 0 || n == 0 || val.size(0) != nnz || X_in.size(0) != rows)
+  const int64_t in_rows = transposed ? rows : ncols, out_rows = transposed ? ncols : rows;
+  if (rows <= 0 || ncols <= 0 || nnz == 0 || n == 0 || val.size(0) != nnz || X_in.size(0) != in_rows)
     return std::nullopt;
+  const cusparseOperation_t opA = transposed ? CUSPARSE_OPERATION_TRANSPOSE : CUSPARSE_OPERATION_NON_TRANSPOSE;
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return std::nullopt;
   c10::cuda::CUDAGuard guard(X_in.device());
   const at::Tensor X = X_in.contiguous();
-  at::Tensor out = matrix ? at::empty({ncols, n}, X.options()) : at::empty({ncols}, X.options());
+  at::Tensor out = matrix ? at::empty({out_rows, n}, X.options()) : at::empty({out_rows}, X.options());
   const cusparseIndexType_t index = crow.scalar_type() == at::kInt ? CUSPARSE_INDEX_32I : CUSPARSE_INDEX_64I;
   const double one64 = 1.0, zero64 = 0.0;
   const float one32 = 1.0f, zero32 = 0.0f;
@@ -427,26 +431,23 @@ std::optional<at::Tensor> cusparse_transposed(const at::Tensor& crow, const at::
                         CUSPARSE_INDEX_BASE_ZERO, dt));
   size_t bytes = 0;
   if (matrix) {
-    if (ok) check(api->create_dnmat(&d.B, rows, n, n, X.data_ptr(), dt, CUSPARSE_ORDER_ROW));
-    if (ok) check(api->create_dnmat(&d.C, ncols, n, n, out.data_ptr(), dt, CUSPARSE_ORDER_ROW));
+    if (ok) check(api->create_dnmat(&d.B, in_rows, n, n, X.data_ptr(), dt, CUSPARSE_ORDER_ROW));
+    if (ok) check(api->create_dnmat(&d.C, out_rows, n, n, out.data_ptr(), dt, CUSPARSE_ORDER_ROW));
     if (ok)
-      check(api->spmm_size(handle, CUSPARSE_OPERATION_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B,
-                           beta, d.C, dt, CUSPARSE_SPMM_ALG_DEFAULT, &bytes));
+      check(api->spmm_size(handle, opA, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta, d.C, dt,
+                           CUSPARSE_SPMM_ALG_DEFAULT, &bytes));
   } else {
-    if (ok) check(api->create_dnvec(&d.x, rows, X.data_ptr(), dt));
-    if (ok) check(api->create_dnvec(&d.y, ncols, out.data_ptr(), dt));
-    if (ok)
-      check(api->spmv_size(handle, CUSPARSE_OPERATION_TRANSPOSE, alpha, d.A, d.x, beta, d.y, dt,
-                           CUSPARSE_SPMV_ALG_DEFAULT, &bytes));
+    if (ok) check(api->create_dnvec(&d.x, in_rows, X.data_ptr(), dt));
+    if (ok) check(api->create_dnvec(&d.y, out_rows, out.data_ptr(), dt));
+    if (ok) check(api->spmv_size(handle, opA, alpha, d.A, d.x, beta, d.y, dt, CUSPARSE_SPMV_ALG_DEFAULT, &bytes));
   }
   if (!ok) return std::nullopt;
   const at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, X.options().dtype(at::kByte));
   if (matrix)
-    check(api->spmm(handle, CUSPARSE_OPERATION_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta,
-                    d.C, dt, CUSPARSE_SPMM_ALG_DEFAULT, buffer.data_ptr()));
+    check(api->spmm(handle, opA, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta, d.C, dt,
+                    CUSPARSE_SPMM_ALG_DEFAULT, buffer.data_ptr()));
   else
-    check(api->spmv(handle, CUSPARSE_OPERATION_TRANSPOSE, alpha, d.A, d.x, beta, d.y, dt, CUSPARSE_SPMV_ALG_DEFAULT,
-                    buffer.data_ptr()));
+    check(api->spmv(handle, opA, alpha, d.A, d.x, beta, d.y, dt, CUSPARSE_SPMV_ALG_DEFAULT, buffer.data_ptr()));
   if (!ok) return std::nullopt;
   return out;
 }
@@ -873,12 +874,13 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
     return false;
 #endif
   });
-  // Aᵀ @ X by cuSPARSE on A's own arrays (no transpose computed); None where it cannot
-  m.def("cusparse_transposed(Tensor crow, Tensor col, Tensor val, int ncols, Tensor X) -> Tensor?",
+  // A @ X or Aᵀ @ X by cuSPARSE on A's own arrays, nothing kept (no transpose computed); None
+  // where it cannot
+  m.def("cusparse_once(Tensor crow, Tensor col, Tensor val, int ncols, Tensor X, bool transposed) -> Tensor?",
         [](const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val, int64_t ncols,
-           const at::Tensor& X) -> std::optional<at::Tensor> {
+           const at::Tensor& X, bool transposed) -> std::optional<at::Tensor> {
 #if SPARSERL_CUSPARSE
-          return cusparse_transposed(crow, col, val, ncols, X);
+          return cusparse_once(crow, col, val, ncols, X, transposed);
 #else
           return std::nullopt;
 #endif

@@ -228,7 +228,7 @@ class _OnCuda(torch.Tensor):
 
 @pytest.fixture
 def one_off(monkeypatch):
-    """A validated CPU pattern, and a fake of the library's cusparse_transposed (Aᵀ @ G in float64)."""
+    """A validated CPU pattern, and a fake of the library's cusparse_once (Aᵀ @ G in float64)."""
     from torch_sparserl import pattern as patterns
 
     A = make_pattern("short and huge rows", seed=4)
@@ -237,11 +237,12 @@ def one_off(monkeypatch):
     entry.validate("test", crow, col)
     calls = []
 
-    def cusparse_transposed(c, k, v, ncols, G):
+    def cusparse_once(c, k, v, ncols, G, transposed):
+        assert transposed
         calls.append((c, k))
         return torch.from_numpy(A.T @ G.as_subclass(torch.Tensor).numpy())
 
-    monkeypatch.setattr(fastpath, "cusparse_transposed", cusparse_transposed)
+    monkeypatch.setattr(fastpath, "cusparse_once", cusparse_once)
     G = torch.randn(A.shape[0], 3, dtype=torch.float64).as_subclass(_OnCuda)
     return A, entry, crow, col, val, G, calls
 
@@ -270,10 +271,46 @@ def test_the_transpose_is_computed_where_the_shortcut_does_not_apply(one_off, mo
     assert ops._transposed_once(entry, crow, col, val, A.shape[1], G.as_subclass(torch.Tensor)) is None  # CPU
     entry.transpose(crow, col)
     assert ops._transposed_once(entry, crow, col, val, A.shape[1], G) is None  # computed already
-    monkeypatch.setattr(fastpath, "cusparse_transposed", None)  # the library not loaded
+    monkeypatch.setattr(fastpath, "cusparse_once", None)  # the library not loaded
     entry.transposed_products = 0
     assert ops._transposed_once(entry, crow, col, val, A.shape[1], G) is None
     assert calls == []
+
+
+def test_cuda_products_cusparse_serves_are_called_from_cxx(monkeypatch):
+    """ops._vendor: a CUDA product with no kernel calls cuSPARSE through the library in one
+    call; what the library declines, and everything where it is not loaded, goes through torch."""
+    from torch_sparserl import ops, pattern as patterns
+
+    A = make_pattern("random", seed=5)
+    crow, col, val = to_parts(A, torch.float64, torch.int64, "cpu")
+    entry = patterns.lookup(crow, col, A.shape[1])
+    entry.validate("test", crow, col)
+    X = torch.randn(A.shape[1], 4, dtype=torch.float64)
+    want = torch.from_numpy(A @ X.numpy())
+    calls, answer = [], {"out": None}
+
+    def cusparse_once(c, k, v, ncols, Xc, transposed):
+        calls.append((ncols, transposed))
+        return answer["out"]
+
+    monkeypatch.setattr(fastpath, "cusparse_once", cusparse_once)
+    answer["out"] = sentinel = torch.empty(0)
+    assert ops._vendor("spmm", entry, crow, col, val, X.as_subclass(_OnCuda)) is sentinel
+    assert calls == [(A.shape[1], False)]
+    answer["out"] = None  # declined: torch's path
+    torch.testing.assert_close(ops._vendor("spmm", entry, crow, col, val, X.as_subclass(_OnCuda))
+                               .as_subclass(torch.Tensor), want)
+    assert len(calls) == 2
+    torch.testing.assert_close(ops._vendor("spmm", entry, crow, col, val, X), want)  # CPU: not asked
+    with monkeypatch.context() as m:  # Dynamo tracing: the library's ops have no fake kernels
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        answer["out"] = sentinel
+        assert ops._vendor("spmm", entry, crow, col, val, X.as_subclass(_OnCuda)) is not sentinel
+    monkeypatch.setattr(fastpath, "cusparse_once", None)  # not loaded
+    torch.testing.assert_close(ops._vendor("spmm", entry, crow, col, val, X.as_subclass(_OnCuda))
+                               .as_subclass(torch.Tensor), want)
+    assert len(calls) == 2
 
 
 def test_a_transposed_product_served_without_the_transpose_is_not_recorded(one_off):

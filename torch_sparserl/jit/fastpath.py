@@ -68,10 +68,11 @@ eager CSRMatrix product (``op`` an index into :data:`OPS`) served from the regis
 the dispatcher, or None where the call is not the registry's or needs autograd, autocast or a
 mode (the caller then runs the Python path, which records it)."""
 
-cusparse_transposed = None
-"""Once the library is loaded, its ``cusparse_transposed(crow, col, val, ncols, X) -> Tensor |
-None``: ``Aᵀ @ X`` by cuSPARSE on A's own arrays, no transpose computed (None where cuSPARSE
-cannot do it there); a one-off pattern's backward (ops: ``_transposed_once``)."""
+cusparse_once = None
+"""Once the library is loaded, its ``cusparse_once(crow, col, val, ncols, X, transposed) ->
+Tensor | None``: ``A @ X`` (or ``Aᵀ @ X``, no transpose computed) by cuSPARSE on A's own arrays,
+with nothing kept for the pattern (None where cuSPARSE cannot do it there): the cuSPARSE
+products the Python path serves (ops: ``_vendor``, ``_transposed_once``)."""
 
 COUNTS = torch.zeros(2, dtype=torch.int64)
 """Calls the C++ path served with a kernel, with cuSPARSE (the runtime folds them into its stats)."""
@@ -159,7 +160,7 @@ def build() -> Path:
 
 
 def _load() -> bool:
-    global loaded, serve, cusparse_transposed
+    global loaded, serve, cusparse_once
     with _lock:
         if loaded:
             return True
@@ -175,7 +176,7 @@ def _load() -> bool:
         torch.ops.sparserl_fastpath.bind_counters(COUNTS)
         serve = module.serve
         # None where the library cannot say (then the transpose is computed, as without it)
-        cusparse_transposed = getattr(torch.ops.sparserl_fastpath, "cusparse_transposed", None)
+        cusparse_once = getattr(torch.ops.sparserl_fastpath, "cusparse_once", None)
         loaded = True
     log.info("sparserl: C++ fast path loaded from %s", path)
     return True

@@ -85,6 +85,20 @@ def _product(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: T
         out = runtime.active().call(op, entry, crow, col, val, X)
         if out is not None:
             return out
+    return _vendor(op, entry, crow, col, val, X)
+
+
+def _vendor(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: Tensor, X: Tensor) -> Tensor:
+    """``A @ X`` by torch's own kernels, cuSPARSE's on CUDA: called from C++ where the library is
+    loaded (one call, no sparse tensor built; a pattern met once pays no more than this), else,
+    and for what that call declines (half precision, empty or overfull products) or Dynamo
+    traces (the library's ops have no fake kernels), through torch
+    (:mod:`torch_sparserl.kernels.vendor`)."""
+    cusparse_once = fastpath.cusparse_once
+    if cusparse_once is not None and X.is_cuda and not entry.overfull and not torch.compiler.is_compiling():
+        out = cusparse_once(crow, col, val, entry.ncols, X, False)
+        if out is not None:
+            return out
     return getattr(vendor, op)(entry, crow, col, val, X)
 
 
@@ -194,15 +208,16 @@ def _transposed_once(entry: patterns.Pattern, crow: Tensor, col: Tensor, val: Te
     transpose there already, an overfull pattern, deterministic algorithms asked for (cuSPARSE's
     transposed products may differ in the last bits from run to run), or a product cuSPARSE is
     not called with here (half precision, int64 sizes it refuses)."""
-    cusparse_transposed = fastpath.cusparse_transposed
-    if cusparse_transposed is None or not G.is_cuda or entry.has_transpose or entry.overfull:
+    cusparse_once = fastpath.cusparse_once
+    if (cusparse_once is None or not G.is_cuda or entry.has_transpose or entry.overfull
+            or torch.compiler.is_compiling()):
         return None
     first = entry.transposed_products == 0
     entry.transposed_products += 1
     if not (first or entry.transient) or torch.are_deterministic_algorithms_enabled():
         return None
     crow, col = entry.indices(crow, col)
-    out = cusparse_transposed(crow, col, val, ncols, G)
+    out = cusparse_once(crow, col, val, ncols, G, True)
     if out is not None:
         patterns.count("transposes_avoided")
     return out
