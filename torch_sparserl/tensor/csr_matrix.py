@@ -10,6 +10,8 @@ same structure reuses the compiled code.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import numbers
 from pathlib import Path
@@ -605,6 +607,12 @@ def _check_parts(op: str, crow, col, val, size) -> None:
             f"crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]}) for shape {size}")
 
 
+def _ordinary_tensors():
+    """``inference_mode(False)`` where inference mode is on (what ``ts.csr`` keeps must have
+    version counters); else nothing, since entering the mode costs more than a host copy."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
 def _host_copy(t: Tensor, pinned: bool) -> Tensor:
     """A contiguous host copy of ``t`` (in pinned memory with ``pinned``), autograd-aware."""
     return torch.empty_like(t, memory_format=torch.contiguous_format, pin_memory=pinned).copy_(t)
@@ -728,10 +736,10 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         # is pinned and travels without blocking the host (torch's pinned-memory allocator
         # keeps it until the transfer is done).
         pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
-        with torch.inference_mode(False):  # ordinary tensors, with version counters
+        with _ordinary_tensors():
             crow, col = _host_copy(crow, pinned), _host_copy(col, pinned)
             if validate:
-                _check_parts(op, crow, col, val, size)
+                _check_parts(op, crow, col, None, size)  # val is checked below, where it travels to
                 check_csr_values(op, crow, col, size[1])
                 checked = True
             crow, col = crow.to(device, non_blocking=pinned), col.to(device, non_blocking=pinned)
@@ -739,7 +747,9 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         if pinned and val.device.type == "cpu":  # the values travel the same way (a copy either way)
             val = _host_copy(val, True).to(device, non_blocking=True)  # made here from the private copies: nobody else holds them
     if device is not None:
-        crow, col, val = crow.to(device), col.to(device), val.to(device)
+        if not checked:  # else crow and col are there already
+            crow, col = crow.to(device), col.to(device)
+        val = val.to(device)
     _check_parts(op, crow, col, val, size)
     # The matrix owns its indices: a copy, so that no later write to the caller's arrays (in
     # place, through .data, through NumPy, under inference_mode) reaches it, made an ordinary
@@ -754,4 +764,6 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
             entry.checked_on_host(crow, col)
         else:
             entry.validate(op, crow, col)
-    return CSRMatrix(crow, col, val, size)
+    if val.requires_grad and torch.is_grad_enabled():
+        return CSRMatrix(crow, col, val, size)  # linked to val's graph (_FromParts)
+    return CSRMatrix._wrap(crow, col, val, size)  # the parts checked above
