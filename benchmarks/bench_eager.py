@@ -203,7 +203,8 @@ def markdown(doc: dict) -> str:
                      f"({c['torch_wall_us']:.1f}) | {c['gpu_us']:.1f} ({c['torch_gpu_us']:.1f}) | {c['host_us']:.1f} "
                      f"({c['torch_host_us']:.1f}) | {c['decision'][:60]}" + (" (C++)" if c["served_by_cpp"] else "")
                      + " |")
-    lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
+    lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']}" + (f"; {r['note']}" if r.get("note") else "")
+                                       + ")" for r in doc["runs"])]
     return "\n".join(lines) + "\n"
 
 
