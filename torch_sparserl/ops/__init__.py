@@ -336,7 +336,7 @@ def _check_sddmm(op: str, crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> No
     check_dense(op, "Y", Y, dim=2, rows=crow.shape[0] - 1, rows_name="nrows", like=Y)
     check_dense(op, "X", X, dim=2, rows=X.shape[0], rows_name="ncols", like=Y)
     require(op, X.shape[1] == Y.shape[1],
-            f"Y and X must have the same number of columns N (got Y {tuple(Y.shape)}, X {tuple(X.shape)})")
+            lambda: f"Y and X must have the same number of columns N (got Y {tuple(Y.shape)}, X {tuple(X.shape)})")
 
 
 def _sddmm_fits(entry: patterns.Pattern | None, Y, X) -> bool:
@@ -399,7 +399,7 @@ def _check_heads_val(op: str, col: Tensor, val: Tensor) -> int:
     returns ``heads``."""
     check_tensor(op, "val", val, dim=2, dtypes=VALUE_DTYPES)
     require(op, val.shape[0] == col.shape[0] and val.shape[1] >= 1,
-            f"val must have shape (nnz, heads) = ({col.shape[0]}, heads >= 1) (got {tuple(val.shape)})")
+            lambda: f"val must have shape (nnz, heads) = ({col.shape[0]}, heads >= 1) (got {tuple(val.shape)})")
     if val.device != col.device:
         raise ValueError(f"{op}: val must be on the device of the sparse pattern, {col.device} (got {val.device})")
     return val.shape[1]
@@ -409,13 +409,13 @@ def check_heads_index(op: str, crow: Tensor, col: Tensor, ncols: int, heads: int
     """That the pattern's block-diagonal form for ``heads`` heads (:meth:`Pattern.with_heads`)
     can be numbered with its index dtype."""
     require(op, max(col.shape[0], ncols, crow.shape[0] - 1) * heads <= torch.iinfo(col.dtype).max,
-            f"{heads} heads of a pattern of shape ({crow.shape[0] - 1}, {ncols}) with {col.shape[0]} nonzeros need "
-            f"indices beyond {col.dtype}; use int64 indices")
+            lambda: f"{heads} heads of a pattern of shape ({crow.shape[0] - 1}, {ncols}) with {col.shape[0]} nonzeros "
+                    f"need indices beyond {col.dtype}; use int64 indices")
 
 
 def _check_heads_dense(op: str, name: str, t: Tensor, rows: int, rows_name: str, heads: int, like: Tensor) -> None:
     check_dense(op, name, t, dim=3, rows=rows, rows_name=rows_name, like=like)
-    require(op, t.shape[1] == heads, f"{name} must have {heads} heads, shape ({rows}, {heads}, C) "
+    require(op, t.shape[1] == heads, lambda: f"{name} must have {heads} heads, shape ({rows}, {heads}, C) "
             f"(got {tuple(t.shape)})")
 
 
@@ -527,7 +527,7 @@ def _check_sddmm_heads(op: str, crow: Tensor, col: Tensor, Y: Tensor, X: Tensor)
     _check_heads_dense(op, "Y", Y, crow.shape[0] - 1, "nrows", Y.shape[1], Y)
     _check_heads_dense(op, "X", X, X.shape[0], "ncols", Y.shape[1], Y)
     require(op, X.shape[2] == Y.shape[2],
-            f"Y and X must have the same number of columns C (got Y {tuple(Y.shape)}, X {tuple(X.shape)})")
+            lambda: f"Y and X must have the same number of columns C (got Y {tuple(Y.shape)}, X {tuple(X.shape)})")
 
 
 def _sddmm_heads(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
@@ -568,11 +568,12 @@ def _check_epilogue(op: str, crow: Tensor, X: Tensor, scale: Tensor | None, bias
     if scale is not None:
         check_tensor(op, "scale", scale, dtypes=VALUE_DTYPES)
         require(op, scale.dim() in (1, 2) and scale.numel() == rows and scale.shape[0] == rows,
-                f"scale must have nrows = {rows} values, shape ({rows},) or ({rows}, 1) (got shape {tuple(scale.shape)})")
+                lambda: f"scale must have nrows = {rows} values, shape ({rows},) or ({rows}, 1) "
+                        f"(got shape {tuple(scale.shape)})")
     if bias is not None:
         check_tensor(op, "bias", bias, dtypes=VALUE_DTYPES)
         require(op, bias.dim() in (1, 2) and bias.numel() == n and bias.shape[-1] == n,
-                f"bias must have N = {n} values, shape ({n},) or (1, {n}) (got shape {tuple(bias.shape)})")
+                lambda: f"bias must have N = {n} values, shape ({n},) or (1, {n}) (got shape {tuple(bias.shape)})")
     for name, t in (("scale", scale), ("bias", bias)):
         if t is not None and (t.dtype != X.dtype or t.device != X.device):
             raise ValueError(f"{op}: {name} must be {X.dtype} on {X.device}, like X (got {t.dtype} on {t.device})")

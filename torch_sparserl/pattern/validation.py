@@ -17,17 +17,19 @@ def _fail(op: str, message: str, exc: type[Exception] = ValueError) -> None:
     raise exc(f"{op}: {message}")
 
 
-def require(op: str, condition, message: str) -> None:
-    """Raise ``ValueError`` naming ``op`` unless ``condition`` holds.
+def require(op: str, condition, message) -> None:
+    """Raise ``ValueError`` naming ``op`` unless ``condition`` holds. ``message`` is a string or
+    a function returning one, called only when the check fails (the checks run on every call,
+    and formatting their messages cost more than the checks).
 
     With symbolic sizes (tracing) the condition is handed to ``torch._check``, so it
     becomes a runtime assertion instead of a guard that specializes the graph.
     """
     if isinstance(condition, bool):
         if not condition:
-            _fail(op, message)
+            _fail(op, message() if callable(message) else message)
     else:
-        torch._check(condition, lambda: f"{op}: {message}")
+        torch._check(condition, lambda: f"{op}: {message() if callable(message) else message}")
 
 
 def _describe(t) -> str:
@@ -62,13 +64,13 @@ def check_csr_meta(op: str, crow, col, val, ncols) -> None:
     if len({d for _, d in devices}) > 1:
         listing = ", ".join(f"{n}={d}" for n, d in sorted(devices, key=lambda p: p[0]))
         _fail(op, f"crow, col and val must be on the same device (got {listing})")
-    require(op, crow.shape[0] >= 1, f"crow must have nrows + 1 >= 1 elements (got {crow.shape[0]})")
+    require(op, crow.shape[0] >= 1, lambda: f"crow must have nrows + 1 >= 1 elements (got {crow.shape[0]})")
     if val is not None:
         require(op, col.shape[0] == val.shape[0],
-                f"col and val must have the same length nnz (got col {col.shape[0]}, val {val.shape[0]})")
+                lambda: f"col and val must have the same length nnz (got col {col.shape[0]}, val {val.shape[0]})")
     if not isinstance(ncols, (int, torch.SymInt)) or isinstance(ncols, bool):
         _fail(op, f"ncols must be an int (got {type(ncols).__name__})", TypeError)
-    require(op, ncols >= 0, f"ncols must be >= 0 (got {ncols})")
+    require(op, ncols >= 0, lambda: f"ncols must be >= 0 (got {ncols})")
 
 
 def check_dense(op: str, name: str, t, *, dim: int, rows, rows_name: str, like: torch.Tensor) -> None:
@@ -76,7 +78,7 @@ def check_dense(op: str, name: str, t, *, dim: int, rows, rows_name: str, like: 
     check_tensor(op, name, t)
     if t.dim() != dim:
         _fail(op, f"{name} must be {dim}-D (got shape {tuple(t.shape)})")
-    require(op, t.shape[0] == rows, f"{name} must have {rows_name} = {rows} rows (got shape {tuple(t.shape)})")
+    require(op, t.shape[0] == rows, lambda: f"{name} must have {rows_name} = {rows} rows (got shape {tuple(t.shape)})")
     if t.dtype != like.dtype:
         _fail(op, f"{name} must have the dtype of the sparse values, {like.dtype} (got {t.dtype})", TypeError)
     if t.device != like.device:

@@ -602,9 +602,9 @@ def _check_parts(op: str, crow, col, val, size) -> None:
     if len(size) != 2 or not all(isinstance(d, (int, torch.SymInt)) and not isinstance(d, bool) for d in size):
         raise ValueError(f"{op}: shape must be a pair of ints (nrows, ncols) (got {size!r})")
     check_csr_meta(op, crow, col, val, size[1])
-    require(op, size[0] >= 0, f"shape must be non-negative (got {size})")
+    require(op, size[0] >= 0, lambda: f"shape must be non-negative (got {size})")
     require(op, crow.shape[0] == size[0] + 1,
-            f"crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]}) for shape {size}")
+            lambda: f"crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]}) for shape {size}")
 
 
 def _staged(op: str, crow: Tensor, col: Tensor, val: Tensor, size: tuple, device) -> list[Tensor] | None:
