@@ -403,7 +403,9 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     assert all(r["loss_max_diff"] < 1e-4 for r in rows.values())
     assert rows["sparserl_compiled"]["graphs"] <= 2  # not one per batch
     assert doc["setup"]["batches"] == 3 and doc["setup"]["mean_nnz"] > 0
-    assert "| sparserl_compiled |" in out.with_suffix(".md").read_text()
+    assert doc["setup"]["warmup_steps"] == 3  # torch's way, untimed, before the first way
+    text = out.with_suffix(".md").read_text()
+    assert "| sparserl_compiled |" in text and "after 3 untimed steps of torch's way" in text
     # --breakdown: the sparserl ways' per-pattern host work, one ts.csr and its check per step
     parts = doc["ways"]["sparserl"]["host_ms_per_step"]
     assert parts["ts.csr"]["calls"] == 1 and parts["index check"]["calls"] == 1 and parts["index check"]["ms"] > 0
