@@ -71,10 +71,18 @@ State = Installed | Pending | Fallback
 
 def not_yet() -> Pending:
     """The answer for a product whose decision has not started: cuSPARSE serves this call, and
-    the record stays empty, so that the next call asks again."""
+    the record stays empty, so that the next call asks again. One shared answer (its future
+    cancelled, never set): a one-off pattern's calls ask for it every time."""
+    return _NOT_YET
+
+
+def _cancelled() -> Future:
     future: Future = Future()
     future.cancel()
-    return Pending(None, future)
+    return future
+
+
+_NOT_YET = Pending(None, _cancelled())
 
 
 class Decision:
