@@ -758,28 +758,3 @@ def test_sddmm_is_served_in_cxx_after_the_first_call(runtime, poison_uninitializ
     # a changed Y shape (other rows) is not the entry's: Python raises the operator's error
     with pytest.raises((ValueError, RuntimeError), match="sddmm"):
         torch.ops.sparserl.sddmm(crow, col, Y[:-1], X)
-
-
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_host_arrays_travel_checked_in_one_pass(poison_uninitialized, index_dtype):
-    """ts.csr of pinned host arrays bound for CUDA, the library loaded: C++ copies and checks the
-    indices in one pass and sends them in one buffer (col 16-byte aligned); the products read
-    what was checked whatever the caller writes afterwards; bad indices are named as in Python."""
-    M = make_pattern("random", seed=3)
-    crow = torch.tensor(M.indptr, dtype=index_dtype).pin_memory()
-    col = torch.tensor(M.indices, dtype=index_dtype).pin_memory()
-    val = torch.tensor(M.data, dtype=torch.float32).pin_memory()
-    A = ts.csr((crow, col, val), M.shape, device="cuda")
-    assert A.crow._base is not None and A.col._base is A.crow._base and A.col.data_ptr() % 16 == 0
-    assert patterns.validated(A.crow, A.col, M.shape[1]) is not None
-    crow.zero_()  # the caller's arrays, rewritten
-    col.fill_(M.shape[1] + 5)
-    val.fill_(float("nan"))
-    X = torch.randn(M.shape[1], 8, device="cuda")
-    want = as_float64_scipy(torch.tensor(M.indptr), torch.tensor(M.indices), torch.tensor(M.data, dtype=torch.float32),
-                            M.shape[1]) @ X.double().cpu().numpy()
-    assert_close_to_reference((A @ X).cpu(), torch.from_numpy(np.asarray(want)), torch.float32)
-    bad = torch.tensor(M.indices, dtype=index_dtype)
-    bad[-1] = M.shape[1]
-    with pytest.raises(ValueError, match=r"torch_sparserl.csr: col must be < ncols"):
-        ts.csr((torch.tensor(M.indptr, dtype=index_dtype), bad, torch.ones(M.nnz)), M.shape, device="cuda")
