@@ -430,3 +430,20 @@ def test_bench_host_summary_and_markdown():
     text = host.markdown(doc)
     assert "| default | 1 | 2.00 | 4.50 | 2.50 | 2.00 |" in text
     assert "| b | 32 | off | – | 9.00 | 11.00 | 1.00 | 1.00 | 2.00 | True | cuSPARSE |" in text
+
+
+def test_bench_churn_keeps_the_state_of_many_patterns_bounded(tmp_path):
+    """Patterns made and dropped one after another, each decided and cached: the disk cache stays
+    under its cap (entries evicted), the lock files under their 256 stripes, and nothing of a
+    dropped matrix stays in the pattern or decision tables."""
+    bench = load_benchmark("bench_churn")
+    out = tmp_path / "churn.json"
+    assert bench.main(["--patterns", "30", "--every", "10", "--rows", "256", "--nnz", "1024",
+                       "--cache-max-mb", "0.2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["patterns"] == 30 and s["within_cap"] and s["evicted"] > 0
+    assert s["max_pattern_table"] == 0 and s["max_decision_table"] == 0
+    assert doc["result"]["runtime"]["installs"] == 31  # every pattern decided (and the warm-up's)
+    assert all(p["lock_files"] <= 256 for p in doc["result"]["points"])
+    assert "within the cap at every checkpoint" in out.with_suffix(".md").read_text()
