@@ -287,6 +287,8 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     form = entry.transpose(crow, col) if transposed else None  # (pattern_t, crow_t, col_t, perm)
     used = form[0] if transposed else entry
     decision = runtime.decision(base, used, n, val.dtype)
+    if decision.state is None and runtime.decides_on(X.device):
+        return  # not decided, nor asked to be (a call the runtime did not admit): the next call records
     # recorded already: the common case of a call C++ leaves to Python (a fast_path=False
     # graph, a half-precision cuSPARSE product), so it is checked first
     if ((_epoch, op) in decision.fast or crow.is_inference() or col.is_inference()
