@@ -168,7 +168,9 @@ def run_way(way: str, batches, features, labels, model0, args) -> dict:
 
     device = torch.device(args.device)
     folder = tempfile.mkdtemp(prefix=f"sparserl-minibatch-{way}-")
-    changes = {} if args.admit_calls is None else {"admit_calls": args.admit_calls}
+    changes = {name: value for name, value in (("admit_calls", args.admit_calls),
+                                                 ("admit_age_s", getattr(args, "admit_age_s", None)))
+               if value is not None}
     runtime = rt.Runtime(rt.config.from_environment().jit.replace("bench_minibatch", **changes),
                          cache=KernelCache(folder))
     previous = rt.set_active(runtime)
@@ -283,7 +285,8 @@ def summary(doc: dict) -> list[dict]:
                      "steady_epoch_s": statistics.median(epochs[1:]) if len(epochs) > 1 else None,
                      "loss_max_diff": max(abs(a - b) for a, b in zip(flat, ref)),
                      "installs": result["runtime"].get("installs", 0),
-                     "unadmitted_calls": result["runtime"].get("unadmitted_calls", 0),
+                     "unadmitted_calls": result["runtime"].get("unadmitted_calls", 0)
+                     + result["runtime"].get("young_calls", 0),
                      "dropped": result["runtime"].get("dropped", 0),
                      "cache_entries": result["cache_entries"], "cache_kb": result["cache_bytes"] / 1024,
                      "rss_growth_mb": result["rss_growth_mb"], "graphs": result["graphs"]})
@@ -331,6 +334,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, help="batches per epoch (default: every node once)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"some of {','.join(WAYS)}")
     parser.add_argument("--admit-calls", type=int, help="the runtime's jit.admit_calls (default: its setting)")
+    parser.add_argument("--admit-age-s", type=float, help="the runtime's jit.admit_age_s (default: its setting)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the library's per-pattern host work in the sparserl ways")
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")

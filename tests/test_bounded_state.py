@@ -191,6 +191,37 @@ def test_a_product_is_decided_on_its_admit_calls_th_call(tmp_path, monkeypatch):
         runtime.close()
 
 
+def test_a_pattern_younger_than_admit_age_leaves_no_trace(tmp_path):
+    """Background mode with admit_age_s: a fresh pattern's calls are cuSPARSE's and leave no
+    decision record and nothing queued; once the pattern is old enough, its next call is
+    decided. Sync mode and compile-time decisions do not wait."""
+    specializer = Specializer()
+    runtime = runtime_with(tmp_path, specializer, mode="background", admit_age_s=60.0)
+    try:
+        A, crow, col, val, X = operands()
+        entry = patterns.lookup(crow, col, A.shape[1])
+        assert call(runtime, A, crow, col, val, X) is None and call(runtime, A, crow, col, val, X) is None
+        assert runtime.stats["young_calls"] == 2 and specializer.keys == []
+        assert runtime._decisions.get(entry, "spmm", 8, torch.float32) is None  # no record made
+        entry.created -= 61.0  # as if a minute had passed
+        assert call(runtime, A, crow, col, val, X) is None  # decided in the background now
+        runtime.wait(10)
+        assert isinstance(runtime.state("spmm", entry, 8, torch.float32), Installed) and len(specializer.keys) == 1
+        B, crow_b, col_b, val_b, X_b = operands(seed=1)
+        state = runtime.prespecialize("spmm", patterns.lookup(crow_b, col_b, B.shape[1]), crow_b, col_b, 8,
+                                      torch.float32)
+        assert isinstance(state, Pending | Installed)  # compile time: admitted however young
+    finally:
+        runtime.close()
+    runtime = runtime_with(tmp_path / "sync", Specializer(), mode="sync", admit_age_s=60.0)
+    try:
+        A, crow, col, val, X = operands(seed=2)
+        assert call(runtime, A, crow, col, val, X) is not None  # sync: decided on the first call
+        assert runtime.stats["young_calls"] == 0
+    finally:
+        runtime.close()
+
+
 def test_compile_time_decisions_are_admitted_at_once(tmp_path):
     specializer = Specializer()
     runtime = runtime_with(tmp_path, specializer, mode="sync", admit_calls=5)

@@ -26,6 +26,7 @@ variable                      field                       values (default)
 ``SPARSERL_JIT_K``            ``jit.k``                   a whole number in 1..64 (4)
 ``SPARSERL_JIT_IDLE_S``       ``jit.idle_s``              seconds >= 0; 0 keeps the worker (30)
 ``SPARSERL_JIT_ADMIT_CALLS``  ``jit.admit_calls``         a whole number >= 1 (1)
+``SPARSERL_JIT_ADMIT_AGE_S``  ``jit.admit_age_s``         seconds >= 0; 0: no wait (0)
 ``SPARSERL_JIT_QUEUE``        ``jit.queue``               a whole number >= 1 (4)
 ``SPARSERL_CACHE_DIR``        ``cache.dir``               a folder (``$XDG_CACHE_HOME/torch_sparserl``,
                                                           else ``~/.cache/torch_sparserl``)
@@ -87,6 +88,10 @@ DEFAULT_JIT_IDLE_S = 30.0
 # pattern never does); the default stays 1 until benchmarks/bench_minibatch.py has measured both
 # on a GPU.
 DEFAULT_JIT_ADMIT_CALLS = 1
+# 0: a pattern's products may be decided as soon as it exists. Mini-batch training, where a
+# sampled subgraph lives for one step (milliseconds), wants about 0.1 s: no one-off pattern is
+# then decided, recorded or queued. Off until benchmarks/bench_minibatch.py has measured it.
+DEFAULT_JIT_ADMIT_AGE_S = 0.0
 DEFAULT_JIT_QUEUE = 4  # decisions waiting for the background thread; more are dropped, not queued
 
 DEFAULT_BACKEND_STRICT = None  # the runtime's jit.strict
@@ -260,6 +265,12 @@ class JitOptions(_Group):
     before are cuSPARSE's, and cost no fingerprint, cache lookup nor search, so that a pattern
     used once or twice (a mini-batch's sampled subgraph) never pays for a decision. 1: on its
     first call. Compile-time decisions (``prespecialize``) do not wait."""
+
+    admit_age_s: float = setting(DEFAULT_JIT_ADMIT_AGE_S, number("a number of seconds >= 0", lambda v: v >= 0))
+    """In background mode, the age a pattern must reach (seconds since it was first seen) before
+    its products are decided: calls before are cuSPARSE's and leave no decision record, no C++
+    entry and nothing queued, so that a pattern that lives for one training step (a sampled
+    subgraph) costs no more than its products. Sync mode and compile-time decisions do not wait."""
 
     queue: int = setting(DEFAULT_JIT_QUEUE, whole("a whole number >= 1", lambda v: v >= 1))
     """Decisions that may wait for the background thread. When that many wait, a new product
@@ -478,6 +489,7 @@ ENVIRONMENT: dict[str, Variable] = {v.name: v for v in (
     Variable("SPARSERL_JIT_K", "jit.k"),
     Variable("SPARSERL_JIT_IDLE_S", "jit.idle_s"),
     Variable("SPARSERL_JIT_ADMIT_CALLS", "jit.admit_calls"),
+    Variable("SPARSERL_JIT_ADMIT_AGE_S", "jit.admit_age_s"),
     Variable("SPARSERL_JIT_QUEUE", "jit.queue"),
     Variable("SPARSERL_CACHE_DIR", "cache.dir"),
     Variable("SPARSERL_CACHE_MAX_MB", "cache.max_mb"),

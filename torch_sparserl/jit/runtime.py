@@ -77,7 +77,7 @@ _INT32_LIMIT = 2**31 - 1
 
 RuntimeSettings = JitOptions
 """The runtime's settings: :class:`torch_sparserl.config.JitOptions` (mode, strict, margin,
-budget_s, policy, k, idle_s, admit_calls, queue)."""
+budget_s, policy, k, idle_s, admit_calls, admit_age_s, queue)."""
 
 
 Specializer = Callable[[SpecializationKey, torch.Tensor, torch.Tensor, int], CacheEntry]
@@ -178,11 +178,12 @@ class Runtime:
         # specialization and build: the JIT cost a training loop sees) and seconds the
         # background thread spent deciding; the idle worker's stops; searches run again after
         # a TransientFailure; kernels served from their NVRTC build while their library was built
-        # calls served by cuSPARSE before their product was admitted; products not queued because
-        # the queue was full
+        # calls served by cuSPARSE before their product was admitted (unadmitted: before its
+        # admit_calls-th call; young: its pattern younger than admit_age_s); products not queued
+        # because the queue was full
         self._stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
                        "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0,
-                       "interim_installs": 0, "unadmitted_calls": 0, "dropped": 0}
+                       "interim_installs": 0, "unadmitted_calls": 0, "young_calls": 0, "dropped": 0}
 
     @property
     def stats(self) -> dict:
@@ -356,9 +357,14 @@ class Runtime:
 
     def _resolve(self, op, n, pattern, crow, col, dtype, *, admitted: bool = False):
         """The state of a product asked for while its record has none: decided now (sync),
-        queued for the background thread (Pending), or, before its ``admit_calls``-th call
-        and while ``queue`` decisions wait (unless ``admitted``: compile time), not yet
+        queued for the background thread (Pending), or, before its ``admit_calls``-th call,
+        while its pattern is younger than ``admit_age_s`` (background mode) and while ``queue``
+        decisions wait (unless ``admitted``: compile time), not yet
         (:func:`~torch_sparserl.jit.decisions.not_yet`: cuSPARSE serves, the next call asks again)."""
+        if (not admitted and self.settings.admit_age_s and self.settings.mode == "background"
+                and time.monotonic() - pattern.created < self.settings.admit_age_s):
+            self._stats["young_calls"] += 1
+            return not_yet()  # nothing recorded: a pattern of one training step leaves no trace
         with self._lock, self._clock("jit_s"):
             decision = self._decisions.record(pattern, op, n, dtype)
             state = decision.state
@@ -785,7 +791,7 @@ def configure(settings: RuntimeSettings | None = None, **changes) -> Runtime:
     """Replace the process's runtime: ``configure(mode="sync")``, ``configure(strict=True)``.
 
     ``changes`` name fields of :class:`RuntimeSettings` (``mode``, ``strict``, ``margin``,
-    ``budget_s``, ``policy``, ``k``, ``idle_s``, ``admit_calls``, ``queue``); another name is a TypeError listing them.
+    ``budget_s``, ``policy``, ``k``, ``idle_s``, ``admit_calls``, ``admit_age_s``, ``queue``); another name is a TypeError listing them.
     Unnamed settings keep their current values (the environment's, before the first runtime).
     Decisions of the previous runtime are not reused (they may have been taken under other
     settings); its disk cache is.

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 import weakref
 
@@ -180,7 +181,8 @@ class Pattern:
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "_row_indices", "_transpose", "_diagonal",
                  "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "is_transpose",
-                 "_frozen", "_owned", "_freeze_lock", "transient", "transposed_products", "__weakref__")
+                 "_frozen", "_owned", "_freeze_lock", "transient", "transposed_products", "created",
+                 "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -211,6 +213,7 @@ class Pattern:
         self._freeze_lock = threading.Lock()
         self.transient = False  # not cached: inference-tensor indices, validated on every call (lookup)
         self.transposed_products = 0  # asked before the transpose was computed (ops: _transposed_once)
+        self.created = time.monotonic()  # the runtime's admission by age (jit.admit_age_s)
 
     @property
     def overfull(self) -> bool:
