@@ -758,3 +758,36 @@ def test_sddmm_is_served_in_cxx_after_the_first_call(runtime, poison_uninitializ
     # a changed Y shape (other rows) is not the entry's: Python raises the operator's error
     with pytest.raises((ValueError, RuntimeError), match="sddmm"):
         torch.ops.sparserl.sddmm(crow, col, Y[:-1], X)
+
+
+def test_patterns_younger_than_admit_age_leave_nothing_behind(tmp_path, poison_uninitialized):
+    """Mini-batch training with admit_age_s: every step's new pattern is served by cuSPARSE,
+    forward and backward, correct against float64, with no decision, no C++ entry and nothing
+    queued; a pattern old enough is decided and served from C++ after that."""
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=60.0), cache=KernelCache(tmp_path),
+                         specializer=_specializer)
+    previous = rt.set_active(runtime)
+    try:
+        fastpath.forget()
+        for seed in range(3):
+            M = make_pattern("random", seed=20 + seed)
+            A = ts.csr(M, device="cuda")
+            X = torch.randn(M.shape[1], KERNEL_N, device="cuda", requires_grad=True)
+            (A @ X).sum().backward()
+            torch.cuda.synchronize()
+            ones = np.ones((M.shape[0], KERNEL_N))
+            assert_close_to_reference(X.grad.cpu(), torch.from_numpy(M.T @ ones), torch.float32)
+        assert fastpath.entries() == 0 and runtime.stats["young_calls"] >= 6 and runtime.stats["installs"] == 0
+        entry = patterns.lookup(A.crow, A.col, A.shape[1])
+        entry.created -= 61.0  # as if it had lived a minute
+        A @ X.detach()
+        runtime.wait(60)
+        assert runtime.stats["installs"] == 1
+        A @ X.detach()  # recorded by this call, served in C++ from the next
+        before = sum(_counts())
+        Y = A @ X.detach()
+        assert sum(_counts()) == before + 1
+        assert_close_to_reference(Y.cpu(), _want("spmm", A.crow, A.col, A.val, A.shape[1], X.detach()), torch.float32)
+    finally:
+        rt.set_active(previous)
+        runtime.close()
