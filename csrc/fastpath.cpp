@@ -711,6 +711,71 @@ double served_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor
   return best_loop_us(stream, calls, [&] { hit(op, crow, col, val, ncols, X); });
 }
 
+// Copies a host CSR's indices into `out` (crow at 0, col at `offset`) while checking what it copies:
+// row pointers from 0 to nnz without a decrease, columns in [0, ncols). Each value is read once,
+// then checked and written, so what passed is what travels, whatever the caller writes meanwhile.
+template <typename I>
+bool copy_checked(const I* crow, const I* col, I* out, int64_t rows, int64_t nnz, int64_t offset, int64_t ncols) {
+  bool ok = true;
+  I previous = 0;
+  for (int64_t i = 0; i <= rows; ++i) {
+    const I v = crow[i];
+    ok &= v >= previous;
+    out[i] = v;
+    previous = v;
+  }
+  ok &= out[0] == 0 && static_cast<int64_t>(out[rows]) == nnz;
+  I* out_col = out + offset;
+  for (int64_t k = 0; k < nnz; ++k) {
+    const I v = col[k];
+    ok &= (v >= 0) & (static_cast<int64_t>(v) < ncols);
+    out_col[k] = v;
+  }
+  return ok;
+}
+
+// Host CSR arrays bound for a CUDA device (ts.csr of a sampled mini-batch): the indices copied
+// into one pinned buffer and checked in the same pass (copy_checked), then sent to two device
+// tensors of their own (views of one buffer would alias: AOTAutograd hands aliased graph inputs
+// over as views it makes, which the pattern cache does not know); the values, when given, pinned
+// and sent the same way. Nothing (an empty list) where this does not apply or a check fails: the
+// caller's Python path then copies, checks and names what is wrong. Metadata (dims, dtypes, sizes
+// against the shape) is the caller's to have checked.
+std::vector<at::Tensor> stage_csr(const at::Tensor& crow_in, const at::Tensor& col_in,
+                                  const std::optional<at::Tensor>& val_in, int64_t ncols, at::Device device) {
+  const auto index = crow_in.scalar_type();
+  if (!device.is_cuda() || !crow_in.device().is_cpu() || !col_in.device().is_cpu() || crow_in.dim() != 1 ||
+      col_in.dim() != 1 || col_in.scalar_type() != index || (index != at::kInt && index != at::kLong) ||
+      crow_in.size(0) < 1 || ncols < 0 || crow_in.requires_grad() || col_in.requires_grad())
+    return {};
+  if (val_in && (!val_in->device().is_cpu() || val_in->dim() != 1 || val_in->size(0) != col_in.size(0) ||
+                 val_in->requires_grad() || !at::isFloatingType(val_in->scalar_type())))
+    return {};
+  const at::Tensor crow = crow_in.contiguous(), col = col_in.contiguous();  // a copy only where strided
+  const int64_t rows = crow.size(0) - 1, nnz = col.size(0), offset = rows + 1;
+  at::Tensor staged = at::empty({offset + nnz}, crow.options().pinned_memory(true));
+  const bool ok = index == at::kInt
+                      ? copy_checked(crow.data_ptr<int32_t>(), col.data_ptr<int32_t>(), staged.data_ptr<int32_t>(),
+                                     rows, nnz, offset, ncols)
+                      : copy_checked(crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), staged.data_ptr<int64_t>(),
+                                     rows, nnz, offset, ncols);
+  if (!ok) return {};
+  at::Tensor crow_out = at::empty({rows + 1}, crow.options().device(device));
+  at::Tensor col_out = at::empty({nnz}, col.options().device(device));
+  // torch's host allocator keeps `staged` until both copies are done
+  crow_out.copy_(staged.narrow(0, 0, rows + 1), /*non_blocking=*/true);
+  col_out.copy_(staged.narrow(0, offset, nnz), /*non_blocking=*/true);
+  std::vector<at::Tensor> out{crow_out, col_out};
+  if (val_in) {
+    at::Tensor values = at::empty({nnz}, val_in->options().pinned_memory(true));
+    values.copy_(*val_in);
+    at::Tensor moved = at::empty({nnz}, val_in->options().device(device));
+    moved.copy_(values, /*non_blocking=*/true);
+    out.push_back(moved);
+  }
+  return out;
+}
+
 // Host µs per call of what a served product issues, for the runtime's end-to-end decision (the
 // best of three loops of `calls`, on the current stream): [0] an output's allocation, [1] one
 // launch (a cudaMemsetAsync: a zero-fill, and the price of a kernel launch), [2] a cuSPARSE SpMV
@@ -885,6 +950,8 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
           return std::nullopt;
 #endif
         });
+  // host CSR arrays to a CUDA device, the indices checked as they are copied; [] where it cannot
+  m.def("stage_csr(Tensor crow, Tensor col, Tensor? val, int ncols, Device device) -> Tensor[]", &stage_csr);
   m.def("bind_counters(Tensor counters) -> ()", &bind_counters);
 }
 

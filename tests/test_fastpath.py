@@ -313,6 +313,38 @@ def test_cuda_products_cusparse_serves_are_called_from_cxx(monkeypatch):
     assert len(calls) == 2
 
 
+def test_ts_csr_stages_host_arrays_through_the_library_where_it_can(monkeypatch):
+    """csr_matrix._staged: host CSR arrays bound for CUDA go through the library's stage_csr
+    (copy and check in one pass) when it is loaded; values whose copy autograd records stay in
+    Python; a decline (a failed check among them) returns None, and the Python path names it;
+    metadata is checked before the library is asked."""
+    from torch_sparserl.tensor import csr_matrix
+
+    crow, col, val = torch.tensor([0, 1, 2]), torch.tensor([0, 2]), torch.ones(2)
+    monkeypatch.setattr(fastpath, "stage_csr", None)
+    assert csr_matrix._staged("op", crow, col, val, (2, 3), "cuda") is None  # not loaded
+    calls, answer = [], {}
+
+    def stage(c, k, v, ncols, device):
+        calls.append((v is not None, ncols, device.type))
+        return answer["out"]
+
+    monkeypatch.setattr(fastpath, "stage_csr", stage)
+    answer["out"] = staged = [crow.clone(), col.clone(), val.clone()]
+    got = csr_matrix._staged("op", crow, col, val, (2, 3), "cuda")
+    assert [t is s for t, s in zip(got, staged)] == [True] * 3 and calls == [(True, 3, "cuda")]
+    answer["out"] = staged[:2]
+    got = csr_matrix._staged("op", crow, col, val.clone().requires_grad_(), (2, 3), "cuda")
+    assert len(got) == 2 and calls[-1] == (False, 3, "cuda")  # autograd's copy of the values stays in Python
+    answer["out"] = []
+    assert csr_matrix._staged("op", crow, col, val, (2, 3), "cuda") is None  # declined
+    answer["out"] = staged[:2]
+    assert csr_matrix._staged("op", crow, col, val, (2, 3), "cuda") is None  # values asked for, not given
+    with pytest.raises(ValueError, match=r"crow must have nrows \+ 1 = 4 elements"):
+        csr_matrix._staged("torch_sparserl.csr", crow, col, val, (3, 3), "cuda")
+    assert len(calls) == 4
+
+
 def test_a_transposed_product_served_without_the_transpose_is_not_recorded(one_off):
     """C++ serves transposed products with the transpose: recording one that was served without
     it would compute it after all. The next call computes it, and is recorded."""

@@ -792,3 +792,42 @@ def test_patterns_younger_than_admit_age_leave_nothing_behind(tmp_path, poison_u
     finally:
         rt.set_active(previous)
         runtime.close()
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_host_arrays_travel_checked_in_one_pass(poison_uninitialized, monkeypatch, index_dtype):
+    """ts.csr of pinned host arrays bound for CUDA, the library loaded: C++ copies and checks the
+    indices in one pass (Python's check is not called) into tensors of their own; the products
+    read what was checked whatever the caller writes afterwards; bad indices are named as in
+    Python; a compiled step finds the pattern validated (no device check per batch)."""
+    from torch_sparserl.tensor import csr_matrix
+
+    python_checks = []
+    real = csr_matrix.check_csr_values
+    monkeypatch.setattr(csr_matrix, "check_csr_values", lambda *a: python_checks.append(1) or real(*a))
+    M = make_pattern("random", seed=3)
+    crow = torch.tensor(M.indptr, dtype=index_dtype).pin_memory()
+    col = torch.tensor(M.indices, dtype=index_dtype).pin_memory()
+    val = torch.tensor(M.data, dtype=torch.float32).pin_memory()
+    A = ts.csr((crow, col, val), M.shape, device="cuda")
+    assert python_checks == [] and A.crow._base is None and A.col._base is None
+    assert patterns.validated(A.crow, A.col, M.shape[1]) is not None
+    crow.zero_()  # the caller's arrays, rewritten
+    col.fill_(M.shape[1] + 5)
+    val.fill_(float("nan"))
+    X = torch.randn(M.shape[1], 8, device="cuda")
+    want = as_float64_scipy(torch.tensor(M.indptr), torch.tensor(M.indices), torch.tensor(M.data, dtype=torch.float32),
+                            M.shape[1]) @ X.double().cpu().numpy()
+    assert_close_to_reference((A @ X).cpu(), torch.from_numpy(np.asarray(want)), torch.float32)
+    bad = torch.tensor(M.indices, dtype=index_dtype)
+    bad[-1] = M.shape[1]
+    with pytest.raises(ValueError, match=r"torch_sparserl.csr: col must be < ncols"):
+        ts.csr((torch.tensor(M.indptr, dtype=index_dtype), bad, torch.ones(M.nnz)), M.shape, device="cuda")
+    assert python_checks == [1]  # declined by C++, named by Python
+    device_checks = []
+    monkeypatch.setattr(patterns, "check_csr_values", lambda *a: device_checks.append(1))
+    step = torch.compile(lambda A, X: A @ X, backend="sparserl", dynamic=True)
+    for seed in range(3):  # a new matrix each step, as in mini-batch training
+        B = ts.csr(make_pattern("random", seed=10 + seed), device="cuda")
+        step(B, torch.randn(B.shape[1], 8, device="cuda"))
+    assert device_checks == []

@@ -74,6 +74,12 @@ Tensor | None``: ``A @ X`` (or ``Aᵀ @ X``, no transpose computed) by cuSPARSE 
 with nothing kept for the pattern (None where cuSPARSE cannot do it there): the cuSPARSE
 products the Python path serves (ops: ``_vendor``, ``_transposed_once``)."""
 
+stage_csr = None
+"""Once the library is loaded, its ``stage_csr(crow, col, val, ncols, device) -> list[Tensor]``:
+host CSR arrays copied to a CUDA device, the indices checked in the same pass as their copy into
+pinned memory (``[crow, col]``, then the values if given); ``[]``
+where it does not apply or a check fails (``ts.csr``'s Python path then names the error)."""
+
 COUNTS = torch.zeros(2, dtype=torch.int64)
 """Calls the C++ path served with a kernel, with cuSPARSE (the runtime folds them into its stats)."""
 _COUNTS = COUNTS.numpy()  # shares COUNTS' memory: read without a torch call
@@ -160,7 +166,7 @@ def build() -> Path:
 
 
 def _load() -> bool:
-    global loaded, serve, cusparse_once
+    global loaded, serve, cusparse_once, stage_csr
     with _lock:
         if loaded:
             return True
@@ -177,6 +183,7 @@ def _load() -> bool:
         serve = module.serve
         # None where the library cannot say (then the transpose is computed, as without it)
         cusparse_once = getattr(torch.ops.sparserl_fastpath, "cusparse_once", None)
+        stage_csr = getattr(torch.ops.sparserl_fastpath, "stage_csr", None)
         loaded = True
     log.info("sparserl: C++ fast path loaded from %s", path)
     return True

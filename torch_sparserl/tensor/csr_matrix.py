@@ -606,6 +606,20 @@ def _check_parts(op: str, crow, col, val, size) -> None:
             lambda: f"crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]}) for shape {size}")
 
 
+def _staged(op: str, crow: Tensor, col: Tensor, val: Tensor, size: tuple, device) -> list[Tensor] | None:
+    """Host CSR arrays on their way to a CUDA device through the C++ library, where it is loaded:
+    the indices copied to pinned memory and checked in one pass, and sent in one copy; the values
+    too, unless autograd records their copy. None where it is not loaded or declines (a check that
+    fails among them): the caller's Python path then copies, checks and names the error."""
+    stage = fastpath.stage_csr
+    if stage is None:
+        return None
+    _check_parts(op, crow, col, None, size)
+    carried = val.device.type == "cpu" and not val.requires_grad
+    staged = stage(crow, col, val if carried else None, size[1], torch.device(device))
+    return staged if len(staged) == (3 if carried else 2) else None
+
+
 def _ordinary_tensors():
     """``inference_mode(False)`` where inference mode is on (what ``ts.csr`` keeps must have
     version counters); else nothing, since entering the mode costs microseconds per matrix."""
@@ -736,12 +750,17 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         # keeps it until the transfer is done).
         pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         with _ordinary_tensors():
-            crow, col = _host_copy(crow, pinned), _host_copy(col, pinned)
-            if validate:
-                _check_parts(op, crow, col, None, size)  # val is checked below, where it travels to
-                check_csr_values(op, crow, col, size[1])
+            staged = _staged(op, crow, col, val, size, device) if validate and pinned else None
+            if staged is not None:  # the C++ library's copy and check in one pass
+                crow, col, val = staged[0], staged[1], staged[2] if len(staged) == 3 else val
                 checked = True
-            crow, col = crow.to(device, non_blocking=pinned), col.to(device, non_blocking=pinned)
+            else:
+                crow, col = _host_copy(crow, pinned), _host_copy(col, pinned)
+                if validate:
+                    _check_parts(op, crow, col, None, size)  # val is checked below, where it travels to
+                    check_csr_values(op, crow, col, size[1])
+                    checked = True
+                crow, col = crow.to(device, non_blocking=pinned), col.to(device, non_blocking=pinned)
         patterns.own(crow, col)
         if pinned and val.device.type == "cpu":  # the values travel the same way (a copy either way)
             val = _host_copy(val, True).to(device, non_blocking=True)  # made here from the private copies: nobody else holds them
