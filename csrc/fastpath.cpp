@@ -71,6 +71,7 @@ cusparseHandle_t getCurrentCUDASparseHandle();
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -711,65 +712,65 @@ double served_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor
   return best_loop_us(stream, calls, [&] { hit(op, crow, col, val, ncols, X); });
 }
 
-// Copies a host CSR's indices into `out` (crow at 0, col at `offset`) while checking what it copies:
-// row pointers from 0 to nnz without a decrease, columns in [0, ncols). Each value is read once,
-// then checked and written, so what passed is what travels, whatever the caller writes meanwhile.
+// Copies a host CSR's indices into `out` (crow at 0, col at `offset`), then checks the copy: row
+// pointers from 0 to nnz without a decrease, columns in [0, ncols). The check reads the copy, so
+// what passed is what travels, whatever the caller writes meanwhile; its loops carry no
+// dependency from one element to the next, so the compiler vectorizes them.
 template <typename I>
 bool copy_checked(const I* crow, const I* col, I* out, int64_t rows, int64_t nnz, int64_t offset, int64_t ncols) {
-  bool ok = true;
-  I previous = 0;
-  for (int64_t i = 0; i <= rows; ++i) {
-    const I v = crow[i];
-    ok &= v >= previous;
-    out[i] = v;
-    previous = v;
-  }
-  ok &= out[0] == 0 && static_cast<int64_t>(out[rows]) == nnz;
+  using U = std::make_unsigned_t<I>;
+  std::memcpy(out, crow, static_cast<size_t>(rows + 1) * sizeof(I));
   I* out_col = out + offset;
-  for (int64_t k = 0; k < nnz; ++k) {
-    const I v = col[k];
-    ok &= (v >= 0) & (static_cast<int64_t>(v) < ncols);
-    out_col[k] = v;
-  }
-  return ok;
+  std::memcpy(out_col, col, static_cast<size_t>(nnz) * sizeof(I));
+  I decreases = 0;
+  for (int64_t i = 0; i < rows; ++i) decreases |= static_cast<I>(out[i + 1] < out[i]);
+  const U limit = static_cast<U>(ncols);  // ncols fits I: the caller refuses int32 indices past 2^31 - 1
+  U outside = 0;  // a negative column is a large unsigned one
+  for (int64_t k = 0; k < nnz; ++k) outside |= static_cast<U>(static_cast<U>(out_col[k]) >= limit);
+  return decreases == 0 && outside == 0 && out[0] == 0 && static_cast<int64_t>(out[rows]) == nnz;
 }
 
-// Host CSR arrays bound for a CUDA device (ts.csr of a sampled mini-batch): the indices copied
-// into one pinned buffer and checked in the same pass (copy_checked), then sent to two device
-// tensors of their own (views of one buffer would alias: AOTAutograd hands aliased graph inputs
-// over as views it makes, which the pattern cache does not know); the values, when given, pinned
-// and sent the same way. Nothing (an empty list) where this does not apply or a check fails: the
-// caller's Python path then copies, checks and names what is wrong. Metadata (dims, dtypes, sizes
-// against the shape) is the caller's to have checked.
+// Host CSR arrays bound for a CUDA device (ts.csr of a sampled mini-batch): every check of
+// ts.csr's Python path on its metadata (dims, dtypes, lengths against the shape, int32 bounds),
+// the indices copied into one pinned buffer and checked there (copy_checked), then sent to two
+// device tensors of their own (views of one buffer would alias: AOTAutograd hands aliased graph
+// inputs over as views it makes, which the pattern cache does not know). The values, when given,
+// are copied to pinned memory and sent the same way: no later write to the caller's arrays
+// reaches the device. Nothing (an empty list) where this does not apply or a check fails: the
+// caller's Python path then converts, copies, checks and names what is wrong.
 std::vector<at::Tensor> stage_csr(const at::Tensor& crow_in, const at::Tensor& col_in,
-                                  const std::optional<at::Tensor>& val_in, int64_t ncols, at::Device device) {
+                                  const std::optional<at::Tensor>& val_in, int64_t nrows, int64_t ncols,
+                                  at::Device device) {
   const auto index = crow_in.scalar_type();
   if (!device.is_cuda() || !crow_in.device().is_cpu() || !col_in.device().is_cpu() || crow_in.dim() != 1 ||
       col_in.dim() != 1 || col_in.scalar_type() != index || (index != at::kInt && index != at::kLong) ||
-      crow_in.size(0) < 1 || ncols < 0 || crow_in.requires_grad() || col_in.requires_grad())
+      nrows < 0 || ncols < 0 || crow_in.size(0) != nrows + 1 || crow_in.requires_grad() || col_in.requires_grad() ||
+      crow_in.is_inference() || col_in.is_inference())
     return {};
-  if (val_in && (!val_in->device().is_cpu() || val_in->dim() != 1 || val_in->size(0) != col_in.size(0) ||
+  const int64_t nnz = col_in.size(0), int32_max = std::numeric_limits<int32_t>::max();
+  if (index == at::kInt && (nrows > int32_max || ncols > int32_max || nnz > int32_max)) return {};
+  if (val_in && (!val_in->device().is_cpu() || val_in->dim() != 1 || val_in->size(0) != nnz ||
                  val_in->requires_grad() || !at::isFloatingType(val_in->scalar_type())))
     return {};
   const at::Tensor crow = crow_in.contiguous(), col = col_in.contiguous();  // a copy only where strided
-  const int64_t rows = crow.size(0) - 1, nnz = col.size(0), offset = rows + 1;
+  const int64_t offset = nrows + 1;
   at::Tensor staged = at::empty({offset + nnz}, crow.options().pinned_memory(true));
   const bool ok = index == at::kInt
                       ? copy_checked(crow.data_ptr<int32_t>(), col.data_ptr<int32_t>(), staged.data_ptr<int32_t>(),
-                                     rows, nnz, offset, ncols)
+                                     nrows, nnz, offset, ncols)
                       : copy_checked(crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), staged.data_ptr<int64_t>(),
-                                     rows, nnz, offset, ncols);
+                                     nrows, nnz, offset, ncols);
   if (!ok) return {};
-  at::Tensor crow_out = at::empty({rows + 1}, crow.options().device(device));
+  at::Tensor crow_out = at::empty({offset}, crow.options().device(device));
   at::Tensor col_out = at::empty({nnz}, col.options().device(device));
   // torch's host allocator keeps `staged` until both copies are done
-  crow_out.copy_(staged.narrow(0, 0, rows + 1), /*non_blocking=*/true);
+  crow_out.copy_(staged.narrow(0, 0, offset), /*non_blocking=*/true);
   col_out.copy_(staged.narrow(0, offset, nnz), /*non_blocking=*/true);
   std::vector<at::Tensor> out{crow_out, col_out};
   if (val_in) {
     at::Tensor values = at::empty({nnz}, val_in->options().pinned_memory(true));
     values.copy_(*val_in);
-    at::Tensor moved = at::empty({nnz}, val_in->options().device(device));
+    at::Tensor moved = at::empty({nnz}, values.options().device(device));
     moved.copy_(values, /*non_blocking=*/true);
     out.push_back(moved);
   }
@@ -951,7 +952,7 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
 #endif
         });
   // host CSR arrays to a CUDA device, the indices checked as they are copied; [] where it cannot
-  m.def("stage_csr(Tensor crow, Tensor col, Tensor? val, int ncols, Device device) -> Tensor[]", &stage_csr);
+  m.def("stage_csr(Tensor crow, Tensor col, Tensor? val, int nrows, int ncols, Device device) -> Tensor[]", &stage_csr);
   m.def("bind_counters(Tensor counters) -> ()", &bind_counters);
 }
 

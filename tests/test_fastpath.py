@@ -4,9 +4,12 @@ the GPU (tests/test_fastpath_gpu.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+import torch_sparserl as ts
+from torch_sparserl import pattern as patterns
 from torch_sparserl.jit import fastpath
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.ops import FAST_OPS
@@ -99,10 +102,7 @@ class _FakeServe:
 
 @pytest.fixture
 def square():
-    import numpy as np
     import scipy.sparse as sp
-
-    import torch_sparserl as ts
 
     M = sp.random(20, 20, density=0.2, format="csr", random_state=np.random.default_rng(0))
     A = ts.csr(M, dtype=torch.float64)
@@ -159,8 +159,6 @@ def test_the_door_is_not_asked_without_a_recording_or_under_a_tracer(monkeypatch
 
 
 def ts_detached(A):
-    import torch_sparserl as ts
-
     return ts.CSRMatrix(A.crow, A.col, A.val.detach(), tuple(A.shape))
 
 
@@ -229,8 +227,6 @@ class _OnCuda(torch.Tensor):
 @pytest.fixture
 def one_off(monkeypatch):
     """A validated CPU pattern, and a fake of the library's cusparse_once (Aᵀ @ G in float64)."""
-    from torch_sparserl import pattern as patterns
-
     A = make_pattern("short and huge rows", seed=4)
     crow, col, val = to_parts(A, torch.float64, torch.int64, "cpu")
     entry = patterns.lookup(crow, col, A.shape[1])
@@ -248,7 +244,7 @@ def one_off(monkeypatch):
 
 
 def test_a_patterns_first_transposed_product_skips_the_transpose(one_off):
-    from torch_sparserl import ops, pattern as patterns
+    from torch_sparserl import ops
 
     A, entry, crow, col, val, G, calls = one_off
     avoided = patterns.stats()["transposes_avoided"]
@@ -280,7 +276,7 @@ def test_the_transpose_is_computed_where_the_shortcut_does_not_apply(one_off, mo
 def test_cuda_products_cusparse_serves_are_called_from_cxx(monkeypatch):
     """ops._vendor: a CUDA product with no kernel calls cuSPARSE through the library in one
     call; what the library declines, and everything where it is not loaded, goes through torch."""
-    from torch_sparserl import ops, pattern as patterns
+    from torch_sparserl import ops
 
     A = make_pattern("random", seed=5)
     crow, col, val = to_parts(A, torch.float64, torch.int64, "cpu")
@@ -325,7 +321,7 @@ def test_ts_csr_stages_host_arrays_through_the_library_where_it_can(monkeypatch)
     assert csr_matrix._staged("op", crow, col, val, (2, 3), "cuda") is None  # not loaded
     calls, answer = [], {}
 
-    def stage(c, k, v, ncols, device):
+    def stage(c, k, v, nrows, ncols, device):
         calls.append((v is not None, ncols, device.type))
         return answer["out"]
 
@@ -343,6 +339,40 @@ def test_ts_csr_stages_host_arrays_through_the_library_where_it_can(monkeypatch)
     with pytest.raises(ValueError, match=r"crow must have nrows \+ 1 = 4 elements"):
         csr_matrix._staged("torch_sparserl.csr", crow, col, val, (3, 3), "cuda")
     assert len(calls) == 4
+
+
+def test_ts_csr_takes_the_short_path_for_host_triples_bound_for_cuda(monkeypatch):
+    """csr_matrix._staged_matrix: ts.csr of a host (crow, col, val) triple bound for CUDA is one
+    call of the library's stage_csr (with the shape's rows and columns) and a pattern registered
+    as validated; what needs a conversion, autograd or inference mode, what is not bound for
+    CUDA, and what the library declines go the general path."""
+    from torch_sparserl.tensor import csr_matrix
+
+    crow, col, val = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32), torch.ones(2)
+    calls, answer = [], {}
+
+    def stage(c, k, v, nrows, ncols, device):
+        calls.append((c is crow, k is col, v is val, nrows, ncols, str(device)))
+        return answer["out"]
+
+    monkeypatch.setattr(fastpath, "stage_csr", stage)
+    answer["out"] = [crow.clone(), col.clone(), val.clone()]
+    A = ts.csr((crow, col, val), (np.int64(2), 3), device="cuda")
+    assert calls == [(True, True, True, 2, 3, "cuda")] and tuple(A.shape) == (2, 3)
+    assert [A.crow, A.col, A.val] == answer["out"] and patterns.validated(A.crow, A.col, 3) is not None
+    no_gpu = (RuntimeError, AssertionError)  # the general path's .to("cuda") on this CPU-only torch
+    for kwargs, parts in (({"dtype": torch.float64}, (crow, col, val)), ({"index_dtype": torch.int64}, (crow, col, val)),
+                          ({}, (crow, col, val.clone().requires_grad_())), ({}, (crow.numpy(), col, val))):
+        with pytest.raises(no_gpu):
+            ts.csr(parts, (2, 3), device="cuda", **kwargs)
+    with torch.inference_mode(), pytest.raises(no_gpu):
+        ts.csr((crow, col, val), (2, 3), device="cuda")
+    assert ts.csr((crow, col, val), (2, 3), device="cpu").crow is not crow  # not bound for CUDA: the general path
+    assert len(calls) == 1
+    answer["out"] = []  # declined: the general path copies, checks and names what is wrong
+    with pytest.raises(ValueError, match=r"col must be < ncols"):
+        ts.csr((crow, torch.tensor([0, 3], dtype=torch.int32), val), (2, 3), device="cuda")
+    assert len(calls) == 2
 
 
 def test_a_transposed_product_served_without_the_transpose_is_not_recorded(one_off):

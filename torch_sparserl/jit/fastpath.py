@@ -75,10 +75,10 @@ with nothing kept for the pattern (None where cuSPARSE cannot do it there): the 
 products the Python path serves (ops: ``_vendor``, ``_transposed_once``)."""
 
 stage_csr = None
-"""Once the library is loaded, its ``stage_csr(crow, col, val, ncols, device) -> list[Tensor]``:
-host CSR arrays copied to a CUDA device, the indices checked in the same pass as their copy into
-pinned memory (``[crow, col]``, then the values if given); ``[]``
-where it does not apply or a check fails (``ts.csr``'s Python path then names the error)."""
+"""Once the library is loaded, its ``stage_csr(crow, col, val, nrows, ncols, device) -> list[Tensor]``:
+host CSR arrays sent to a CUDA device (``[crow, col]``, then the values if given), the metadata
+checked and the indices checked on their private pinned copy; ``[]`` where it does not apply or a
+check fails (``ts.csr``'s Python path then names the error)."""
 
 COUNTS = torch.zeros(2, dtype=torch.int64)
 """Calls the C++ path served with a kernel, with cuSPARSE (the runtime folds them into its stats)."""
@@ -106,7 +106,7 @@ def unavailable() -> str | None:
 # Hidden symbols: the library exports its module's init function only, so the pybind11 and
 # torch inline functions it instantiates never interpose on another library's (it is loaded
 # with local symbols too: _load_library).
-CFLAGS = ("-O2", "-std=c++17", "-fvisibility=hidden")
+CFLAGS = ("-O3", "-std=c++17", "-fvisibility=hidden")
 
 
 def _name() -> str:

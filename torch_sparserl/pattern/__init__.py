@@ -537,14 +537,39 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
             _drop_frozen_key(entry)  # replaced (new tensor at that id, a write, other ncols)
         entry = Pattern(crow, col, ncols, key=id(crow))
         _CACHE[id(crow)] = entry
-    if col.is_cuda and not torch.cuda.is_current_stream_capturing():
-        # The pattern's data and host copy are made on this side stream (run_kept, to_host).
-        # Its first creation in a process sets up torch's CUDA stream pool, which holds the
-        # interpreter lock for milliseconds: made here, on
-        # the thread registering the pattern, rather than in the runtime's background thread
-        # while the training loop waits for the lock.
-        _side_stream(col.device.index if col.device.index is not None else torch.cuda.current_device())
+    _side_stream_ready(col)
     return entry
+
+
+def staged(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
+    """The cached, validated :class:`Pattern` of index tensors the library has just made from host
+    indices it checked (``ts.csr``'s staged path: new tensors, so no entry can match them):
+    :func:`own`, :func:`lookup` and :meth:`Pattern.checked_on_host` in one step."""
+    own(crow, col)
+    entry = Pattern(crow, col, ncols, key=id(crow))
+    entry.validated = True
+    _STATS["lookups"] += 1
+    _STATS["misses"] += 1
+    with _CACHE_LOCK:
+        previous = _CACHE.get(id(crow))
+        if previous is not None:
+            _drop_frozen_key(previous)  # a dead tensor's entry whose callback has not run yet
+        _CACHE[id(crow)] = entry
+    _side_stream_ready(col)
+    return entry
+
+
+def _side_stream_ready(col: torch.Tensor) -> None:
+    """Create the side stream of ``col``'s CUDA device where it does not exist yet. The pattern's
+    data and host copy are made on it (run_kept, to_host). Its first creation in a process sets up
+    torch's CUDA stream pool, which holds the interpreter lock for milliseconds: made on the
+    thread registering the pattern, rather than in the runtime's background thread while the
+    training loop waits for the lock."""
+    if not col.is_cuda:
+        return
+    index = col.device.index if col.device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS and not torch.cuda.is_current_stream_capturing():
+        _side_stream(index)
 
 
 def host_indices(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> tuple[torch.Tensor, torch.Tensor]:

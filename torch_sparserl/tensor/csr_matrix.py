@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import numbers
+import operator
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -606,6 +607,34 @@ def _check_parts(op: str, crow, col, val, size) -> None:
             lambda: f"crow must have nrows + 1 = {size[0] + 1} elements (got {crow.shape[0]}) for shape {size}")
 
 
+def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
+    """:func:`csr`'s short path for host ``(crow, col, val)`` tensors bound for a CUDA device (a
+    sampled mini-batch, every step a new pattern): one C++ call checks their metadata and
+    indices, copies the indices and sends the three (``fastpath.stage_csr``), and the pattern is
+    registered as validated. None where it does not apply (conversions, autograd on the values,
+    inference mode, a check that fails): :func:`csr`'s general path then converts, checks and
+    names what is wrong."""
+    crow, col, val = data
+    if (type(crow) is not Tensor or type(col) is not Tensor or type(val) is not Tensor or val.requires_grad
+            or (dtype is not None and dtype != val.dtype) or (index_dtype is not None and index_dtype != crow.dtype)
+            or torch.is_inference_mode_enabled()):
+        return None
+    try:
+        nrows, ncols = shape
+        nrows, ncols = operator.index(nrows), operator.index(ncols)
+        device = torch.device(device)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if device.type != "cuda":
+        return None
+    staged = fastpath.stage_csr(crow, col, val, nrows, ncols, device)
+    if len(staged) != 3:
+        return None
+    crow, col, val = staged
+    patterns.staged(crow, col, ncols)
+    return CSRMatrix._wrap(crow, col, val, (nrows, ncols))
+
+
 def _staged(op: str, crow: Tensor, col: Tensor, val: Tensor, size: tuple, device) -> list[Tensor] | None:
     """Host CSR arrays on their way to a CUDA device through the C++ library, where it is loaded:
     the indices copied to pinned memory and checked in one pass, and sent in one copy; the values
@@ -616,7 +645,7 @@ def _staged(op: str, crow: Tensor, col: Tensor, val: Tensor, size: tuple, device
         return None
     _check_parts(op, crow, col, None, size)
     carried = val.device.type == "cpu" and not val.requires_grad
-    staged = stage(crow, col, val if carried else None, size[1], torch.device(device))
+    staged = stage(crow, col, val if carried else None, size[0], size[1], torch.device(device))
     return staged if len(staged) == (3 if carried else 2) else None
 
 
@@ -699,6 +728,11 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     values from NumPy or SciPy are copied.
     """
     op = "torch_sparserl.csr"
+    if (type(data) in (tuple, list) and len(data) == 3 and shape is not None and device is not None and validate
+            and fastpath.stage_csr is not None):
+        staged = _staged_matrix(data, shape, dtype, index_dtype, device)
+        if staged is not None:
+            return staged
     if isinstance(data, CSRMatrix):
         crow, col, val, size = data.crow, data.col, values_of(data), tuple(data.shape)
     elif isinstance(data, Tensor):
