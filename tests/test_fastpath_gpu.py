@@ -763,8 +763,9 @@ def test_sddmm_is_served_in_cxx_after_the_first_call(runtime, poison_uninitializ
 def test_patterns_younger_than_admit_age_leave_nothing_behind(tmp_path, poison_uninitialized):
     """Mini-batch training with admit_age_s: every step's new pattern is served by cuSPARSE,
     forward and backward, correct against float64, with no decision, no C++ entry and nothing
-    queued (one young call per step: the backward's first transposed product does not ask the
-    runtime); a pattern old enough is decided and served from C++ after that."""
+    queued (two young calls per step: the forward and the backward's transposed product, which
+    computes the transpose under poison_uninitialized's deterministic mode); a pattern old enough
+    is decided and served from C++ after that."""
     runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=60.0), cache=KernelCache(tmp_path),
                          specializer=_specializer)
     previous = rt.set_active(runtime)
@@ -772,13 +773,13 @@ def test_patterns_younger_than_admit_age_leave_nothing_behind(tmp_path, poison_u
         fastpath.forget()
         for seed in range(3):
             M = make_pattern("random", seed=20 + seed)
-            A = ts.csr(M, device="cuda")
+            A = ts.csr(M, dtype=torch.float32, device="cuda")
             X = torch.randn(M.shape[1], KERNEL_N, device="cuda", requires_grad=True)
             (A @ X).sum().backward()
             torch.cuda.synchronize()
             ones = np.ones((M.shape[0], KERNEL_N))
             assert_close_to_reference(X.grad.cpu(), torch.from_numpy(M.T @ ones), torch.float32)
-        assert fastpath.entries() == 0 and runtime.stats["young_calls"] == 3 and runtime.stats["installs"] == 0
+        assert fastpath.entries() == 0 and runtime.stats["young_calls"] == 6 and runtime.stats["installs"] == 0
         entry = patterns.lookup(A.crow, A.col, A.shape[1])
         entry.created -= 61.0  # as if it had lived a minute
         A @ X.detach()
@@ -828,6 +829,6 @@ def test_host_arrays_travel_checked_in_one_pass(poison_uninitialized, monkeypatc
     monkeypatch.setattr(patterns, "check_csr_values", lambda *a: device_checks.append(1))
     step = torch.compile(lambda A, X: A @ X, backend="sparserl", dynamic=True)
     for seed in range(3):  # a new matrix each step, as in mini-batch training
-        B = ts.csr(make_pattern("random", seed=10 + seed), device="cuda")
+        B = ts.csr(make_pattern("random", seed=10 + seed), dtype=torch.float32, device="cuda")
         step(B, torch.randn(B.shape[1], 8, device="cuda"))
     assert device_checks == []

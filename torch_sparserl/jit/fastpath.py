@@ -293,6 +293,8 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     n = X.shape[1] if base in ("spmm", "sddmm") else 1
     form = entry.transpose(crow, col) if transposed else None  # (pattern_t, crow_t, col_t, perm)
     used = form[0] if transposed else entry
+    if runtime.young(used):
+        return  # not admitted (jit.admit_age_s): no decision record, nothing for C++
     decision = runtime.decision(base, used, n, val.dtype)
     if decision.state is None and runtime.decides_on(X.device):
         return  # not decided, nor asked to be (a call the runtime did not admit): the next call records

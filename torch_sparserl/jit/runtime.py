@@ -355,14 +355,20 @@ class Runtime:
         custom specializer reads the same cache entries as one with the default."""
         return getattr(self.specializer, "policy_id", None) or settings_policy_id(self.settings)
 
+    def young(self, pattern: Pattern) -> bool:
+        """Whether ``pattern`` is younger than ``admit_age_s`` in background mode: its calls are
+        not admitted, and nothing is recorded about them."""
+        settings = self.settings
+        return bool(settings.admit_age_s) and settings.mode == "background" and \
+            time.monotonic() - pattern.created < settings.admit_age_s
+
     def _resolve(self, op, n, pattern, crow, col, dtype, *, admitted: bool = False):
         """The state of a product asked for while its record has none: decided now (sync),
         queued for the background thread (Pending), or, before its ``admit_calls``-th call,
         while its pattern is younger than ``admit_age_s`` (background mode) and while ``queue``
         decisions wait (unless ``admitted``: compile time), not yet
         (:func:`~torch_sparserl.jit.decisions.not_yet`: cuSPARSE serves, the next call asks again)."""
-        if (not admitted and self.settings.admit_age_s and self.settings.mode == "background"
-                and time.monotonic() - pattern.created < self.settings.admit_age_s):
+        if not admitted and self.young(pattern):
             self._stats["young_calls"] += 1
             return not_yet()  # nothing recorded: a pattern of one training step leaves no trace
         with self._lock, self._clock("jit_s"):
