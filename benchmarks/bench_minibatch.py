@@ -3,9 +3,10 @@
 The batches of each epoch are sampled once (``torch_sparserl.data.sampling``: 1024 seeds, fanouts
 10 and 5, the subgraph's adjacency with mean values) and kept on the host, pinned, as a loader
 hands them over; every *way* moves each batch to the device itself and trains on the same ones
-from the same initial weights, one after another, each with a fresh runtime and an empty
-kernel cache of its own, after untimed steps of the ``torch`` way have paid the process's
-one-time costs (``warm_up``):
+from the same initial weights, each with a fresh runtime and an empty kernel cache of its own,
+after untimed steps of the ``torch`` way have paid the process's one-time costs (``warm_up``).
+The ways' epochs are interleaved (every way's first epoch, then every way's second), so that a
+drift of the host's speed over the run reaches them alike:
 
 * ``torch`` — ``torch.sparse.mm`` on a ``torch.sparse_csr`` tensor (cuSPARSE);
 * ``sparserl`` — ``ts.csr(A_i, device=...) @ X`` in eager code (the indices checked on the host),
@@ -157,59 +158,86 @@ class HostBreakdown:
                 for label in self.seconds}
 
 
-def run_way(way: str, batches, features, labels, model0, args) -> dict:
-    import contextlib
-    import copy
+class WayRun:
+    """One way's training, an epoch at a time (:meth:`epoch`), with a fresh runtime and an empty
+    kernel cache of its own, active only while its epochs run: :func:`main` interleaves the
+    ways' epochs, so that a drift of the host's speed over the run reaches every way alike."""
 
-    import torch
+    def __init__(self, way: str, batches, features, labels, model0, args):
+        import copy
 
-    from torch_sparserl.jit import runtime as rt
-    from torch_sparserl.jit.cache import KernelCache
+        import torch
 
-    device = torch.device(args.device)
-    folder = tempfile.mkdtemp(prefix=f"sparserl-minibatch-{way}-")
-    changes = {name: value for name, value in (("admit_calls", args.admit_calls),
-                                                 ("admit_age_s", getattr(args, "admit_age_s", None)))
-               if value is not None}
-    runtime = rt.Runtime(rt.config.from_environment().jit.replace("bench_minibatch", **changes),
-                         cache=KernelCache(folder))
-    previous = rt.set_active(runtime)
-    rss0 = rss_mb()
-    graphs0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    breakdown = HostBreakdown() if getattr(args, "breakdown", False) and way.startswith("sparserl") else None
-    try:
-        model = pyg_model(model0) if way == "pyg" else copy.deepcopy(model0)
-        model = model.to(device)
-        step = torch.compile(model, backend="sparserl", dynamic=True) if way == "sparserl_compiled" else model
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        epochs, losses = [], []
-        for _ in range(args.epochs):
-            if device.type == "cuda":
+        from torch_sparserl.jit import runtime as rt
+        from torch_sparserl.jit.cache import KernelCache
+
+        self.way, self.batches, self.features, self.labels, self.args = way, batches, features, labels, args
+        self.device = torch.device(args.device)
+        self.epochs, self.losses, self.error = [], [], None
+        changes = {name: value for name, value in (("admit_calls", args.admit_calls),
+                                                     ("admit_age_s", getattr(args, "admit_age_s", None)))
+                   if value is not None}
+        self.runtime = rt.Runtime(rt.config.from_environment().jit.replace("bench_minibatch", **changes),
+                                  cache=KernelCache(tempfile.mkdtemp(prefix=f"sparserl-minibatch-{way}-")))
+        self.rss0 = rss_mb()
+        self.graphs0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        self.breakdown = HostBreakdown() if getattr(args, "breakdown", False) and way.startswith("sparserl") else None
+        try:
+            model = pyg_model(model0) if way == "pyg" else copy.deepcopy(model0)
+        except ImportError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        self.model = model.to(self.device)
+        self.step = torch.compile(self.model, backend="sparserl", dynamic=True) if way == "sparserl_compiled" \
+            else self.model
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
+
+    def epoch(self) -> None:
+        """One epoch over every batch, timed from a synchronized device to a synchronized device."""
+        import contextlib
+
+        import torch
+
+        from torch_sparserl.jit import runtime as rt
+
+        if self.error is not None:
+            return
+        previous = rt.set_active(self.runtime)
+        try:
+            if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            if breakdown is not None:
-                breakdown.reset()  # the last epoch's is reported
+            if self.breakdown is not None:
+                self.breakdown.reset()  # the last epoch's is reported
             started = time.perf_counter()
-            epoch_losses = []
-            with breakdown if breakdown is not None else contextlib.nullcontext():
-                for batch in batches:  # on the host, pinned, as a loader hands them over
-                    epoch_losses.append(train_step(way, step, opt, batch, features, labels, device))
-            if device.type == "cuda":
+            losses = []
+            with self.breakdown if self.breakdown is not None else contextlib.nullcontext():
+                for batch in self.batches:  # on the host, pinned, as a loader hands them over
+                    losses.append(train_step(self.way, self.step, self.opt, batch, self.features, self.labels,
+                                             self.device))
+            if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            epochs.append(time.perf_counter() - started)
-            losses.append([float(v) for v in torch.stack(epoch_losses).cpu()])
-        cache = runtime.cache
-        entries = cache.entries()
-        stats = {k: v for k, v in runtime.stats.items() if isinstance(v, (int, float))}
-        return {"status": "ok", "epoch_s": epochs, "losses": losses, "runtime": stats,
-                "cache_entries": len(entries), "cache_bytes": sum(p.stat().st_size for p in entries),
-                "rss_growth_mb": rss_mb() - rss0,
-                "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs0,
-                "host_ms_per_step": breakdown.per_step(len(batches)) if breakdown is not None else None}
-    except ImportError as exc:
-        return {"status": "skipped", "error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        rt.set_active(previous)
-        runtime.close()
+            self.epochs.append(time.perf_counter() - started)
+            self.losses.append([float(v) for v in torch.stack(losses).cpu()])
+        finally:
+            rt.set_active(previous)
+
+    def finish(self) -> dict:
+        """The way's result; closes its runtime."""
+        import torch
+
+        try:
+            if self.error is not None:
+                return {"status": "skipped", "error": self.error}
+            entries = self.runtime.cache.entries()
+            stats = {k: v for k, v in self.runtime.stats.items() if isinstance(v, (int, float))}
+            return {"status": "ok", "epoch_s": self.epochs, "losses": self.losses, "runtime": stats,
+                    "cache_entries": len(entries), "cache_bytes": sum(p.stat().st_size for p in entries),
+                    "rss_growth_mb": rss_mb() - self.rss0,
+                    "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - self.graphs0,
+                    "host_ms_per_step": self.breakdown.per_step(len(self.batches)) if self.breakdown is not None
+                    else None}
+        finally:
+            self.runtime.close()
 
 
 def train_step(way: str, step, opt, batch, features, labels, device):
@@ -376,14 +404,17 @@ def main(argv=None) -> int:
                      "warmup_steps": min(WARMUP_STEPS, len(batches))},
            "ways": {}}
     warm_up(batches, features, labels, model0, args.device)
-    for way in ways:
-        doc["ways"][way] = run_way(way, batches, features, labels, model0, args)
-        result = doc["ways"][way]
-        print(f"{way}: {result.get('status')} " + (" ".join(f"{s:.3f}" for s in result["epoch_s"]) + " s/epoch"
-                                                   if result.get("status") == "ok" else str(result.get("error"))),
+    runs = [WayRun(way, batches, features, labels, model0, args) for way in ways]
+    for _ in range(args.epochs):  # epoch e of every way, then epoch e + 1 of every way
+        for run in runs:
+            run.epoch()
+    for run in runs:
+        doc["ways"][run.way] = result = run.finish()
+        print(f"{run.way}: {result.get('status')} " + (" ".join(f"{s:.3f}" for s in result["epoch_s"]) + " s/epoch"
+                                                       if result.get("status") == "ok" else str(result.get("error"))),
               flush=True)
-        doc["summary"] = summary(doc)
-        write_json_md(doc, path, markdown)
+    doc["summary"] = summary(doc)
+    write_json_md(doc, path, markdown)
     print(f"wrote {path}")
     return 0
 
