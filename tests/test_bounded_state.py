@@ -236,7 +236,7 @@ def test_compile_time_decisions_are_admitted_at_once(tmp_path):
 def test_the_background_queue_drops_what_it_cannot_take_and_asks_again_later(tmp_path):
     gate = threading.Event()
     specializer = Specializer(gate)
-    runtime = runtime_with(tmp_path, specializer, mode="background", queue=1)
+    runtime = runtime_with(tmp_path, specializer, mode="background", queue=1, admit_age_s=0)
     try:
         problems = [operands(seed) for seed in (0, 1, 2)]
         states = []

@@ -201,7 +201,8 @@ def test_cxx_serves_cusparse_while_pending_then_the_decision(tmp_path, poison_un
         assert gate.wait(60)
         return _specializer(key, crow, col, ncols)
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path), specializer=slow)
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+                         specializer=slow)
     previous = rt.set_active(runtime)
     try:
         A = make_pattern("random", seed=11)
@@ -247,7 +248,7 @@ def test_cxx_serves_the_nvrtc_build_while_the_library_is_built(tmp_path, monkeyp
             building.set()
             assert gate.wait(60)
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path / "kernels"),
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path / "kernels"),
                          specializer=Specializer())
     previous = rt.set_active(runtime)
     try:
@@ -554,7 +555,7 @@ def test_a_host_sampled_matrix_is_multiplied_without_waiting_for_the_gpu(tmp_pat
     """A mini-batch step: ``ts.csr`` of host indices (checked on the host, sent pinned) and its
     first product, served by cuSPARSE while the product is not admitted or its decision runs in
     the background, make no synchronizing call."""
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_calls=admit_calls),
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_calls=admit_calls, admit_age_s=0),
                          cache=KernelCache(tmp_path), specializer=_specializer)
     previous = rt.set_active(runtime)
     try:

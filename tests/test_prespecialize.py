@@ -118,7 +118,7 @@ def test_the_backend_waits_for_background_decisions_only_where_graphs_cannot_be_
     torch._dynamo.reset()  # the same model was compiled by the previous case
     gate = threading.Event()
     fakes = Fakes(gate=gate)
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     previous = rt.set_active(runtime)
     timer = threading.Timer(0.5, gate.set) if waits else None

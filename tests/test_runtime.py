@@ -54,7 +54,7 @@ class Fakes:
 
 def setup(tmp_path, mode="sync", strict=False, **fake_args):
     fakes = Fakes(**fake_args)
-    runtime = Runtime(RuntimeSettings(mode=mode, strict=strict), cache=KernelCache(tmp_path),
+    runtime = Runtime(RuntimeSettings(mode=mode, strict=strict, admit_age_s=0), cache=KernelCache(tmp_path),
                       specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     A = make_pattern("cora (real)")
     crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
@@ -449,7 +449,7 @@ def test_background_mode_decides_off_the_callers_thread(tmp_path, monkeypatch):
     assert threads == [threading.main_thread()]
 
     second = Fakes()
-    background = Runtime(RuntimeSettings(mode="background"), cache=KernelCache(tmp_path),
+    background = Runtime(RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=second.specializer, installer=second.installer, devices=("cpu",))
     crow2, col2 = crow.clone(), col.clone()  # a new pattern entry: fingerprinted again
     assert call(background, A, crow2, col2, val, X) is None  # served by the fallback meanwhile
@@ -586,7 +586,7 @@ def _interim_runtime(tmp_path, mode="background", fail_interim=False, fail_prebu
         rows = crow.numel() - 1
         return lambda crow, col, val, X: torch.sparse_csr_tensor(crow, col, val, (rows, ncols)).to_dense() @ X
 
-    runtime = Runtime(RuntimeSettings(mode=mode), cache=KernelCache(tmp_path), specializer=specializer,
+    runtime = Runtime(RuntimeSettings(mode=mode, admit_age_s=0), cache=KernelCache(tmp_path), specializer=specializer,
                       installer=fakes.installer, interim_installer=interim_installer, devices=("cpu",))
     A = make_pattern("cora (real)")
     crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
@@ -637,8 +637,8 @@ def test_the_library_install_is_handed_the_interim_launch(tmp_path, monkeypatch)
 
     monkeypatch.setattr(rt, "inline_installer", inline)
     specializer = _BuildingSpecializer(fakes)
-    runtime = Runtime(RuntimeSettings(mode="background"), cache=KernelCache(tmp_path), specializer=specializer,
-                      interim_installer=fakes.installer, devices=("cpu",))
+    runtime = Runtime(RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+                      specializer=specializer, interim_installer=fakes.installer, devices=("cpu",))
     try:
         A = make_pattern("cora (real)")
         crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")

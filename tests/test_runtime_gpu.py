@@ -11,6 +11,7 @@ record (measured in the same run as cuSPARSE) — the end-to-end timing is the b
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -258,12 +259,19 @@ def test_odd_operands_are_served_correctly(jit, poison_uninitialized):
 
 
 def test_background_mode_serves_cusparse_first_then_the_kernel(kernel_dir, poison_uninitialized):
-    with _using(rt.RuntimeSettings(mode="background", budget_s=BUDGET_S), kernel_dir / "background") as runtime:
+    """At the default admission, a new pattern's calls are cuSPARSE's and decide nothing until it
+    is admit_age_s old; then a call queues its decision, and what it decides serves after that."""
+    settings = rt.RuntimeSettings(mode="background", budget_s=BUDGET_S)
+    assert settings.admit_age_s > 0
+    with _using(settings, kernel_dir / "background") as runtime:
         M = ts.load_matrix("rajat01")
         A = ts.csr(M, dtype=torch.float32, device="cuda")
         X = torch.randn(M.shape[1], 32, device="cuda")
         first = A @ X  # returns at once with cuSPARSE's result
         entry = patterns.lookup(A.crow, A.col, M.shape[1])
+        assert runtime.state("spmm", entry, 32, torch.float32) is None  # young: nothing recorded
+        time.sleep(settings.admit_age_s)
+        A @ X  # old enough: queued
         assert isinstance(runtime.state("spmm", entry, 32, torch.float32), (rt.Pending, rt.Installed, rt.Fallback))
         runtime.wait(300)
         second = A @ X

@@ -26,7 +26,7 @@ variable                      field                       values (default)
 ``SPARSERL_JIT_K``            ``jit.k``                   a whole number in 1..64 (4)
 ``SPARSERL_JIT_IDLE_S``       ``jit.idle_s``              seconds >= 0; 0 keeps the worker (30)
 ``SPARSERL_JIT_ADMIT_CALLS``  ``jit.admit_calls``         a whole number >= 1 (1)
-``SPARSERL_JIT_ADMIT_AGE_S``  ``jit.admit_age_s``         seconds >= 0; 0: no wait (0)
+``SPARSERL_JIT_ADMIT_AGE_S``  ``jit.admit_age_s``         seconds >= 0; 0: no wait (0.1)
 ``SPARSERL_JIT_QUEUE``        ``jit.queue``               a whole number >= 1 (4)
 ``SPARSERL_CACHE_DIR``        ``cache.dir``               a folder (``$XDG_CACHE_HOME/torch_sparserl``,
                                                           else ``~/.cache/torch_sparserl``)
@@ -88,10 +88,10 @@ DEFAULT_JIT_IDLE_S = 30.0
 # pattern never does); the default stays 1 until benchmarks/bench_minibatch.py has measured both
 # on a GPU.
 DEFAULT_JIT_ADMIT_CALLS = 1
-# 0: a pattern's products may be decided as soon as it exists. Mini-batch training, where a
-# sampled subgraph lives for one step (milliseconds), wants about 0.1 s: no one-off pattern is
-# then decided, recorded or queued. Off until benchmarks/bench_minibatch.py has measured it.
-DEFAULT_JIT_ADMIT_AGE_S = 0.0
+# Mini-batch training's sampled subgraph lives for one step (milliseconds): at 0.1 s no one-off
+# pattern is decided, recorded or queued, while a fixed graph waits 0.1 s more for its kernels
+# (which take seconds in the background). 0: decided as soon as it exists.
+DEFAULT_JIT_ADMIT_AGE_S = 0.1
 DEFAULT_JIT_QUEUE = 4  # decisions waiting for the background thread; more are dropped, not queued
 
 DEFAULT_BACKEND_STRICT = None  # the runtime's jit.strict
