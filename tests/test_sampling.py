@@ -35,6 +35,23 @@ def test_each_batch_is_a_subgraph_sampled_hop_by_hop(graph):
     assert len(seen) == 400  # each node a seed once per epoch
 
 
+def test_a_hubs_neighbours_are_drawn_uniformly():
+    """Each of a node's d neighbours is among its f drawn ones with probability f / d."""
+    from torch_sparserl.data.sampling import _draw
+
+    d, f, draws = 12, 4, 6000
+    indptr = np.array([0, d, d + 2])
+    indices = np.concatenate([np.arange(d), [0, 1]])
+    frontier = np.zeros(draws, dtype=np.int64)  # node 0, drawn independently `draws` times
+    owner, picked = _draw(indptr, indices, frontier, f, np.random.default_rng(3))
+    assert owner.size == draws * f
+    assert all(np.unique(row).size == f for row in picked.reshape(draws, f))  # without replacement
+    counts = np.bincount(picked, minlength=d) / draws
+    assert np.allclose(counts, f / d, atol=0.03), counts
+    owner, picked = _draw(indptr, indices, np.array([1]), f, np.random.default_rng(3))  # degree 2 <= f: both
+    assert sorted(picked.tolist()) == [0, 1] and owner.tolist() == [1, 1]
+
+
 def test_the_adjacency_averages_or_sums(graph):
     batch = next(neighbor_batches(graph, 50, (4,), seed=0))
     mean, ones = batch.adjacency(), batch.adjacency("ones")

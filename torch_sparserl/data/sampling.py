@@ -99,13 +99,22 @@ def _sample(indptr: np.ndarray, indices: np.ndarray, seeds: np.ndarray, fanouts:
 
 
 def _draw(indptr, indices, frontier, fanout: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Up to ``fanout`` neighbours of each frontier node, without replacement: every candidate
-    edge gets a random key, and each node keeps its ``fanout`` smallest."""
+    """Up to ``fanout`` neighbours of each frontier node, without replacement: every neighbour
+    of a node that has at most ``fanout``; else a uniform ``fanout``-subset by Floyd's
+    algorithm, vectorized over the nodes, whose cost does not grow with the degree (the hubs
+    of a power-law graph)."""
     start, degree = indptr[frontier], indptr[frontier + 1] - indptr[frontier]
-    owner = np.repeat(np.arange(frontier.size), degree)
-    offset = np.arange(owner.size) - np.repeat(np.cumsum(degree) - degree, degree)
-    candidate = indices[np.repeat(start, degree) + offset]
-    order = np.lexsort((rng.random(owner.size), owner))  # by node, then by a random key
-    rank = np.arange(owner.size) - np.repeat(np.cumsum(degree) - degree, degree)  # place within its node
-    keep = order[rank < fanout]
-    return frontier[owner[keep]], candidate[keep]
+    few = np.flatnonzero(degree <= fanout)
+    few_degree = degree[few]
+    owner = np.repeat(few, few_degree)
+    offset = np.arange(owner.size) - np.repeat(np.cumsum(few_degree) - few_degree, few_degree)
+    many = np.flatnonzero(degree > fanout)
+    chosen = np.empty((many.size, fanout), dtype=np.int64)
+    for step in range(fanout):  # Floyd: offset j joins where the draw from [0, j] was taken already
+        j = degree[many] - fanout + step
+        draw = rng.integers(0, j + 1)
+        taken = (chosen[:, :step] == draw[:, None]).any(axis=1)
+        chosen[:, step] = np.where(taken, j, draw)
+    owner = np.concatenate([owner, np.repeat(many, fanout)])
+    offset = np.concatenate([offset, chosen.ravel()])
+    return frontier[owner], indices[start[owner] + offset]
