@@ -4,7 +4,7 @@ The batches of each epoch are sampled once (``torch_sparserl.data.sampling``: 10
 10 and 5, the subgraph's adjacency with mean values) and kept on the host, pinned, as a loader
 hands them over; every *way* moves each batch to the device itself and trains on the same ones
 from the same initial weights, each with a fresh runtime and an empty kernel cache of its own,
-after untimed steps of the ``torch`` way have paid the process's one-time costs (``warm_up``).
+after an untimed epoch of the ``torch`` way has paid the process's one-time costs (``warm_up``).
 The ways' epochs are interleaved (every way's first epoch, then every way's second), so that a
 drift of the host's speed over the run reaches them alike:
 
@@ -42,7 +42,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SCHEMA = "torch_sparserl.bench_minibatch/1"
-WARMUP_STEPS = 10  # untimed torch steps before the first way (warm_up)
 WAYS = ("torch", "sparserl", "sparserl_compiled", "pyg")
 
 
@@ -265,17 +264,18 @@ def train_step(way: str, step, opt, batch, features, labels, device):
 
 
 def warm_up(batches, features, labels, model0, device) -> None:
-    """Untimed steps of the ``torch`` way on a copy of the model: the process's one-time costs
-    (CUDA context, cuBLAS and cuSPARSE handles, torch's kernels loaded) are paid before any way
-    is timed, so that they do not land in whichever way's first epoch comes first. The
-    library's own one-time costs stay in its ways' first epochs."""
+    """An untimed epoch of the ``torch`` way on a copy of the model: the process's one-time costs
+    (CUDA context, cuBLAS and cuSPARSE handles, torch's kernels loaded, the caching allocator's
+    growth to the batches' sizes) are paid before any way is timed, so that they do not land in
+    whichever way's first epoch comes first. The library's own one-time costs stay in its ways'
+    first epochs."""
     import copy
 
     import torch
 
     model = copy.deepcopy(model0).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    for batch in batches[:WARMUP_STEPS]:
+    for batch in batches:
         train_step("torch", model, opt, batch, features, labels, device)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -306,11 +306,13 @@ def summary(doc: dict) -> list[dict]:
         if result.get("status") != "ok":
             rows.append({"way": way, "status": result.get("status"), "error": result.get("error")})
             continue
-        epochs = result["epoch_s"]
+        rounds = result.get("rounds_epoch_s") or [result["epoch_s"]]
+        later = [t for epochs in rounds for t in epochs[1:]]
         flat = [v for epoch in result["losses"] for v in epoch]
         ref = [v for epoch in reference for v in epoch]
-        rows.append({"way": way, "status": "ok", "first_epoch_s": epochs[0],
-                     "steady_epoch_s": statistics.median(epochs[1:]) if len(epochs) > 1 else None,
+        rows.append({"way": way, "status": "ok", "first_epoch_s": statistics.median(e[0] for e in rounds),
+                     "first_epochs_s": [e[0] for e in rounds],
+                     "steady_epoch_s": statistics.median(later) if later else None,
                      "loss_max_diff": max(abs(a - b) for a, b in zip(flat, ref)),
                      "installs": result["runtime"].get("installs", 0),
                      "unadmitted_calls": result["runtime"].get("unadmitted_calls", 0)
@@ -328,16 +330,27 @@ def markdown(doc: dict) -> str:
              f"hidden {setup['hidden']}, {setup['epochs']} epochs; {setup['mean_rows']:.0f} rows and "
              f"{setup['mean_nnz']:.0f} nonzeros per subgraph on average. Every way trains on the same batches "
              f"from the same weights, with an empty kernel cache, after "
-             f"{setup.get('warmup_steps', 0)} untimed steps of torch's way warmed the process up.", "",
-             "| way | first epoch s | steady epoch s | loss diff | kernels | calls before admission | "
-             "not queued | cache entries (kB) | RSS growth MB | graphs compiled |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{setup.get('warmup_steps', 0)} untimed steps of torch's way warmed the process up; the ways' "
+             f"epochs interleaved, in {setup.get('rounds', 1)} round(s) from fresh runtimes, caches and weights. "
+             "First epoch: the median over the rounds (each listed); steady: the median of the later epochs. "
+             "The other columns are the first round's.", "",
+             "| way | first epoch s | first epochs s | steady epoch s | vs torch first / steady | loss diff | "
+             "kernels | calls before admission | not queued | cache entries (kB) | RSS growth MB | graphs compiled |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    torch_row = next((r for r in doc["summary"] if r["way"] == "torch" and r["status"] == "ok"), None)
     for row in doc["summary"]:
         if row["status"] != "ok":
-            lines.append(f"| {row['way']} | {row['status']}: {html.escape(str(row.get('error'))[:80])} ||||||||| ")
+            lines.append(f"| {row['way']} | {row['status']}: {html.escape(str(row.get('error'))[:80])} ||||||||||| ")
             continue
         steady = "–" if row["steady_epoch_s"] is None else f"{row['steady_epoch_s']:.3f}"
-        lines.append(f"| {row['way']} | {row['first_epoch_s']:.3f} | {steady} | {row['loss_max_diff']:.1e} | "
+        firsts = ", ".join(f"{t:.3f}" for t in row.get("first_epochs_s", [row["first_epoch_s"]]))
+        versus = "–"
+        if torch_row is not None:
+            versus = f"{torch_row['first_epoch_s'] / row['first_epoch_s']:.2f}× / " + (
+                f"{torch_row['steady_epoch_s'] / row['steady_epoch_s']:.2f}×" if row["steady_epoch_s"]
+                and torch_row["steady_epoch_s"] else "–")
+        lines.append(f"| {row['way']} | {row['first_epoch_s']:.3f} | {firsts} | {steady} | {versus} | "
+                     f"{row['loss_max_diff']:.1e} | "
                      f"{row['installs']} | {row['unadmitted_calls']} | {row['dropped']} | "
                      f"{row['cache_entries']} ({row['cache_kb']:.0f}) | {row['rss_growth_mb']:.0f} | {row['graphs']} |")
     for way, result in doc["ways"].items():
@@ -361,6 +374,8 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batches", type=int, help="batches per epoch (default: every node once)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"some of {','.join(WAYS)}")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole comparison from fresh runtimes, caches and weights (default: 1)")
     parser.add_argument("--admit-calls", type=int, help="the runtime's jit.admit_calls (default: its setting)")
     parser.add_argument("--admit-age-s", type=float, help="the runtime's jit.admit_age_s (default: its setting)")
     parser.add_argument("--breakdown", action="store_true",
@@ -401,18 +416,25 @@ def main(argv=None) -> int:
                      "fanouts": fanouts, "hidden": args.hidden, "epochs": args.epochs, "batches": len(batches),
                      "mean_rows": float(np.mean([b.nodes.size for b in sampled])),
                      "mean_nnz": float(np.mean([b.nnz for b in sampled])), "device": args.device,
-                     "warmup_steps": min(WARMUP_STEPS, len(batches))},
+                     "warmup_steps": len(batches), "rounds": args.rounds},
            "ways": {}}
     warm_up(batches, features, labels, model0, args.device)
-    runs = [WayRun(way, batches, features, labels, model0, args) for way in ways]
-    for _ in range(args.epochs):  # epoch e of every way, then epoch e + 1 of every way
+    for round_number in range(args.rounds):  # each round from fresh runtimes, caches and weights
+        runs = [WayRun(way, batches, features, labels, model0, args) for way in ways]
+        for _ in range(args.epochs):  # epoch e of every way, then epoch e + 1 of every way
+            for run in runs:
+                run.epoch()
         for run in runs:
-            run.epoch()
-    for run in runs:
-        doc["ways"][run.way] = result = run.finish()
-        print(f"{run.way}: {result.get('status')} " + (" ".join(f"{s:.3f}" for s in result["epoch_s"]) + " s/epoch"
-                                                       if result.get("status") == "ok" else str(result.get("error"))),
-              flush=True)
+            result = run.finish()
+            if round_number == 0:
+                doc["ways"][run.way] = result
+                if result.get("status") == "ok":
+                    result["rounds_epoch_s"] = []
+            if result.get("status") == "ok":
+                doc["ways"][run.way]["rounds_epoch_s"].append(result["epoch_s"])
+            print(f"round {round_number} {run.way}: {result.get('status')} "
+                  + (" ".join(f"{s:.3f}" for s in result["epoch_s"]) + " s/epoch" if result.get("status") == "ok"
+                     else str(result.get("error"))), flush=True)
     doc["summary"] = summary(doc)
     write_json_md(doc, path, markdown)
     print(f"wrote {path}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -396,16 +397,19 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     out = tmp_path / "m.json"
     assert bench.main(["--graph", "cora", "--device", "cpu", "--epochs", "2", "--batches", "3", "--batch-size",
                        "128", "--hidden", "16", "--features", "8", "--ways", "torch,sparserl,sparserl_compiled",
-                       "--breakdown", "--out", str(out)]) == 0
+                       "--breakdown", "--rounds", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     rows = {row["way"]: row for row in doc["summary"]}
     assert set(rows) == {"torch", "sparserl", "sparserl_compiled"} and all(r["status"] == "ok" for r in rows.values())
     assert all(r["loss_max_diff"] < 1e-4 for r in rows.values())
     assert rows["sparserl_compiled"]["graphs"] <= 2  # not one per batch
     assert doc["setup"]["batches"] == 3 and doc["setup"]["mean_nnz"] > 0
-    assert doc["setup"]["warmup_steps"] == 3  # torch's way, untimed, before the first way
+    assert doc["setup"]["warmup_steps"] == 3  # an epoch of torch's way, untimed, before the first way
+    assert all(len(doc["ways"][w]["rounds_epoch_s"]) == 2 for w in rows)  # fresh runtimes each round
+    assert all(r["first_epoch_s"] == statistics.median(r["first_epochs_s"]) for r in rows.values())
     text = out.with_suffix(".md").read_text()
     assert "| sparserl_compiled |" in text and "after 3 untimed steps of torch's way" in text
+    assert "in 2 round(s)" in text and "| 1.00× / 1.00× |" in text  # torch against itself
     # --breakdown: the sparserl ways' per-pattern host work, one ts.csr and its check per step
     parts = doc["ways"]["sparserl"]["host_ms_per_step"]
     assert parts["ts.csr"]["calls"] == 1 and parts["index check"]["calls"] == 1 and parts["index check"]["ms"] > 0
