@@ -33,6 +33,7 @@ import argparse
 import datetime as dt
 import html
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -331,7 +332,8 @@ def markdown(doc: dict) -> str:
              f"{setup['mean_nnz']:.0f} nonzeros per subgraph on average. Every way trains on the same batches "
              f"from the same weights, with an empty kernel cache, after "
              f"{setup.get('warmup_steps', 0)} untimed steps of torch's way warmed the process up; the ways' "
-             f"epochs interleaved, in {setup.get('rounds', 1)} round(s) from fresh runtimes, caches and weights. "
+             f"epochs interleaved, in {setup.get('rounds', 1)} round(s) from fresh runtimes, caches, weights and "
+             "compiles. "
              "First epoch: the median over the rounds (each listed); steady: the median of the later epochs. "
              "The other columns are the first round's.", "",
              "| way | first epoch s | first epochs s | steady epoch s | vs torch first / steady | loss diff | "
@@ -375,7 +377,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, help="batches per epoch (default: every node once)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"some of {','.join(WAYS)}")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="repeat the whole comparison from fresh runtimes, caches and weights (default: 1)")
+                        help="repeat the comparison from fresh runtimes, caches, weights and compiles (default: 1)")
     parser.add_argument("--admit-calls", type=int, help="the runtime's jit.admit_calls (default: its setting)")
     parser.add_argument("--admit-age-s", type=float, help="the runtime's jit.admit_age_s (default: its setting)")
     parser.add_argument("--breakdown", action="store_true",
@@ -407,7 +409,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model0 = make_model(args.features, args.hidden, args.classes)
     env = environment()
-    path = results_path(args.out, "minibatch", env["gpu"] if args.device == "cuda" else None,
+    graph_slug = re.sub(r"[^a-z0-9]+", "-", args.graph.lower()).strip("-")
+    path = results_path(args.out, f"minibatch-{graph_slug}", env["gpu"] if args.device == "cuda" else None,
                         dt.date.today().isoformat())
     doc = {"schema": SCHEMA, "env": env, "runs": [{"started": dt.datetime.now().isoformat(timespec="seconds"),
                                                    "command": " ".join(["python benchmarks/bench_minibatch.py"]
@@ -419,7 +422,8 @@ def main(argv=None) -> int:
                      "warmup_steps": len(batches), "rounds": args.rounds},
            "ways": {}}
     warm_up(batches, features, labels, model0, args.device)
-    for round_number in range(args.rounds):  # each round from fresh runtimes, caches and weights
+    for round_number in range(args.rounds):  # each round from fresh runtimes, caches, weights and compiles
+        torch._dynamo.reset()
         runs = [WayRun(way, batches, features, labels, model0, args) for way in ways]
         for _ in range(args.epochs):  # epoch e of every way, then epoch e + 1 of every way
             for run in runs:
