@@ -17,7 +17,7 @@ drift of the host's speed over the run reaches them alike:
 Per way: each epoch's wall time (the first includes compiles and decisions), the losses (equal
 across ways within float32 tolerance), the runtime's counters (decisions installed, calls
 before admission, decisions not queued), the kernel cache's entries and bytes on disk, and the
-process's resident memory growth over the way. ``--breakdown`` also times the library's
+process's resident memory growth over the way's epochs. ``--breakdown`` also times the library's
 per-pattern host work in the sparserl ways (``ts.csr``, its index check, the transpose for the
 backward, the runtime's call, the vendor product's Python path, the C++ recording), in host ms per step
 of the last epoch; its wrappers add a microsecond or so per call to the epochs.
@@ -179,8 +179,7 @@ class WayRun:
                    if value is not None}
         self.runtime = rt.Runtime(rt.config.from_environment().jit.replace("bench_minibatch", **changes),
                                   cache=KernelCache(tempfile.mkdtemp(prefix=f"sparserl-minibatch-{way}-")))
-        self.rss0 = rss_mb()
-        self.graphs0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        self.rss_growth, self.graphs = 0.0, 0  # over this way's epochs
         self.breakdown = HostBreakdown() if getattr(args, "breakdown", False) and way.startswith("sparserl") else None
         try:
             model = pyg_model(model0) if way == "pyg" else copy.deepcopy(model0)
@@ -203,6 +202,7 @@ class WayRun:
         if self.error is not None:
             return
         previous = rt.set_active(self.runtime)
+        rss0, graphs0 = rss_mb(), torch._dynamo.utils.counters["stats"]["unique_graphs"]
         try:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -220,11 +220,11 @@ class WayRun:
             self.losses.append([float(v) for v in torch.stack(losses).cpu()])
         finally:
             rt.set_active(previous)
+            self.rss_growth += rss_mb() - rss0
+            self.graphs += torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs0
 
     def finish(self) -> dict:
         """The way's result; closes its runtime."""
-        import torch
-
         try:
             if self.error is not None:
                 return {"status": "skipped", "error": self.error}
@@ -232,8 +232,7 @@ class WayRun:
             stats = {k: v for k, v in self.runtime.stats.items() if isinstance(v, (int, float))}
             return {"status": "ok", "epoch_s": self.epochs, "losses": self.losses, "runtime": stats,
                     "cache_entries": len(entries), "cache_bytes": sum(p.stat().st_size for p in entries),
-                    "rss_growth_mb": rss_mb() - self.rss0,
-                    "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - self.graphs0,
+                    "rss_growth_mb": self.rss_growth, "graphs": self.graphs,
                     "host_ms_per_step": self.breakdown.per_step(len(self.batches)) if self.breakdown is not None
                     else None}
         finally:
