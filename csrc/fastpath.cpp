@@ -32,6 +32,7 @@
 #include <Python.h>
 
 #include <ATen/autocast_mode.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_sparse_csr_tensor_unsafe.h>
@@ -714,20 +715,32 @@ double served_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor
 
 // Copies a host CSR's indices into `out` (crow at 0, col at `offset`), then checks the copy: row
 // pointers from 0 to nnz without a decrease, columns in [0, ncols). The check reads the copy, so
-// what passed is what travels, whatever the caller writes meanwhile; its loops carry no
-// dependency from one element to the next, so the compiler vectorizes them.
+// what passed is what travels, whatever the caller writes meanwhile. Both passes split large
+// arrays over torch's intra-op threads (a big mini-batch's indices are megabytes, and one host
+// thread copies a few GB/s); their loops carry no dependency from one element to the next, so
+// the compiler vectorizes them.
 template <typename I>
 bool copy_checked(const I* crow, const I* col, I* out, int64_t rows, int64_t nnz, int64_t offset, int64_t ncols) {
   using U = std::make_unsigned_t<I>;
-  std::memcpy(out, crow, static_cast<size_t>(rows + 1) * sizeof(I));
+  constexpr int64_t grain = int64_t{1} << 17;  // elements a thread takes at least: small arrays stay on one
   I* out_col = out + offset;
-  std::memcpy(out_col, col, static_cast<size_t>(nnz) * sizeof(I));
-  I decreases = 0;
-  for (int64_t i = 0; i < rows; ++i) decreases |= static_cast<I>(out[i + 1] < out[i]);
+  at::parallel_for(0, offset + nnz, grain, [&](int64_t begin, int64_t end) {
+    const int64_t split = std::clamp(offset, begin, end);  // [begin, split) of crow, [split, end) of col
+    if (split > begin) std::memcpy(out + begin, crow + begin, static_cast<size_t>(split - begin) * sizeof(I));
+    if (end > split)
+      std::memcpy(out + split, col + (split - offset), static_cast<size_t>(end - split) * sizeof(I));
+  });
   const U limit = static_cast<U>(ncols);  // ncols fits I: the caller refuses int32 indices past 2^31 - 1
-  U outside = 0;  // a negative column is a large unsigned one
-  for (int64_t k = 0; k < nnz; ++k) outside |= static_cast<U>(static_cast<U>(out_col[k]) >= limit);
-  return decreases == 0 && outside == 0 && out[0] == 0 && static_cast<int64_t>(out[rows]) == nnz;
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, rows + nnz, grain, [&](int64_t begin, int64_t end) {
+    const int64_t split = std::clamp(rows, begin, end);  // row pairs (i, i + 1) below rows, columns above
+    I decreases = 0;
+    for (int64_t i = begin; i < split; ++i) decreases |= static_cast<I>(out[i + 1] < out[i]);
+    U outside = 0;  // a negative column is a large unsigned one
+    for (int64_t k = split - rows; k < end - rows; ++k) outside |= static_cast<U>(static_cast<U>(out_col[k]) >= limit);
+    if (decreases != 0 || outside != 0) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load() && out[0] == 0 && static_cast<int64_t>(out[rows]) == nnz;
 }
 
 // Host CSR arrays bound for a CUDA device (ts.csr of a sampled mini-batch): every check of
