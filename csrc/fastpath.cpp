@@ -71,6 +71,7 @@ cusparseHandle_t getCurrentCUDASparseHandle();
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -713,34 +714,70 @@ double served_us(const at::Tensor& crow, const at::Tensor& col, const at::Tensor
   return best_loop_us(stream, calls, [&] { hit(op, crow, col, val, ncols, X); });
 }
 
-// Copies a host CSR's indices into `out` (crow at 0, col at `offset`), then checks the copy: row
+// fn(begin, end) over [0, total): in one call where total is below 2 * grain, else in chunks of
+// at least `grain` on the calling thread and torch's inter-op pool, returning once all are done.
+// (at::parallel_for would run serially here: its OpenMP pragmas are compiled into this library,
+// which is built without -fopenmp.) fn must not throw. Returns the chunks' length (the last may
+// be shorter): chunk c is [c * length, (c + 1) * length).
+template <typename F>
+int64_t across_threads(int64_t total, int64_t grain, const F& fn) {
+  const int64_t chunks =
+      std::min<int64_t>(total / grain, std::max<int64_t>(1, static_cast<int64_t>(at::get_num_interop_threads())));
+  if (chunks < 2) {
+    fn(0, total);
+    return std::max<int64_t>(total, 1);
+  }
+  const int64_t length = (total + chunks - 1) / chunks;
+  int64_t pending = chunks - 1;  // under `mutex`: the last task touches nothing of this frame after it
+  std::mutex mutex;
+  std::condition_variable finished;
+  for (int64_t c = 1; c < chunks; ++c)
+    at::launch([&, c] {
+      fn(c * length, std::min(total, (c + 1) * length));
+      std::lock_guard<std::mutex> lock(mutex);
+      if (--pending == 0) finished.notify_one();
+    });
+  fn(0, length);
+  std::unique_lock<std::mutex> lock(mutex);
+  finished.wait(lock, [&] { return pending == 0; });
+  return length;
+}
+
+// Copies a host CSR's indices into `out` (crow at 0, col at `offset`) and checks the copy: row
 // pointers from 0 to nnz without a decrease, columns in [0, ncols). The check reads the copy, so
-// what passed is what travels, whatever the caller writes meanwhile. Both passes split large
-// arrays over torch's intra-op threads (a big mini-batch's indices are megabytes, and one host
-// thread copies a few GB/s); their loops carry no dependency from one element to the next, so
-// the compiler vectorizes them.
+// what passed is what travels, whatever the caller writes meanwhile. Blocks of `block` elements
+// are copied, then checked while they are in cache (one pass over main memory, as a plain copy
+// makes); large arrays are split over threads (across_threads), and the row pairs that straddle
+// two blocks are checked once every block is copied. The loops carry no dependency from one
+// element to the next, so the compiler vectorizes them.
 template <typename I>
 bool copy_checked(const I* crow, const I* col, I* out, int64_t rows, int64_t nnz, int64_t offset, int64_t ncols) {
   using U = std::make_unsigned_t<I>;
-  constexpr int64_t grain = int64_t{1} << 17;  // elements a thread takes at least: small arrays stay on one
-  I* out_col = out + offset;
-  at::parallel_for(0, offset + nnz, grain, [&](int64_t begin, int64_t end) {
-    const int64_t split = std::clamp(offset, begin, end);  // [begin, split) of crow, [split, end) of col
-    if (split > begin) std::memcpy(out + begin, crow + begin, static_cast<size_t>(split - begin) * sizeof(I));
-    if (end > split)
-      std::memcpy(out + split, col + (split - offset), static_cast<size_t>(end - split) * sizeof(I));
-  });
+  constexpr int64_t block = 8192, grain = int64_t{1} << 17;  // elements; below 2 * grain, one thread
   const U limit = static_cast<U>(ncols);  // ncols fits I: the caller refuses int32 indices past 2^31 - 1
   std::atomic<bool> bad{false};
-  at::parallel_for(0, rows + nnz, grain, [&](int64_t begin, int64_t end) {
-    const int64_t split = std::clamp(rows, begin, end);  // row pairs (i, i + 1) below rows, columns above
+  const int64_t length = across_threads(offset + nnz, grain, [&](int64_t begin, int64_t end) {
     I decreases = 0;
-    for (int64_t i = begin; i < split; ++i) decreases |= static_cast<I>(out[i + 1] < out[i]);
     U outside = 0;  // a negative column is a large unsigned one
-    for (int64_t k = split - rows; k < end - rows; ++k) outside |= static_cast<U>(static_cast<U>(out_col[k]) >= limit);
+    for (int64_t first = begin; first < end; first += block) {
+      const int64_t last = std::min(end, first + block), split = std::clamp(offset, first, last);
+      if (split > first) {  // [first, split): row pointers, and the pairs inside the block
+        std::memcpy(out + first, crow + first, static_cast<size_t>(split - first) * sizeof(I));
+        for (int64_t i = first; i + 1 < split; ++i) decreases |= static_cast<I>(out[i + 1] < out[i]);
+      }
+      if (last > split) {  // [split, last): columns
+        std::memcpy(out + split, col + (split - offset), static_cast<size_t>(last - split) * sizeof(I));
+        for (int64_t k = split; k < last; ++k) outside |= static_cast<U>(static_cast<U>(out[k]) >= limit);
+      }
+    }
     if (decreases != 0 || outside != 0) bad.store(true, std::memory_order_relaxed);
   });
-  return !bad.load() && out[0] == 0 && static_cast<int64_t>(out[rows]) == nnz;
+  bool ok = !bad.load() && out[0] == 0 && static_cast<int64_t>(out[rows]) == nnz;
+  // the pairs (first - 1, first) of every block starting inside the row pointers
+  for (int64_t start = 0; ok && start <= rows; start += length)
+    for (int64_t first = start; ok && first < std::min(start + length, rows + 1); first += block)
+      if (first > 0) ok = out[first] >= out[first - 1];
+  return ok;
 }
 
 // Host CSR arrays bound for a CUDA device (ts.csr of a sampled mini-batch): every check of

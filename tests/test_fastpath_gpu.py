@@ -797,6 +797,36 @@ def test_patterns_younger_than_admit_age_leave_nothing_behind(tmp_path, poison_u
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_large_host_arrays_are_checked_on_several_threads(index_dtype):
+    """Indices past stage_csr's threading threshold (2^18 elements) arrive intact, and a bad
+    value is found wherever it lies: a column at either end, a row pointer that decreases inside
+    a block or across the boundary of two blocks or two threads' chunks."""
+    rows, nnz, ncols = 150_000, 450_000, 70_000
+    rng = np.random.default_rng(5)
+    crow = np.sort(rng.integers(0, nnz + 1, rows + 1))
+    crow[0], crow[-1] = 0, nnz
+    col = rng.integers(0, ncols, nnz)
+    make = lambda c, k: ts.csr((torch.tensor(c, dtype=index_dtype).pin_memory(),
+                                torch.tensor(k, dtype=index_dtype).pin_memory(),
+                                torch.ones(nnz).pin_memory()), (rows, ncols), device="cuda")
+    A = make(crow, col)
+    assert torch.equal(A.crow.cpu(), torch.tensor(crow, dtype=index_dtype))
+    assert torch.equal(A.col.cpu(), torch.tensor(col, dtype=index_dtype))
+    for where in (0, nnz - 1, nnz // 2):
+        bad = col.copy()
+        bad[where] = ncols if where else -1
+        with pytest.raises(ValueError, match=rf"torch_sparserl.csr: col must be .* \(got col\[{where}\]"):
+            make(crow, bad)
+    threads = torch.get_num_interop_threads()
+    chunk = -(-(rows + 1 + nnz) // max(1, min((rows + 1 + nnz) >> 17, threads)))
+    for at in sorted({8192, 8193, 5 * 8192, 77_777, chunk, chunk + 1} & set(range(1, rows))):
+        bad = crow.copy()
+        bad[at] = bad[at - 1] - 1  # a decrease from at - 1 to at
+        with pytest.raises(ValueError, match=rf"crow must be non-decreasing \(got crow\[{at - 1}\]"):
+            make(bad, col)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_host_arrays_travel_checked_in_one_pass(poison_uninitialized, monkeypatch, index_dtype):
     """ts.csr of pinned host arrays bound for CUDA, the library loaded: C++ copies and checks the
     indices in one pass (Python's check is not called) into tensors of their own; the products
