@@ -364,6 +364,40 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def svg(doc: dict) -> str:
+    """Every epoch of every round, per way: first epochs (a fresh runtime and cache) and later ones."""
+    ways = [(way, r.get("rounds_epoch_s") or [r["epoch_s"]]) for way, r in doc["ways"].items()
+            if r.get("status") == "ok"]
+    hi = max([t for _, rounds in ways for epochs in rounds for t in epochs] + [1e-9]) * 1.1
+    left, top, plot_h, col_w = 60, 40, 260, 110
+    width, height = left + max(1, len(ways)) * col_w + 20, top + plot_h + 60
+    colors = {True: "#c05621", False: "#2b6cb0"}  # first epoch, later epochs
+    title = f"Mini-batch epochs, s: {doc['setup']['graph']} on {doc['env'].get('gpu') or 'CPU'}"
+
+    def y_of(v):
+        return top + plot_h * (1 - v / hi)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="10"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="13" font-weight="bold">{html.escape(title)}</text>',
+           f'<text x="{left}" y="34" fill="{colors[True]}">first epoch of a round</text>'
+           f'<text x="{left + 140}" y="34" fill="{colors[False]}">later epochs</text>']
+    for i in range(6):
+        v = hi * i / 5
+        out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y_of(v):.1f}" y2="{y_of(v):.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 4}" y="{y_of(v) + 3:.1f}" text-anchor="end">{v:.2f}</text>')
+    for i, (way, rounds) in enumerate(ways):
+        x = left + i * col_w + col_w / 2
+        for epochs in rounds:
+            for e, t in enumerate(epochs):
+                dx = -12 if e == 0 else 8
+                out.append(f'<circle cx="{x + dx:.1f}" cy="{y_of(t):.1f}" r="3" fill="{colors[e == 0]}" '
+                           'fill-opacity="0.7"/>')
+        out.append(f'<text x="{x:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{html.escape(way)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--graph", default="pubmed", help="a matrix name, a .npz path or a synthetic spec")
@@ -439,7 +473,7 @@ def main(argv=None) -> int:
                   + (" ".join(f"{s:.3f}" for s in result["epoch_s"]) + " s/epoch" if result.get("status") == "ok"
                      else str(result.get("error"))), flush=True)
     doc["summary"] = summary(doc)
-    write_json_md(doc, path, markdown)
+    write_json_md(doc, path, markdown, svg)
     print(f"wrote {path}")
     return 0
 

@@ -410,6 +410,8 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     text = out.with_suffix(".md").read_text()
     assert "| sparserl_compiled |" in text and "after 3 untimed steps of torch's way" in text
     assert "in 2 round(s)" in text and "| 1.00× / 1.00× |" in text  # torch against itself
+    picture = ET.fromstring(out.with_suffix(".svg").read_text())
+    assert len([e for e in picture.iter() if e.tag.endswith("circle")]) == 3 * 2 * 2  # ways x rounds x epochs
     # --breakdown: the sparserl ways' per-pattern host work, one ts.csr and its check per step
     parts = doc["ways"]["sparserl"]["host_ms_per_step"]
     assert parts["ts.csr"]["calls"] == 1 and parts["index check"]["calls"] == 1 and parts["index check"]["ms"] > 0
