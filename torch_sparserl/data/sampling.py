@@ -8,8 +8,11 @@ as columns), numbered with the seeds first. Every step's pattern is new: the cas
 
     batches = list(neighbor_batches(A, batch_size=1024, fanouts=(10, 5), seed=0))
     batch = batches[0]
-    A_i = ts.csr(batch.adjacency(), device="cuda")      # rows: batch.nodes, mean aggregation
+    A_i = ts.csr(batch.parts(), batch.shape, device="cuda")  # rows: batch.nodes, mean aggregation
     out = model(A_i, features[batch.nodes])[: batch.seeds]
+
+(:func:`torch_sparserl.data.prefetch.prefetch` makes the next batch's ``ts.csr`` while a step
+trains.)
 """
 
 from __future__ import annotations
@@ -36,17 +39,33 @@ class Batch:
     def nnz(self) -> int:
         return int(self.col.size)
 
-    def adjacency(self, values: str = "mean") -> scipy.sparse.csr_matrix:
-        """The subgraph's adjacency as SciPy CSR (float32): ``mean`` gives each row 1/degree (a
-        mean over the sampled neighbours, GraphSAGE's), ``ones`` gives 1 (a sum)."""
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The adjacency's shape: (nodes, nodes)."""
+        return (self.nodes.size, self.nodes.size)
+
+    def values(self, values: str = "mean") -> np.ndarray:
+        """The adjacency's values (float32): ``mean`` gives each row 1/degree (a mean over the
+        sampled neighbours, GraphSAGE's), ``ones`` gives 1 (a sum)."""
         if values not in ("mean", "ones"):
-            raise ValueError(f"Batch.adjacency: values must be 'mean' or 'ones' (got {values!r})")
+            raise ValueError(f"Batch: values must be 'mean' or 'ones' (got {values!r})")
         data = np.ones(self.nnz, dtype=np.float32)
         if values == "mean":
             degree = np.diff(self.crow)
             data /= np.repeat(np.maximum(degree, 1), degree).astype(np.float32)
-        n = self.nodes.size
-        return scipy.sparse.csr_matrix((data, self.col, self.crow), shape=(n, n))
+        return data
+
+    def adjacency(self, values: str = "mean") -> scipy.sparse.csr_matrix:
+        """The subgraph's adjacency as SciPy CSR (float32), with :meth:`values`."""
+        return scipy.sparse.csr_matrix((self.values(values), self.col, self.crow), shape=self.shape)
+
+    def parts(self, values: str = "mean"):
+        """``(crow, col, val)`` as host torch tensors sharing this batch's arrays, for
+        ``ts.csr(batch.parts(), batch.shape, device="cuda")``: the library's C++ path checks and
+        sends them in one call (a SciPy matrix takes the general path)."""
+        import torch
+
+        return (torch.from_numpy(self.crow), torch.from_numpy(self.col), torch.from_numpy(self.values(values)))
 
 
 def neighbor_batches(adjacency: scipy.sparse.csr_matrix, batch_size: int, fanouts: Sequence[int], *,
