@@ -197,6 +197,7 @@ class WayRun:
 
         import torch
 
+        from torch_sparserl.data.prefetch import prefetch
         from torch_sparserl.jit import runtime as rt
 
         if self.error is not None:
@@ -211,9 +212,13 @@ class WayRun:
             started = time.perf_counter()
             losses = []
             with self.breakdown if self.breakdown is not None else contextlib.nullcontext():
-                for batch in self.batches:  # on the host, pinned, as a loader hands them over
+                if getattr(self.args, "prefetch", False):  # the next batch moved while this one trains
+                    items = prefetch(self.batches, lambda b: (b, to_device(self.way, b, self.device)))
+                else:  # on the host, pinned, as a loader hands them over
+                    items = ((b, None) for b in self.batches)
+                for batch, moved in items:
                     losses.append(train_step(self.way, self.step, self.opt, batch, self.features, self.labels,
-                                             self.device))
+                                             self.device, moved))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.epochs.append(time.perf_counter() - started)
@@ -239,15 +244,13 @@ class WayRun:
             self.runtime.close()
 
 
-def train_step(way: str, step, opt, batch, features, labels, device):
-    """One optimizer step of ``way`` on ``batch``, its adjacency moved to the device the way's
-    own way; the loss, detached."""
+def to_device(way: str, batch, device):
+    """``(nodes, A)``: the batch's node numbers and adjacency on the device, moved the way's own way."""
     import torch
 
     import torch_sparserl as ts
 
     nodes = batch.nodes.to(device, non_blocking=True)
-    x = features[nodes]
     shape = (batch.n, batch.n)
     if way == "torch":
         A = torch.sparse_csr_tensor(*(t.to(device, non_blocking=True) for t in batch.csr), shape)
@@ -255,6 +258,16 @@ def train_step(way: str, step, opt, batch, features, labels, device):
         A = batch.edge_index.to(device, non_blocking=True)
     else:  # checked on the host, sent without blocking
         A = ts.csr(batch.csr, shape, device=device)
+    return nodes, A
+
+
+def train_step(way: str, step, opt, batch, features, labels, device, moved=None):
+    """One optimizer step of ``way`` on ``batch`` (``moved``: its :func:`to_device`, made
+    already, else made here); the loss, detached."""
+    import torch
+
+    nodes, A = moved if moved is not None else to_device(way, batch, device)
+    x = features[nodes]
     opt.zero_grad(set_to_none=True)
     out = step(A, x)[: batch.seeds]
     loss = torch.nn.functional.cross_entropy(out, labels[nodes[: batch.seeds]])
@@ -333,7 +346,9 @@ def markdown(doc: dict) -> str:
              f"{setup.get('warmup_steps', 0)} untimed steps of torch's way warmed the process up; the ways' "
              f"epochs interleaved, in {setup.get('rounds', 1)} round(s) from fresh runtimes, caches, weights and "
              "compiles. "
-             "First epoch: the median over the rounds (each listed); steady: the median of the later epochs. "
+             + ("Every way moved the next batch to the device on a background thread while the current one "
+                "trained (`--prefetch`). " if setup.get("prefetch") else "")
+             + "First epoch: the median over the rounds (each listed); steady: the median of the later epochs. "
              "The other columns are the first round's.", "",
              "| way | first epoch s | first epochs s | steady epoch s | vs torch first / steady | loss diff | "
              "kernels | calls before admission | not queued | cache entries (kB) | RSS growth MB | graphs compiled |",
@@ -411,6 +426,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ways", default=",".join(WAYS), help=f"some of {','.join(WAYS)}")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the comparison from fresh runtimes, caches, weights and compiles (default: 1)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="every way moves the next batch to the device on a background thread "
+                             "(torch_sparserl.data.prefetch) while the current one trains")
     parser.add_argument("--admit-calls", type=int, help="the runtime's jit.admit_calls (default: its setting)")
     parser.add_argument("--admit-age-s", type=float, help="the runtime's jit.admit_age_s (default: its setting)")
     parser.add_argument("--breakdown", action="store_true",
@@ -452,7 +470,7 @@ def main(argv=None) -> int:
                      "fanouts": fanouts, "hidden": args.hidden, "epochs": args.epochs, "batches": len(batches),
                      "mean_rows": float(np.mean([b.nodes.size for b in sampled])),
                      "mean_nnz": float(np.mean([b.nnz for b in sampled])), "device": args.device,
-                     "warmup_steps": len(batches), "rounds": args.rounds},
+                     "warmup_steps": len(batches), "rounds": args.rounds, "prefetch": args.prefetch},
            "ways": {}}
     warm_up(batches, features, labels, model0, args.device)
     for round_number in range(args.rounds):  # each round from fresh runtimes, caches, weights and compiles

@@ -419,6 +419,15 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     import torch_sparserl as ts
     from torch_sparserl.pattern import Pattern
     assert ts.csr.__name__ == "csr" and Pattern.transpose.__name__ == "transpose"  # restored
+    # --prefetch: each way's next batch moved on a background thread; the same training
+    again = tmp_path / "p.json"
+    assert bench.main(["--graph", "cora", "--device", "cpu", "--epochs", "2", "--batches", "3", "--batch-size",
+                       "128", "--hidden", "16", "--features", "8", "--ways", "torch,sparserl", "--prefetch",
+                       "--out", str(again)]) == 0
+    prefetched = json.loads(again.read_text())
+    assert prefetched["setup"]["prefetch"] is True and "(`--prefetch`)" in again.with_suffix(".md").read_text()
+    for way in ("torch", "sparserl"):
+        assert prefetched["ways"][way]["losses"] == doc["ways"][way]["losses"]
 
 
 def test_bench_host_summary_and_markdown():
