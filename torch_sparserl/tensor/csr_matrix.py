@@ -728,7 +728,7 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     values from NumPy or SciPy are copied.
     """
     op = "torch_sparserl.csr"
-    if (type(data) in (tuple, list) and len(data) == 3 and shape is not None and device is not None and validate
+    if (isinstance(data, (tuple, list)) and len(data) == 3 and shape is not None and device is not None and validate
             and fastpath.stage_csr is not None):
         staged = _staged_matrix(data, shape, dtype, index_dtype, device)
         if staged is not None:
