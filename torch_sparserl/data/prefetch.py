@@ -33,8 +33,9 @@ def prefetch(items: Iterable[T], make: Callable[[T], U], *, depth: int = 1) -> I
     On CUDA, ``make`` runs on the CUDA stream that was current on the consumer's thread when the
     iteration started, so what it enqueues (host-to-device copies) is ordered before the
     consumer's later work on that stream. An exception raised by ``make`` is raised by the
-    iteration at that item; items after it are not made. Closing the iteration early (a
-    ``break``) waits for the item being made and makes no more.
+    iteration at that item, which then stops: up to ``depth`` items after it may have been made
+    already, and no later one is. Closing the iteration early (a ``break``) waits for the item
+    being made and makes no more.
     """
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"prefetch: depth must be a whole number >= 1 (got {depth!r})")
