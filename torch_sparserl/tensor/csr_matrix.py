@@ -637,8 +637,8 @@ def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
 
 def _staged(op: str, crow: Tensor, col: Tensor, val: Tensor, size: tuple, device) -> list[Tensor] | None:
     """Host CSR arrays on their way to a CUDA device through the C++ library, where it is loaded:
-    the indices copied to pinned memory and checked in one pass, and sent in one copy; the values
-    too, unless autograd records their copy. None where it is not loaded or declines (a check that
+    the indices copied to private pinned memory, checked there and sent; the values too, unless
+    autograd records their copy. None where it is not loaded or declines (a check that
     fails among them): the caller's Python path then copies, checks and names the error."""
     stage = fastpath.stage_csr
     if stage is None:
@@ -785,7 +785,7 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         with _ordinary_tensors():
             staged = _staged(op, crow, col, val, size, device) if validate and pinned else None
-            if staged is not None:  # the C++ library's copy and check in one pass
+            if staged is not None:  # the C++ library's copy, check and transfer
                 crow, col, val = staged[0], staged[1], staged[2] if len(staged) == 3 else val
                 checked = True
             else:
