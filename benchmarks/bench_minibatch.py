@@ -372,8 +372,9 @@ def markdown(doc: dict) -> str:
     for way, result in doc["ways"].items():
         parts = result.get("host_ms_per_step")
         if parts:
+            where = " (`ts.csr` on the prefetch thread)" if setup.get("prefetch") else ""
             lines += ["", f"Host ms per step of the last epoch in the library's per-pattern work, {way} "
-                          "(calls per step):", ""]
+                          f"(calls per step){where}:", ""]
             lines += [f"- {label}: {v['ms']:.3f} ({v['calls']:g})" for label, v in parts.items()]
     lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
     return "\n".join(lines) + "\n"
