@@ -532,12 +532,19 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
         entry = _CACHE.get(id(crow))
         if entry is not None and entry.matches(crow, col, ncols):
             return entry
-        _STATS["misses"] += 1
-        if entry is not None:
-            _drop_frozen_key(entry)  # replaced (new tensor at that id, a write, other ncols)
-        entry = Pattern(crow, col, ncols, key=id(crow))
-        _CACHE[id(crow)] = entry
+        entry = _enter(crow, col, ncols)
     _side_stream_ready(col)
+    return entry
+
+
+def _enter(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
+    """A new cache entry for ``(crow, col, ncols)``, replacing what ``id(crow)`` held (a dead
+    tensor's entry whose callback has not run yet, a write, other ncols). Under _CACHE_LOCK."""
+    _STATS["misses"] += 1
+    previous = _CACHE.get(id(crow))
+    if previous is not None:
+        _drop_frozen_key(previous)
+    entry = _CACHE[id(crow)] = Pattern(crow, col, ncols, key=id(crow))
     return entry
 
 
@@ -546,15 +553,10 @@ def staged(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
     indices it checked (``ts.csr``'s staged path: new tensors, so no entry can match them):
     :func:`own`, :func:`lookup` and :meth:`Pattern.checked_on_host` in one step."""
     own(crow, col)
-    entry = Pattern(crow, col, ncols, key=id(crow))
-    entry.validated = True
     _STATS["lookups"] += 1
-    _STATS["misses"] += 1
     with _CACHE_LOCK:
-        previous = _CACHE.get(id(crow))
-        if previous is not None:
-            _drop_frozen_key(previous)  # a dead tensor's entry whose callback has not run yet
-        _CACHE[id(crow)] = entry
+        entry = _enter(crow, col, ncols)
+        entry.validated = True
     _side_stream_ready(col)
     return entry
 
