@@ -28,7 +28,9 @@ import scipy.sparse
 class Batch:
     """One sampled subgraph. ``nodes[i]`` is local node ``i`` in the full graph; the first
     ``seeds`` of them are the batch's seeds (the rows a step trains on). ``crow``/``col`` are
-    the subgraph's CSR structure over local numbers (int64, columns sorted in each row)."""
+    the subgraph's CSR structure over local numbers, columns sorted in each row: int32 where
+    the subgraph's nodes and edges fit it (half the bytes to send, and the index type of the
+    kernels that serve the classes of young patterns), else int64."""
 
     nodes: np.ndarray
     seeds: int
@@ -114,7 +116,10 @@ def _sample(indptr: np.ndarray, indices: np.ndarray, seeds: np.ndarray, fanouts:
     row, col = row[order], col[order]
     crow = np.zeros(every.size + 1, dtype=np.int64)
     np.add.at(crow, row + 1, 1)
-    return Batch(nodes=every, seeds=int(seeds.size), crow=np.cumsum(crow), col=col)
+    crow = np.cumsum(crow)
+    if every.size < 2**31 and col.size < 2**31:
+        crow, col = crow.astype(np.int32), col.astype(np.int32)
+    return Batch(nodes=every, seeds=int(seeds.size), crow=crow, col=col)
 
 
 def _draw(indptr, indices, frontier, fanout: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
