@@ -37,6 +37,7 @@ GOOD = {
     "SPARSERL_JIT_ADMIT_CALLS": [("1", 1), ("5", 5)],
     "SPARSERL_JIT_ADMIT_AGE_S": [("0", 0.0), ("0.1", 0.1)],
     "SPARSERL_JIT_QUEUE": [("1", 1), ("16", 16)],
+    "SPARSERL_JIT_CLASS_AFTER": [("0", 0), ("16", 16)],
     "SPARSERL_CACHE_MAX_MB": [("0.5", 0.5), ("1024", 1024.0)],
     "SPARSERL_CACHE_DIR": [("/tmp/sparserl-cache", Path("/tmp/sparserl-cache")), ("relative", Path("relative"))],
     "SPARSERL_FAST_PATH": [("0", False), ("on", True)],
@@ -57,6 +58,7 @@ BAD = {
     "SPARSERL_JIT_ADMIT_CALLS": ["0", "2.5", "often"],
     "SPARSERL_JIT_ADMIT_AGE_S": ["-1", "soon"],
     "SPARSERL_JIT_QUEUE": ["0", "-3", "many"],
+    "SPARSERL_JIT_CLASS_AFTER": ["-1", "1.5", "some"],
     "SPARSERL_CACHE_MAX_MB": ["0", "-1", "big"],
     "SPARSERL_FAST_PATH": ["maybe"],
     "SPARSERL_POLICY_DEVICE": ["tpu"],
@@ -195,8 +197,8 @@ def test_an_unknown_configure_keyword_is_refused_with_the_valid_names():
     with pytest.raises(TypeError, match=re.escape(f"configure: unknown setting(s) ['mdoe']; expected some of {valid}")):
         rt.configure(mdoe="sync")
     assert rt.active() is before
-    assert valid == ["admit_age_s", "admit_calls", "budget_s", "idle_s", "k", "margin", "mode", "policy", "queue",
-                     "strict"]
+    assert valid == ["admit_age_s", "admit_calls", "budget_s", "class_after", "idle_s", "k", "margin", "mode",
+                     "policy", "queue", "strict"]
 
 
 # ------------------------------------------------------------------------------ strict

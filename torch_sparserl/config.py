@@ -28,6 +28,7 @@ variable                      field                       values (default)
 ``SPARSERL_JIT_ADMIT_CALLS``  ``jit.admit_calls``         a whole number >= 1 (1)
 ``SPARSERL_JIT_ADMIT_AGE_S``  ``jit.admit_age_s``         seconds >= 0; 0: no wait (0.1)
 ``SPARSERL_JIT_QUEUE``        ``jit.queue``               a whole number >= 1 (4)
+``SPARSERL_JIT_CLASS_AFTER``  ``jit.class_after``         a whole number >= 0; 0: no class kernels (0)
 ``SPARSERL_CACHE_DIR``        ``cache.dir``               a folder (``$XDG_CACHE_HOME/torch_sparserl``,
                                                           else ``~/.cache/torch_sparserl``)
 ``SPARSERL_CACHE_MAX_MB``     ``cache.max_mb``            megabytes > 0 (256)
@@ -93,6 +94,11 @@ DEFAULT_JIT_ADMIT_CALLS = 1
 # (which take seconds in the background). 0: decided as soon as it exists.
 DEFAULT_JIT_ADMIT_AGE_S = 0.1
 DEFAULT_JIT_QUEUE = 4  # decisions waiting for the background thread; more are dropped, not queued
+# Young patterns of one class seen before the class gets a decision (jit/classes.py). Off by
+# default: on the sampled mini-batches benchmarked, the steps were bound by the host, where a
+# class's faster kernel saved nothing measurable, and the class's search slowed the first epoch
+# (benchmarks/README.md, "Class kernels"). 0: no class kernels.
+DEFAULT_JIT_CLASS_AFTER = 0
 
 DEFAULT_BACKEND_STRICT = None  # the runtime's jit.strict
 DEFAULT_INTERCEPT_SPARSE = True
@@ -276,6 +282,12 @@ class JitOptions(_Group):
     """Decisions that may wait for the background thread. When that many wait, a new product
     is not queued: cuSPARSE serves it, and a later call asks again. Compile-time decisions are
     always queued (a graph recorded for CUDA graphs waits for them)."""
+
+    class_after: int = setting(DEFAULT_JIT_CLASS_AFTER, whole("a whole number >= 0", lambda v: v >= 0))
+    """In background mode, the young patterns (see ``admit_age_s``) of one class after which the
+    class is decided: one kernel, searched on one of its patterns and checked on two more, then
+    serves every young pattern of the class (:mod:`torch_sparserl.jit.classes`). 0: young
+    patterns are always cuSPARSE's."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> JitOptions:
@@ -491,6 +503,7 @@ ENVIRONMENT: dict[str, Variable] = {v.name: v for v in (
     Variable("SPARSERL_JIT_ADMIT_CALLS", "jit.admit_calls"),
     Variable("SPARSERL_JIT_ADMIT_AGE_S", "jit.admit_age_s"),
     Variable("SPARSERL_JIT_QUEUE", "jit.queue"),
+    Variable("SPARSERL_JIT_CLASS_AFTER", "jit.class_after"),
     Variable("SPARSERL_CACHE_DIR", "cache.dir"),
     Variable("SPARSERL_CACHE_MAX_MB", "cache.max_mb"),
     Variable("SPARSERL_FAST_PATH", "fast_path.enabled"),

@@ -61,7 +61,7 @@ from ..pattern import Pattern, run_kept
 from ..pattern.fingerprint import SpecializationKey, fingerprint
 from .specializers import POLICY_OPS, default_specializer, settings_policy_id
 from .specializers import autotune_specializer, learned_specializer  # noqa: F401 - their former home
-from . import endtoend, fastpath
+from . import classes, endtoend, fastpath
 from .cache import CacheEntry, KernelCache
 from .decisions import Decision, DecisionTable, Fallback, Installed, Pending, SpecializationError, not_yet
 from .install import check_fused
@@ -150,7 +150,8 @@ def outside_abi(op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str | 
 class Runtime:
     def __init__(self, settings: RuntimeSettings | None = None, *, cache: KernelCache | None = None,
                  specializer: Specializer | None = None, installer: Installer | None = None,
-                 interim_installer: Installer | None = None, devices: tuple[str, ...] = ("cuda",)):
+                 interim_installer: Installer | None = None, devices: tuple[str, ...] = ("cuda",),
+                 class_installer: Callable | None = None):
         self.settings = settings or RuntimeSettings()
         self._cache = cache
         self.specializer = specializer or default_specializer(self.settings)
@@ -159,7 +160,11 @@ class Runtime:
         # custom installer has none unless one is given
         self.interim_installer = interim_installer or (nvrtc_installer if installer is None else None)
         self.fused_installer = fused_installer
+        # a decided class's kernel as a launch on any pattern of the class: class_installer(entry)
+        self.class_installer = class_installer or classes.sized_installer
         self.devices = devices
+        self._classes = classes.ClassTable()  # young patterns' classes (jit/classes.py)
+        self._arches: dict = {}  # device -> architecture name, for class keys
         # one record per (pattern, op, n, dtype): what serves it, read by every door
         self._decisions = DecisionTable(_invalidator(self))
         self._executor: ThreadPoolExecutor | None = None
@@ -180,10 +185,12 @@ class Runtime:
         # a TransientFailure; kernels served from their NVRTC build while their library was built
         # calls served by cuSPARSE before their product was admitted (unadmitted: before its
         # admit_calls-th call; young: its pattern younger than admit_age_s); products not queued
-        # because the queue was full
+        # because the queue was full; calls of young patterns served by their class's kernel (also
+        # counted as installed calls) and classes decided (served or refused)
         self._stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
                        "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0,
-                       "interim_installs": 0, "unadmitted_calls": 0, "young_calls": 0, "dropped": 0}
+                       "interim_installs": 0, "unadmitted_calls": 0, "young_calls": 0, "dropped": 0,
+                       "class_calls": 0, "class_decisions": 0}
 
     @property
     def stats(self) -> dict:
@@ -228,7 +235,11 @@ class Runtime:
             state = self._resolve(op, n, pattern, crow, col, val.dtype)
         if state.__class__ is Installed:
             return self.launch(state.launch, crow, col, val, X)
-        if state.__class__ is Fallback and self.settings.strict and not state.decided:
+        if state.__class__ is classes.Served:
+            out = self._launch_class(state.launch, crow, col, val, X)
+            if out is not None:
+                return out
+        elif state.__class__ is Fallback and self.settings.strict and not state.decided:
             raise SpecializationError(f"sparserl runtime: {op} n={n} {DTYPE_NAMES[val.dtype]}: {state.reason}")
         self._stats["fallback_calls"] += 1
         return None
@@ -243,6 +254,20 @@ class Runtime:
             val = val.clone(memory_format=torch.contiguous_format)
         self._stats["installed_calls"] += 1
         return launch(crow, col, val, X, *epilogue)
+
+    def _launch_class(self, launch: Callable, crow, col, val: torch.Tensor, X: torch.Tensor) -> torch.Tensor | None:
+        """A young pattern's product by its class's kernel (operands made contiguous and aligned
+        as :meth:`launch` makes them), or None where the launch declines it."""
+        if not X.is_contiguous() or X.data_ptr() % 16:
+            X = X.clone(memory_format=torch.contiguous_format)
+        if not val.is_contiguous() or val.data_ptr() % 16:
+            val = val.clone(memory_format=torch.contiguous_format)
+        out = launch(crow, col, val, X)
+        if out is not None:
+            stats = self._stats
+            stats["installed_calls"] += 1
+            stats["class_calls"] += 1
+        return out
 
     # ------------------------------------------------------------------ fused epilogues
     def call_fused(self, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
@@ -369,6 +394,9 @@ class Runtime:
         decisions wait (unless ``admitted``: compile time), not yet
         (:func:`~torch_sparserl.jit.decisions.not_yet`: cuSPARSE serves, the next call asks again)."""
         if not admitted and self.young(pattern):
+            served = self._class_state(op, n, pattern, crow, col, dtype) if self.settings.class_after else None
+            if served is not None:
+                return served
             self._stats["young_calls"] += 1
             return not_yet()  # nothing recorded: a pattern of one training step leaves no trace
         with self._lock, self._clock("jit_s"):
@@ -402,6 +430,89 @@ class Runtime:
             log.info("sparserl: %s n=%d %s: deciding in the background; cuSPARSE serves meanwhile",
                      op, n, DTYPE_NAMES[dtype])
             return state
+
+    # ------------------------------------------------------------------ classes (jit/classes.py)
+    def _class_state(self, op, n, pattern, crow, col, dtype) -> classes.Served | None:
+        """The state serving a young pattern's call: its class's kernel, or None (cuSPARSE). The
+        call is counted for its class, whose decision starts in the background once
+        ``class_after`` of its patterns have been met."""
+        device = col.device
+        arch = self._arches.get(device)
+        if arch is None:
+            arch = self._arches[device] = _device_arch(device)
+        dtype_name = DTYPE_NAMES.get(dtype)
+        key = None if dtype_name is None else classes.key_of(op, n, dtype_name, pattern, arch, self.policy_id)
+        if key is None:
+            return None
+        met = self._classes.meet(key, pattern, crow, col, self.settings.class_after)
+        if met is None or met.__class__ is classes.Served:
+            return met
+        log.info("sparserl: %s n=%d %s: deciding the class %s of young patterns in the background",
+                 op, n, dtype_name, key.pattern)
+        self._in_background(self._decide_class, met, dtype)
+        return None
+
+    def _decide_class(self, record: classes.ClassRecord, dtype: torch.dtype):
+        """Decide a class (the background thread): its kernel from the cache, or searched on the
+        latest of its kept patterns; built; checked on the others. The record's state is set to
+        the outcome: Served, or Fallback (refused). A search that failed for the device's state
+        sets the class back to counting."""
+        from ..evaluate.record import TransientFailure
+
+        key = record.key
+        kept = list(record.kept)
+        pattern, crow, col = kept[-1]
+        checks = kept[:-1][-classes.CHECKS:] or kept[-1:]
+        try:
+            with _on_device(col):
+                if col.is_cuda:  # the kept patterns' indices were sent on the caller's streams
+                    torch.cuda.synchronize(col.device)
+                entry = self.cache.get(key)
+                if entry is None:
+                    with self._specialize_lock:
+                        entry = self.cache.get_or_create(key, lambda k: self._search(k, crow, col, pattern.ncols))
+                    self._arm_idle_stop()
+                if entry.spec_source is None:
+                    state = Fallback(key, f"no class kernel: {entry.reason}", decided=True)
+                else:
+                    prebuild = getattr(self.specializer, "prebuild", None)
+                    if prebuild is not None:
+                        try:
+                            with self._specialize_lock:
+                                prebuild(entry, key.arch)
+                        except Exception as exc:  # noqa: BLE001 - the installer builds it here instead
+                            log.info("sparserl: building the class kernel in the sandbox's worker failed (%s)", exc)
+                    if self._closing:
+                        raise _ShuttingDown("the process exits")
+                    launch = self.class_installer(entry)
+                    for other, other_crow, other_col in checks:
+                        classes.check(launch, other, other_crow, other_col, key.op, key.n, dtype)
+                    state = classes.Served(key, launch, f"{entry.family}{entry.params} for the class {key.pattern}",
+                                           f"{entry.reason}; checked on {len(checks)} more pattern(s)", entry)
+        except TransientFailure as exc:
+            log.warning("sparserl: the class %s was not decided (%s); it is counted again", key.pattern, exc)
+            self._classes.settle(record, None, recount=True)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a class that fails is cuSPARSE's
+            state = Fallback(key, f"class {key.pattern} refused: {type(exc).__name__}: {exc}")
+            if not self._closing:
+                log.warning("sparserl: %s n=%d %s: %s", key.op, key.n, key.dtype, state.reason)
+        self._classes.settle(record, state)
+        self._stats["class_decisions"] += 1
+        if state.__class__ is classes.Served:
+            log.info("sparserl: %s n=%d %s: young patterns of the class %s -> %s (%s)", key.op, key.n, key.dtype,
+                     key.pattern, state.description, state.reason)
+        return state
+
+    def classes(self) -> list[tuple[SpecializationKey, str]]:
+        """The classes met so far: each one's key and what serves it."""
+        out = []
+        for record in self._classes.records():
+            state = record.state
+            what = (f"counting ({record.seen} patterns met)" if state is None else
+                    "deciding" if state.__class__ is Pending else self.describe(state))
+            out.append((record.key, what))
+        return out
 
     def _decide_counted(self, *args):
         """:meth:`_decide` in the background thread, counted while it waits and runs (the queue's bound)."""
@@ -744,6 +855,7 @@ class Runtime:
     def close(self) -> None:
         """Stop the background thread and the specializer's worker process."""
         self.invalidate()
+        self._classes.clear()
         with self._lock:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()

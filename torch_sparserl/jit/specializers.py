@@ -23,6 +23,7 @@ import logging
 import torch
 
 from ..config import JitOptions
+from . import classes
 from .cache import CacheEntry
 from .decisions import SpecializationError
 from .install import entry_spec
@@ -55,19 +56,23 @@ class autotune_specializer:  # noqa: N801 - used like a function
         arguments naming it (its fingerprint, for the sandbox) and its features once known, so
         that the keys of one pattern (A and its n's) do not copy or recompute them."""
         kept = self._matrix
-        if kept is not None and kept[0] == key.pattern:
-            matrix = kept[1]
+        if kept is not None and kept[0] == key.pattern and not classes.is_class(key):
+            matrix, name = kept[1], key.pattern
         else:
             matrix = (*host_indices(crow, col, ncols), (crow.numel() - 1, ncols))
-            self._matrix = (key.pattern, matrix)
-        if key.pattern not in self._features:
+            name = key.pattern
+            if classes.is_class(key):  # the class's pattern searched on: named by its own hash
+                from ..pattern.fingerprint import pattern_hash
+
+                name = pattern_hash(matrix[0], matrix[1], ncols)
+            self._matrix = (name, matrix)
+        if name not in self._features:
             from ..pattern.features import structural_features
 
             while len(self._features) >= self._FEATURES_KEPT:
                 self._features.pop(next(iter(self._features)))
-            self._features[key.pattern] = structural_features(*matrix)
-        return matrix, {"sandbox": self.sandbox, "features": self._features[key.pattern],
-                        "matrix_key": key.pattern}
+            self._features[name] = structural_features(*matrix)
+        return matrix, {"sandbox": self.sandbox, "features": self._features[name], "matrix_key": name}
 
     @property
     def sandbox(self):
@@ -82,7 +87,10 @@ class autotune_specializer:  # noqa: N801 - used like a function
         from ..specialize.autotune import tune
 
         matrix, known = self._problem(key, crow, col, ncols)
-        result = tune(matrix, op=key.op, n=key.n, dtype=key.dtype, budget_s=self.settings.budget_s, **known)
+        # a class's kernel serves patterns it was not searched on: pattern-free candidates only
+        only = classes.accepts if classes.is_class(key) else None
+        result = tune(matrix, op=key.op, n=key.n, dtype=key.dtype, budget_s=self.settings.budget_s, only=only,
+                      **known)
         return self._entry(key, result, f"{result.screened}/{result.candidates} candidates screened in "
                                         f"{result.elapsed_s:.1f} s", "candidate")
 
@@ -183,7 +191,8 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
             self._load(device).load()
 
     def __call__(self, key: SpecializationKey, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> CacheEntry:
-        if self.unavailable is not None or key.op not in POLICY_OPS:
+        if self.unavailable is not None or key.op not in POLICY_OPS or classes.is_class(key):
+            # the policy writes kernels for one pattern; a class's are the autotuner's pattern-free ones
             return super().__call__(key, crow, col, ncols)
         from ..specialize.policy.propose import policy_tune
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,8 +99,10 @@ def _pattern_arrays(matrix):
     return rowptr.astype(np.int32), col.astype(np.int32), (int(shape[0]), int(shape[1]))
 
 
-def candidates(op: str, n: int, dtype: str, features: dict, families: list[str] | None = None) -> list[KernelSpec]:
-    """Render the families' parameter space for this problem (deduplicated by source)."""
+def candidates(op: str, n: int, dtype: str, features: dict, families: list[str] | None = None,
+               only: Callable[[KernelSpec], bool] | None = None) -> list[KernelSpec]:
+    """Render the families' parameter space for this problem (deduplicated by source);
+    ``families`` and ``only`` (a test of the rendered spec) narrow it."""
     from . import families as fam
 
     specs: dict[str, KernelSpec] = {}
@@ -107,7 +110,8 @@ def candidates(op: str, n: int, dtype: str, features: dict, families: list[str] 
         if families is not None and family not in families:
             continue
         spec = fam.render(family, params, op=op, dtype=dtype, n=n)
-        specs.setdefault(spec.key, spec)
+        if only is None or only(spec):
+            specs.setdefault(spec.key, spec)
     return list(specs.values())
 
 
@@ -134,13 +138,14 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
          top_k: int = DEFAULT_TOP_K, sandbox: Sandbox | None = None, families: list[str] | None = None,
          screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
          timeout_s: float = 60.0, progress=None, features: dict | None = None,
-         matrix_key: str | None = None) -> TuneResult:
+         matrix_key: str | None = None, only: Callable[[KernelSpec], bool] | None = None) -> TuneResult:
     """Search the kernel space for the fastest correct kernel of ``op`` on ``matrix``.
 
     ``progress(done, total)`` is called after each screened candidate, if given.
     ``features`` (:func:`~torch_sparserl.pattern.features.structural_features`) and ``matrix_key`` (a
     hash naming the pattern, as :func:`~torch_sparserl.pattern.fingerprint.pattern_hash`) may be
-    passed when known; they are computed otherwise.
+    passed when known; they are computed otherwise. ``only``: screen only the candidates it
+    accepts (class kernels take :func:`~torch_sparserl.toolchain.kernel.pattern_free` plans).
     """
     if op not in ("spmm", "spmv", "sddmm"):
         raise ValueError(f"tune: op must be 'spmm', 'spmv' or 'sddmm' (got {op!r})")
@@ -154,7 +159,7 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
     box = Sandbox() if own else sandbox
     try:
         rowptr, col, shape, features, key = _problem(matrix, box, features, matrix_key)
-        specs = candidates(op, n, dtype, features, families)
+        specs = candidates(op, n, dtype, features, families, only)
         result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None,
                             candidates=len(specs))
         screened: list[tuple[EvalRecord, KernelSpec]] = []

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..abi import KernelSpec, operand_shapes
+from ..abi import MAX_SMEM_BYTES, KernelSpec, operand_shapes
 from ..abi.prepare import Prepared
 from .driver import pack_params
 from .errors import LaunchError
@@ -172,4 +172,76 @@ class BoundKernel:
                 self._epilogue[1].value = scale.data_ptr() if scale is not None else 0
             grid, block, smem = self._geometry
             self.kernel._launch(grid, block, smem, stream, self._params)
+        return y
+
+
+def pattern_free(plan) -> bool:
+    """Whether a plan's kernel takes nothing from the pattern but its sizes: natural row order,
+    no split, no plan data and no workspace, no epilogue. Such a kernel serves any pattern of
+    its (op, dtype, n) without preparation (:class:`SizedKernel`)."""
+    return (plan.rows == "natural" and plan.split == "none" and plan.work.text.strip() == "0"
+            and plan.epilogue == "none")
+
+
+class SizedKernel:
+    """A :func:`pattern_free` kernel launched on any pattern: the sizes and the launch geometry
+    are read from the operands at each call (the plan's expressions over ``rows cols nnz n``),
+    not bound once as :class:`BoundKernel` binds them.
+
+    ``__call__(rowptr, col, val, x, stream, y=None)`` launches on ``stream`` and returns ``y``
+    (allocated when not given; zeroed when the plan says ``init=zero``), or None where the
+    geometry is out of the kernel's range (the caller's other path serves). The caller guarantees
+    the operands as for :class:`BoundKernel`: int32 indices of a validated pattern, ``val`` and
+    ``x`` contiguous, of the plan's dtype, on the current device, with ``x`` 16-byte aligned.
+    """
+
+    __slots__ = ("kernel", "_slots", "_ints", "_params", "_lock", "_shape_of", "_spmv")
+
+    def __init__(self, kernel: Kernel):
+        plan = kernel.plan
+        _expect(pattern_free(plan), f"the plan of {kernel.spec.describe()} needs data of its pattern")
+        self.kernel = kernel
+        self._slots = [ctypes.c_void_p(0) for _ in range(7)]  # rowptr col val x y aux work
+        self._ints = [ctypes.c_int(0) for _ in range(5)]  # rows cols n nnz parts
+        self._params = pack_params(self._slots + self._ints)
+        self._lock = threading.Lock()
+        self._spmv = plan.op == "spmv"
+        _expect(plan.op in ("spmm", "spmv"), f"sized launches take spmm and spmv plans (got {plan.op})")
+
+    def geometry(self, rows: int, cols: int, nnz: int, n: int) -> tuple[int, int] | None:
+        """(grid, smem) of a launch on these sizes, or None where they are out of range."""
+        plan = self.kernel.plan
+        if max(rows, cols, nnz, n) >= 2**31 or (plan.n is not None and plan.n != n):
+            return None
+        env = {"rows": rows, "cols": cols, "nnz": nnz, "n": n, "parts": 0, "hubs": 0}
+        grid, smem = plan.grid.evaluate(env), plan.smem.evaluate(env)
+        if not 0 <= grid < 2**31 or not 0 <= smem <= MAX_SMEM_BYTES or plan.block > self.kernel.max_threads:
+            return None
+        return grid, smem
+
+    def __call__(self, rowptr, col, val, x, stream: int, y: torch.Tensor | None = None) -> torch.Tensor | None:
+        rows, nnz, cols = rowptr.shape[0] - 1, col.shape[0], x.shape[0]
+        n = 1 if self._spmv else x.shape[1]
+        geometry = self.geometry(rows, cols, nnz, n)
+        if geometry is None:
+            return None
+        plan = self.kernel.plan
+        if y is None:
+            shape = (rows,) if self._spmv else (rows, n)
+            y = x.new_zeros(shape) if plan.init == "zero" else x.new_empty(shape)
+        elif plan.init == "zero":
+            y.zero_()
+        grid, smem = geometry
+        if grid == 0:
+            return y
+        with self._lock:
+            slots, ints = self._slots, self._ints
+            slots[0].value = rowptr.data_ptr()
+            slots[1].value = col.data_ptr()
+            slots[2].value = val.data_ptr() if nnz else 0
+            slots[3].value = x.data_ptr() if x.numel() else 0
+            slots[4].value = y.data_ptr()
+            for slot, value in zip(ints, (rows, cols, n, nnz, 0)):
+                slot.value = value
+            self.kernel._launch(grid, plan.block, smem, stream, self._params)
         return y
