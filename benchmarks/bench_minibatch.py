@@ -12,6 +12,9 @@ drift of the host's speed over the run reaches them alike:
 * ``sparserl`` — ``ts.csr(A_i, device=...) @ X`` in eager code (the indices checked on the host),
   at the runtime's settings (``--admit-calls``);
 * ``sparserl_compiled`` — the same model under ``torch.compile(backend="sparserl", dynamic=True)``;
+* ``sparserl_classes`` — ``sparserl`` with class kernels on (``jit.class_after``, ``--class-after``):
+  after that many young patterns of a class, one kernel decided in the background serves the
+  class's new patterns (``torch_sparserl.jit.classes``);
 * ``pyg`` — PyG's ``SAGEConv`` on ``edge_index`` (gather + scatter), where PyG is installed.
 
 Per way: each epoch's wall time (the first includes compiles and decisions), the losses (equal
@@ -43,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SCHEMA = "torch_sparserl.bench_minibatch/1"
-WAYS = ("torch", "sparserl", "sparserl_compiled", "pyg")
+WAYS = ("torch", "sparserl", "sparserl_classes", "sparserl_compiled", "pyg")
 
 
 def rss_mb() -> float:
@@ -177,6 +180,8 @@ class WayRun:
         changes = {name: value for name, value in (("admit_calls", args.admit_calls),
                                                      ("admit_age_s", getattr(args, "admit_age_s", None)))
                    if value is not None}
+        if way == "sparserl_classes":
+            changes["class_after"] = getattr(args, "class_after", 16)
         self.runtime = rt.Runtime(rt.config.from_environment().jit.replace("bench_minibatch", **changes),
                                   cache=KernelCache(tempfile.mkdtemp(prefix=f"sparserl-minibatch-{way}-")))
         self.rss_growth, self.graphs = 0.0, 0  # over this way's epochs
@@ -235,7 +240,9 @@ class WayRun:
                 return {"status": "skipped", "error": self.error}
             entries = self.runtime.cache.entries()
             stats = {k: v for k, v in self.runtime.stats.items() if isinstance(v, (int, float))}
-            return {"status": "ok", "epoch_s": self.epochs, "losses": self.losses, "runtime": stats,
+            decided = [{"class": key.pattern, "op": key.op, "n": key.n, "dtype": key.dtype, "served_by": what}
+                       for key, what in self.runtime.classes()]
+            return {"status": "ok", "epoch_s": self.epochs, "losses": self.losses, "runtime": stats, "classes": decided,
                     "cache_entries": len(entries), "cache_bytes": sum(p.stat().st_size for p in entries),
                     "rss_growth_mb": self.rss_growth, "graphs": self.graphs,
                     "host_ms_per_step": self.breakdown.per_step(len(self.batches)) if self.breakdown is not None
@@ -331,6 +338,7 @@ def summary(doc: dict) -> list[dict]:
                      "unadmitted_calls": result["runtime"].get("unadmitted_calls", 0)
                      + result["runtime"].get("young_calls", 0),
                      "dropped": result["runtime"].get("dropped", 0),
+                     "class_calls": result["runtime"].get("class_calls", 0),
                      "cache_entries": result["cache_entries"], "cache_kb": result["cache_bytes"] / 1024,
                      "rss_growth_mb": result["rss_growth_mb"], "graphs": result["graphs"]})
     return rows
@@ -351,12 +359,13 @@ def markdown(doc: dict) -> str:
              + "First epoch: the median over the rounds (each listed); steady: the median of the later epochs. "
              "The other columns are the first round's.", "",
              "| way | first epoch s | first epochs s | steady epoch s | vs torch first / steady | loss diff | "
-             "kernels | calls before admission | not queued | cache entries (kB) | RSS growth MB | graphs compiled |",
-             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "kernels | calls before admission | calls by class kernels | not queued | cache entries (kB) | "
+             "RSS growth MB | graphs compiled |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     torch_row = next((r for r in doc["summary"] if r["way"] == "torch" and r["status"] == "ok"), None)
     for row in doc["summary"]:
         if row["status"] != "ok":
-            lines.append(f"| {row['way']} | {row['status']}: {html.escape(str(row.get('error'))[:80])} ||||||||||| ")
+            lines.append(f"| {row['way']} | {row['status']}: {html.escape(str(row.get('error'))[:80])} |||||||||||| ")
             continue
         steady = "–" if row["steady_epoch_s"] is None else f"{row['steady_epoch_s']:.3f}"
         firsts = ", ".join(f"{t:.3f}" for t in row.get("first_epochs_s", [row["first_epoch_s"]]))
@@ -367,7 +376,7 @@ def markdown(doc: dict) -> str:
                 and torch_row["steady_epoch_s"] else "–")
         lines.append(f"| {row['way']} | {row['first_epoch_s']:.3f} | {firsts} | {steady} | {versus} | "
                      f"{row['loss_max_diff']:.1e} | "
-                     f"{row['installs']} | {row['unadmitted_calls']} | {row['dropped']} | "
+                     f"{row['installs']} | {row['unadmitted_calls']} | {row.get('class_calls', 0)} | {row['dropped']} | "
                      f"{row['cache_entries']} ({row['cache_kb']:.0f}) | {row['rss_growth_mb']:.0f} | {row['graphs']} |")
     for way, result in doc["ways"].items():
         parts = result.get("host_ms_per_step")
@@ -376,6 +385,12 @@ def markdown(doc: dict) -> str:
             lines += ["", f"Host ms per step of the last epoch in the library's per-pattern work, {way} "
                           f"(calls per step){where}:", ""]
             lines += [f"- {label}: {v['ms']:.3f} ({v['calls']:g})" for label, v in parts.items()]
+    for way, result in doc["ways"].items():
+        if result.get("classes"):
+            lines += ["", f"Classes of young patterns met by {way} (the first round's; the background thread "
+                          f"spent {result['runtime'].get('background_s', 0):.1f} s deciding):", ""]
+            lines += [f"- `{c['class']}` {c['op']} n={c['n']} {c['dtype']}: {html.escape(c['served_by'])}"
+                      for c in result["classes"]]
     lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
     return "\n".join(lines) + "\n"
 
@@ -432,6 +447,8 @@ def main(argv=None) -> int:
                              "(torch_sparserl.data.prefetch) while the current one trains")
     parser.add_argument("--admit-calls", type=int, help="the runtime's jit.admit_calls (default: its setting)")
     parser.add_argument("--admit-age-s", type=float, help="the runtime's jit.admit_age_s (default: its setting)")
+    parser.add_argument("--class-after", type=int, default=16,
+                        help="the sparserl_classes way's jit.class_after (default: 16)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the library's per-pattern host work in the sparserl ways")
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")

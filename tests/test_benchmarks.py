@@ -462,3 +462,22 @@ def test_bench_churn_keeps_the_state_of_many_patterns_bounded(tmp_path):
     assert doc["result"]["runtime"]["installs"] == 31  # every pattern decided (and the warm-up's)
     assert all(p["lock_files"] <= 256 for p in doc["result"]["points"])
     assert "within the cap at every checkpoint" in out.with_suffix(".md").read_text()
+
+
+def test_bench_classes_markdown_and_refusal_without_a_gpu(monkeypatch):
+    classes_bench = load_benchmark("bench_classes")
+    doc = {"env": {"gpu": "H100"}, "runs": [{"command": "python benchmarks/bench_classes.py", "started": "now"}],
+           "setup": {"graph": "dblp-2010", "batch_size": 1024, "fanouts": [10, 5], "batches": 40,
+                     "mean_rows": 11400.0, "mean_nnz": 20000.0},
+           "widths": [{"n": 128, "host_us": {"torch": 30.0, "young": 50.0, "class": 52.0},
+                       "gpu_us": {"torch": 21.0, "young": 21.0, "class": 5.25}, "class_calls": 120,
+                       "decision_wait_s": 4.0, "max_abs_diff": 2e-7,
+                       "classes": [{"class": "class-v1-r14-c14-m1", "op": "spmm", "n": 128,
+                                    "served_by": "installed: group_row"}]}]}
+    text = classes_bench.markdown(doc)
+    assert "| 128 | 30.0 / 50.0 / 52.0 | 21.0 / 21.0 / 5.2 | 4.00× | 120 | 4.0 | 2.0e-07 |" in text
+    assert "`class-v1-r14-c14-m1` spmm n=128: installed: group_row" in text
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        classes_bench.main(["--out", "/nonexistent/x.json"])
