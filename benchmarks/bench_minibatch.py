@@ -389,7 +389,7 @@ def markdown(doc: dict) -> str:
         if result.get("classes"):
             lines += ["", f"Classes of young patterns met by {way} (the first round's; the background thread "
                           f"spent {result['runtime'].get('background_s', 0):.1f} s deciding):", ""]
-            lines += [f"- `{c['class']}` {c['op']} n={c['n']} {c['dtype']}: {html.escape(c['served_by'])}"
+            lines += [f"- `{c['class']}` {c['op']} n={c['n']} {c['dtype']}: {html.escape(c['served_by'], quote=False)}"
                       for c in result["classes"]]
     lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
     return "\n".join(lines) + "\n"
