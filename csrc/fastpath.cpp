@@ -25,12 +25,19 @@
 // Nothing here decides or validates a pattern: an entry only repeats what the Python path did
 // for the same operands. The registry is emptied whenever the runtime changes.
 //
+// Young patterns: a pattern this library staged itself (stage_csr: host arrays checked on their
+// private copy), which the runtime leaves to cuSPARSE while it is younger than its admission age
+// (jit.admit_age_s), is served here by cuSPARSE on its own arrays (cusparse_once) until that age,
+// with no Python: the products of a sampled mini-batch. Its first transposed product too, through
+// cuSPARSE's transpose operation, as the Python path would (ops: _transposed_once).
+//
 // Built by torch.utils.cpp_extension (C++ against the CUDA runtime API: kernels are launched
 // through the C launchers of the libraries torch_sparserl.toolchain.inline builds, or as driver
 // functions (CUfunction) of NVRTC builds; no CUDA code is compiled here).
 
 #include <Python.h>
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -148,7 +155,7 @@ struct Entry {
 
 std::mutex registry_lock;
 std::vector<std::shared_ptr<Entry>> registry;
-at::Tensor counters;  // int64 (2,), CPU: calls served by a kernel, by cuSPARSE (read by Python)
+at::Tensor counters;  // int64 (3,), CPU: calls served by a kernel, by cuSPARSE, and of those young patterns' (read by Python)
 
 ImplPtr weak_of(const at::Tensor& t) { return ImplPtr(t.getIntrusivePtr()); }
 
@@ -210,6 +217,90 @@ std::shared_ptr<Entry> find(int64_t op, const at::Tensor& crow, const at::Tensor
     return e;
   }
   return nullptr;
+}
+
+// ------------------------------------------------------------------ young patterns
+
+// A pattern stage_csr made, served by cuSPARSE from here until its deadline (its admission age).
+struct Young {
+  std::optional<ImplPtr> crow, col;  // weak: identity only
+  c10::TensorImpl* crow_raw = nullptr;
+  c10::TensorImpl* col_raw = nullptr;
+  int64_t crow_version = 0, col_version = 0, ncols = 0;
+  std::chrono::steady_clock::time_point deadline;
+  bool transposed_done = false;  // its first transposed product was served (the next ones go to Python)
+};
+
+constexpr size_t kYoungKept = 256;  // young patterns remembered at most (a loader keeps a few alive)
+std::mutex young_lock;
+std::vector<Young> young;
+std::atomic<size_t> young_size{0};
+
+// Remember a pattern stage_csr just made, for `age_ns` nanoseconds. Caller holds no lock.
+void remember_young(const at::Tensor& crow, const at::Tensor& col, int64_t ncols, int64_t age_ns) {
+  const auto now = std::chrono::steady_clock::now();
+  Young y;
+  y.crow = weak_of(crow);
+  y.col = weak_of(col);
+  y.crow_raw = crow.unsafeGetTensorImpl();
+  y.col_raw = col.unsafeGetTensorImpl();
+  y.crow_version = crow._version();
+  y.col_version = col._version();
+  y.ncols = ncols;
+  y.deadline = now + std::chrono::nanoseconds(age_ns);
+  std::lock_guard<std::mutex> hold(young_lock);
+  // the dead and the old first; then, past the bound, the oldest
+  young.erase(std::remove_if(young.begin(), young.end(),
+                             [&](const Young& o) { return o.deadline <= now || !is_alive(o.crow) || !is_alive(o.col); }),
+              young.end());
+  if (young.size() >= kYoungKept) young.erase(young.begin());
+  young.push_back(std::move(y));
+  young_size.store(young.size(), std::memory_order_relaxed);
+}
+
+void forget_young() {
+  std::lock_guard<std::mutex> hold(young_lock);
+  young.clear();
+  young_size.store(0, std::memory_order_relaxed);
+}
+
+#if SPARSERL_CUSPARSE
+std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
+                                        int64_t ncols, const at::Tensor& X_in, bool transposed);
+#endif
+
+// The call of a young pattern served by cuSPARSE, or nothing: not a young pattern's (another
+// tensor, written since it was staged, past its deadline, another ncols), an op or operands
+// cusparse_once does not take, a transposed product after the first, or one under deterministic
+// algorithms (cuSPARSE's transposed products may differ in the last bits from run to run).
+std::optional<at::Tensor> young_hit(int64_t op, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
+                                    int64_t ncols, const at::Tensor& X) {
+#if SPARSERL_CUSPARSE
+  if (young_size.load(std::memory_order_relaxed) == 0 || op == SDDMM) return std::nullopt;
+  const bool transposed = op == SPMM_T || op == SPMV_T;
+  if (X.dim() != ((op == SPMM || op == SPMM_T) ? 2 : 1) || !X.is_cuda() || crow.is_inference() ||
+      col.is_inference() || (transposed && at::globalContext().deterministicAlgorithms()))
+    return std::nullopt;
+  {
+    std::lock_guard<std::mutex> hold(young_lock);
+    auto found = std::find_if(young.begin(), young.end(), [&](const Young& y) {
+      return y.crow_raw == crow.unsafeGetTensorImpl() && y.col_raw == col.unsafeGetTensorImpl();
+    });
+    if (found == young.end() || found->ncols != ncols || std::chrono::steady_clock::now() >= found->deadline ||
+        !is_alive(found->crow) || !is_alive(found->col) || crow._version() != found->crow_version ||
+        col._version() != found->col_version || (transposed && found->transposed_done))
+      return std::nullopt;
+    if (transposed) found->transposed_done = true;
+  }
+  auto out = cusparse_once(crow, col, val, ncols, X, transposed);
+  if (out) {
+    count(1);  // a cuSPARSE call, and a young one: as the runtime counts a young call it leaves to cuSPARSE
+    count(2);
+  }
+  return out;
+#else
+  return std::nullopt;
+#endif
 }
 
 #if SPARSERL_CUSPARSE
@@ -557,7 +648,7 @@ std::optional<at::Tensor> hit(int64_t op, const at::Tensor& crow, const at::Tens
       e = find(op, crow, col, val, ncols, X);
     }
   }
-  if (!e) return std::nullopt;
+  if (!e) return young_hit(op, crow, col, val, ncols, X);
   // the values in the transposed order, gathered on every call (Pattern.transposed_values):
   // values are read as they are, and no counter says reliably whether they changed
   if (op == SPMM_T || op == SPMV_T) return serve(*e, crow, col, at::index_select(val, 0, e->perm), X);
@@ -787,10 +878,11 @@ bool copy_checked(const I* crow, const I* col, I* out, int64_t rows, int64_t nnz
 // inputs over as views it makes, which the pattern cache does not know). The values, when given,
 // are copied to pinned memory and sent the same way: no later write to the caller's arrays
 // reaches the device. Nothing (an empty list) where this does not apply or a check fails: the
-// caller's Python path then converts, copies, checks and names what is wrong.
+// caller's Python path then converts, copies, checks and names what is wrong. young_ns > 0: the
+// pattern is young for that long (remember_young).
 std::vector<at::Tensor> stage_csr(const at::Tensor& crow_in, const at::Tensor& col_in,
                                   const std::optional<at::Tensor>& val_in, int64_t nrows, int64_t ncols,
-                                  at::Device device) {
+                                  at::Device device, int64_t young_ns) {
   const auto index = crow_in.scalar_type();
   if (!device.is_cuda() || !crow_in.device().is_cpu() || !col_in.device().is_cpu() || crow_in.dim() != 1 ||
       col_in.dim() != 1 || col_in.scalar_type() != index || (index != at::kInt && index != at::kLong) ||
@@ -817,6 +909,10 @@ std::vector<at::Tensor> stage_csr(const at::Tensor& crow_in, const at::Tensor& c
   crow_out.copy_(staged.narrow(0, 0, offset), /*non_blocking=*/true);
   col_out.copy_(staged.narrow(0, offset, nnz), /*non_blocking=*/true);
   std::vector<at::Tensor> out{crow_out, col_out};
+  // young: served by cuSPARSE from here for young_ns (the runtime's admission age), unless it has
+  // more nonzeros than positions (cuSPARSE refuses those; Python multiplies their dense form)
+  if (young_ns > 0 && static_cast<__int128>(nnz) <= static_cast<__int128>(nrows) * ncols)
+    remember_young(crow_out, col_out, ncols, young_ns);
   if (val_in) {
     at::Tensor values = at::empty({nnz}, val_in->options().pinned_memory(true));
     values.copy_(*val_in);
@@ -874,6 +970,7 @@ std::vector<double> host_costs_us(const at::Tensor& like, int64_t calls) {
 }
 
 void forget() {
+  forget_young();
   std::vector<std::shared_ptr<Entry>> dropped;
   std::lock_guard<std::mutex> hold(registry_lock);
   dropped.swap(registry);
@@ -887,8 +984,8 @@ int64_t entries() {
 }
 
 void bind_counters(const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.numel() == 2 && t.is_contiguous(),
-              "sparserl_fastpath.bind_counters: expected 2 contiguous int64 CPU values");
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.numel() == 3 && t.is_contiguous(),
+              "sparserl_fastpath.bind_counters: expected 3 contiguous int64 CPU values");
   std::lock_guard<std::mutex> hold(registry_lock);
   counters = t;
 }
@@ -1002,7 +1099,9 @@ TORCH_LIBRARY(sparserl_fastpath, m) {
 #endif
         });
   // host CSR arrays to a CUDA device, the indices checked as they are copied; [] where it cannot
-  m.def("stage_csr(Tensor crow, Tensor col, Tensor? val, int nrows, int ncols, Device device) -> Tensor[]", &stage_csr);
+  m.def("stage_csr(Tensor crow, Tensor col, Tensor? val, int nrows, int ncols, Device device, int young_ns=0) -> "
+        "Tensor[]", &stage_csr);
+  m.def("young_patterns() -> int", [] { return static_cast<int64_t>(young_size.load(std::memory_order_relaxed)); });
   m.def("bind_counters(Tensor counters) -> ()", &bind_counters);
 }
 

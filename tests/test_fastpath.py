@@ -351,14 +351,16 @@ def test_ts_csr_takes_the_short_path_for_host_triples_bound_for_cuda(monkeypatch
     crow, col, val = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32), torch.ones(2)
     calls, answer = [], {}
 
-    def stage(c, k, v, nrows, ncols, device):
+    def stage(c, k, v, nrows, ncols, device, young_ns=0):
         calls.append((c is crow, k is col, v is val, nrows, ncols, str(device)))
+        answer["young_ns"] = young_ns
         return answer["out"]
 
     monkeypatch.setattr(fastpath, "stage_csr", stage)
     answer["out"] = [crow.clone(), col.clone(), val.clone()]
     A = ts.csr((crow, col, val), (np.int64(2), 3), device="cuda")
     assert calls == [(True, True, True, 2, 3, "cuda")] and tuple(A.shape) == (2, 3)
+    assert answer["young_ns"] == fastpath.young_ns(rt.active())  # young for the active runtime's admission age
     assert [A.crow, A.col, A.val] == answer["out"] and patterns.validated(A.crow, A.col, 3) is not None
     no_gpu = (RuntimeError, AssertionError)  # the general path's .to("cuda") on this CPU-only torch
     for kwargs, parts in (({"dtype": torch.float64}, (crow, col, val)), ({"index_dtype": torch.int64}, (crow, col, val)),
@@ -381,3 +383,31 @@ def test_a_transposed_product_served_without_the_transpose_is_not_recorded(one_o
     A, entry, crow, col, val, G, _ = one_off
     fastpath.record(object(), "spmm_transposed", crow, col, val, A.shape[1], G)  # returns before the runtime
     assert not entry.has_transpose
+
+
+def test_young_patterns_are_left_to_cpp_where_the_runtime_leaves_them_to_cusparse(monkeypatch):
+    """fastpath.young_ns: a staged pattern is young in C++ for the runtime's admission age in
+    background mode, deciding on CUDA, with class kernels off; else 0 (the runtime sees every
+    call). Asking makes the runtime the registry's owner, so that C++'s counts fold into it."""
+    forgotten = []
+    monkeypatch.setattr(fastpath, "_owner", None)
+    monkeypatch.setattr(fastpath, "loaded", False)
+    real = fastpath._forget_locked
+    monkeypatch.setattr(fastpath, "_forget_locked", lambda: forgotten.append(1) or real())
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0.25))
+    try:
+        assert fastpath.young_ns(runtime) == 250_000_000 and fastpath._owner is runtime and forgotten == [1]
+        assert fastpath.young_ns(runtime) == 250_000_000 and forgotten == [1]  # already the owner
+        for settings, devices in (({"mode": "sync"}, ("cuda",)), ({"admit_age_s": 0}, ("cuda",)),
+                                  ({"class_after": 16}, ("cuda",)), ({}, ("cpu",))):
+            other = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0.25).replace("test", **settings),
+                               devices=devices)
+            assert fastpath.young_ns(other) == 0 and fastpath._owner is runtime, settings
+            other.close()
+        fastpath.COUNTS[:] = torch.tensor([0, 5, 3])  # as C++ counts: 5 cuSPARSE calls, 3 of them young
+        stats = runtime.stats
+        assert stats["fallback_calls"] == 5 and stats["young_calls"] == 3
+    finally:
+        fastpath.COUNTS.zero_()
+        fastpath._taken[:] = [0, 0, 0]
+        runtime.close()

@@ -9,6 +9,7 @@ about a minute).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -863,3 +864,66 @@ def test_host_arrays_travel_checked_in_one_pass(poison_uninitialized, monkeypatc
         B = ts.csr(make_pattern("random", seed=10 + seed), dtype=torch.float32, device="cuda")
         step(B, torch.randn(B.shape[1], 8, device="cuda"))
     assert device_checks == []
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_a_staged_young_pattern_is_served_by_cusparse_in_cxx(tmp_path, monkeypatch, poison_uninitialized,
+                                                              index_dtype):
+    """ts.csr's short path, background mode: while the pattern is younger than admit_age_s, C++
+    serves its products (the eager door, the operators, sparserl_fast) and its first transposed
+    product by cuSPARSE, with no call of the Python runtime, right against float64 (outputs
+    NaN-filled where allocated) and counted as young calls. A transposed product under
+    deterministic algorithms or after the first, a write to the indices and the deadline passed
+    go to Python, as does everything with class kernels on."""
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=60.0), cache=KernelCache(tmp_path),
+                         specializer=_specializer)
+    previous = rt.set_active(runtime)
+    asked = []
+    real_call = rt.Runtime.call
+    monkeypatch.setattr(rt.Runtime, "call", lambda self, op, *a: asked.append(op) or real_call(self, op, *a))
+    try:
+        fastpath.forget()
+        M = make_pattern("random", seed=31)
+        crow, col, val = to_parts(M, torch.float32, index_dtype, "cpu")
+        A = ts.csr((crow, col, val), M.shape, device="cuda")
+        assert torch.ops.sparserl_fastpath.young_patterns() == 1
+        ncols = M.shape[1]
+        X = _operand("spmm", M, 16, 0)
+        G = _operand("spmm_transposed", M, 16, 1)
+        before = fastpath.COUNTS.clone()
+        got = {"A @ X": (A @ X, "spmm", X), "A @ x": (A @ X[:, 0].contiguous(), "spmv", X[:, 0]),
+               "sparserl::spmm": (torch.ops.sparserl.spmm(A.crow, A.col, A.val, ncols, X), "spmm", X),
+               "sparserl_fast::spmv": (FAST.spmv(A.crow, A.col, A.val, ncols, X[:, 1].contiguous()), "spmv", X[:, 1])}
+        torch.cuda.synchronize()
+        for name, (out, op, operand) in got.items():
+            assert_close_to_reference(out, _want(op, A.crow, A.col, A.val, ncols, operand), torch.float32), name
+        assert asked == [] and (fastpath.COUNTS - before).tolist() == [0, 4, 4]
+        assert runtime.stats["young_calls"] == 4 and runtime.stats["fallback_calls"] == 4
+        transposed = lambda: FAST.spmm_transposed(A.crow, A.col, A.val, ncols, G)  # noqa: E731
+        want_t = _want("spmm_transposed", A.crow, A.col, A.val, ncols, G)
+        torch.use_deterministic_algorithms(False)  # cuSPARSE's transposed products are not deterministic
+        assert_close_to_reference(transposed(), want_t, torch.float32)  # the first: C++
+        assert (fastpath.COUNTS - before).tolist() == [0, 5, 5]
+        assert_close_to_reference(transposed(), want_t, torch.float32)  # the second: Python's
+        assert (fastpath.COUNTS - before).tolist() == [0, 5, 5]
+        B = ts.csr((crow, col, val), M.shape, device="cuda")
+        B.col.add_(0)  # a write: no longer the pattern C++ staged
+        assert_close_to_reference(B @ X, _want("spmm", B.crow, B.col, B.val, ncols, X), torch.float32)
+        assert asked == ["spmm"] and (fastpath.COUNTS - before).tolist() == [0, 5, 5]
+    finally:
+        rt.set_active(previous)
+        runtime.close()
+    for settings in ({"admit_age_s": 0.05}, {"admit_age_s": 60.0, "class_after": 16}):
+        runtime = rt.Runtime(rt.RuntimeSettings(mode="background", **settings), cache=KernelCache(tmp_path),
+                             specializer=_specializer)
+        previous = rt.set_active(runtime)
+        try:
+            asked.clear()
+            A = ts.csr((crow, col, val), M.shape, device="cuda")
+            time.sleep(0.1)
+            before = fastpath.COUNTS.clone()
+            assert_close_to_reference(A @ X, _want("spmm", A.crow, A.col, A.val, ncols, X), torch.float32)
+            assert asked == ["spmm"] and int((fastpath.COUNTS - before)[2]) == 0, settings
+        finally:
+            rt.set_active(previous)
+            runtime.close()

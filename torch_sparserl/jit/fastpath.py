@@ -19,6 +19,12 @@ invalidation hook (:meth:`Runtime.invalidate <torch_sparserl.jit.runtime.Runtime
 the runtime changes, or a record's pending or installed state is replaced) through
 :func:`forget`.
 
+Young patterns are the exception that C++ serves without any record: a pattern ``ts.csr``
+staged from host arrays (``stage_csr``, which checked them), while it is younger than the
+runtime's admission age (:func:`young_ns`), has its products, and its first transposed product,
+served by cuSPARSE on its own arrays, as the runtime would serve them; the registry's owner
+counts them as young calls. A sampled mini-batch's products then cost no Python at all.
+
 An entry keeps what it serves with (the indices its pattern validated: the pattern's own copy,
 int32 copies or the transposed pattern; plan data), and only weak references to the call's
 own ``crow`` and ``col``, which identify the pattern and are never read: once those die, the entry is dropped at the next recording or when the
@@ -75,20 +81,23 @@ with nothing kept for the pattern (None where cuSPARSE cannot do it there): the 
 products the Python path serves (ops: ``_vendor``, ``_transposed_once``)."""
 
 stage_csr = None
-"""Once the library is loaded, its ``stage_csr(crow, col, val, nrows, ncols, device) -> list[Tensor]``:
-host CSR arrays sent to a CUDA device (``[crow, col]``, then the values if given), the metadata
-checked and the indices checked on their private pinned copy; ``[]`` where it does not apply or a
-check fails (``ts.csr``'s Python path then names the error)."""
+"""Once the library is loaded, its ``stage_csr(crow, col, val, nrows, ncols, device, young_ns=0)
+-> list[Tensor]``: host CSR arrays sent to a CUDA device (``[crow, col]``, then the values if
+given), the metadata checked and the indices checked on their private pinned copy; ``[]`` where
+it does not apply or a check fails (``ts.csr``'s Python path then names the error).
+``young_ns`` > 0 (:func:`young_ns`): the pattern is young that long, and C++ serves its
+products by cuSPARSE meanwhile, as the runtime would, without Python."""
 
-COUNTS = torch.zeros(2, dtype=torch.int64)
-"""Calls the C++ path served with a kernel, with cuSPARSE (the runtime folds them into its stats)."""
+COUNTS = torch.zeros(3, dtype=torch.int64)
+"""Calls the C++ path served with a kernel, with cuSPARSE, and of them young patterns' (the
+runtime folds them into its stats: installed, fallback and young calls)."""
 _COUNTS = COUNTS.numpy()  # shares COUNTS' memory: read without a torch call
 
 _lock = threading.Lock()
 _builder: threading.Thread | None = None
 _failure: str | None = None
 _owner = None  # the runtime whose decisions the registry holds
-_taken = [0, 0]  # COUNTS already folded into _owner's stats
+_taken = [0, 0, 0]  # COUNTS already folded into _owner's stats
 _epoch = 0  # bumped by forget(): a decision's marks (Decision.fast) of an older epoch are stale
 
 
@@ -351,7 +360,8 @@ def _forget_locked() -> None:
         _fold_locked(_owner)
     _owner = None
     _epoch += 1
-    torch.ops.sparserl_fastpath.forget()
+    if loaded:
+        torch.ops.sparserl_fastpath.forget()
 
 
 def forget(runtime=None) -> None:
@@ -365,20 +375,41 @@ def forget(runtime=None) -> None:
 
 
 def _fold_locked(runtime) -> None:
-    kernel, vendor = int(_COUNTS[0]), int(_COUNTS[1])
+    kernel, vendor, young = int(_COUNTS[0]), int(_COUNTS[1]), int(_COUNTS[2])
     runtime._stats["installed_calls"] += kernel - _taken[0]
     runtime._stats["fallback_calls"] += vendor - _taken[1]
-    _taken[0], _taken[1] = kernel, vendor
+    runtime._stats["young_calls"] += young - _taken[2]
+    _taken[0], _taken[1], _taken[2] = kernel, vendor, young
 
 
 def fold(runtime) -> None:
     """Add the calls C++ served since the last fold to ``runtime``'s stats, if its decisions
     are the ones the registry holds."""
     # read without the lock first: nothing to add on most reads (the eager path reads stats per call)
-    if _owner is runtime and runtime is not None and (_COUNTS[0] != _taken[0] or _COUNTS[1] != _taken[1]):
+    if _owner is runtime and runtime is not None and (_COUNTS[0] != _taken[0] or _COUNTS[1] != _taken[1]
+                                                      or _COUNTS[2] != _taken[2]):
         with _lock:
             if _owner is runtime:
                 _fold_locked(runtime)
+
+
+def young_ns(runtime) -> int:
+    """How long (ns) a pattern staged now stays young for ``runtime``, the active one: C++ then
+    serves its products by cuSPARSE meanwhile (``stage_csr``'s ``young_ns``), and counts them
+    into ``runtime``'s stats, which this makes the registry's owner. 0 where the runtime wants to
+    see young calls itself or has none: not background mode, no admission age, class kernels on
+    (``jit.class_after``: it counts a class's patterns), not deciding on CUDA."""
+    global _owner
+    settings = runtime.settings
+    if settings.mode != "background" or not settings.admit_age_s or settings.class_after \
+            or "cuda" not in runtime.devices:
+        return 0
+    if _owner is not runtime:
+        with _lock:
+            if _owner is not runtime:
+                _forget_locked()
+                _owner = runtime
+    return int(settings.admit_age_s * 1e9)
 
 
 def entries() -> int:

@@ -611,7 +611,8 @@ def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
     """:func:`csr`'s short path for host ``(crow, col, val)`` tensors bound for a CUDA device (a
     sampled mini-batch, every step a new pattern): one C++ call checks their metadata and
     indices, copies the indices and sends the three (``fastpath.stage_csr``), and the pattern is
-    registered as validated. None where it does not apply (conversions, autograd on the values,
+    registered as validated. While it is young (``jit.admit_age_s``), C++ serves its products
+    by cuSPARSE (``fastpath.young_ns``). None where it does not apply (conversions, autograd on the values,
     inference mode, a check that fails): :func:`csr`'s general path then converts, checks and
     names what is wrong."""
     crow, col, val = data
@@ -627,7 +628,7 @@ def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
         return None
     if device.type != "cuda":
         return None
-    staged = fastpath.stage_csr(crow, col, val, nrows, ncols, device)
+    staged = fastpath.stage_csr(crow, col, val, nrows, ncols, device, fastpath.young_ns(rt.active()))
     if len(staged) != 3:
         return None
     crow, col, val = staged
