@@ -628,12 +628,16 @@ def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
         return None
     if device.type != "cuda":
         return None
-    staged = fastpath.stage_csr(crow, col, val, nrows, ncols, device, fastpath.young_ns(rt.active()))
+    young_ns = fastpath.young_ns(rt.active())
+    staged = fastpath.stage_csr(crow, col, val, nrows, ncols, device, young_ns)
     if len(staged) != 3:
         return None
     crow, col, val = staged
     patterns.staged(crow, col, ncols)
-    return CSRMatrix._wrap(crow, col, val, (nrows, ncols))
+    A = CSRMatrix._wrap(crow, col, val, (nrows, ncols))
+    if young_ns:  # C++ serves it while young: its eager products go to the C++ door first
+        A.__dict__["_eager_ncols"] = ncols
+    return A
 
 
 def _staged(op: str, crow: Tensor, col: Tensor, val: Tensor, size: tuple, device) -> list[Tensor] | None:
