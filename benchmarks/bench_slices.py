@@ -23,7 +23,7 @@ DEFAULT_MATRICES = "uk-2007-05_100000,dblp-2010,usroads-48,p2p-Gnutella31,musae_
 
 
 def _sliced(spec) -> bool:
-    return "#define SR_SLICES" in spec.source
+    return dict(spec.params).get("slices", 1) > 1
 
 
 def _best(result) -> dict | None:
