@@ -481,20 +481,3 @@ def test_bench_classes_markdown_and_refusal_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         classes_bench.main(["--out", "/nonexistent/x.json"])
-
-
-def test_bench_slices_markdown_and_refusal_without_a_gpu(monkeypatch):
-    slices_bench = load_benchmark("bench_slices")
-    plain = {"params": {"lanes": 32, "vec": 4, "rows": "natural"}, "us": 200.0, "cusparse_us": 300.0, "speedup": 1.5}
-    sliced = {"params": {"lanes": 16, "vec": 4, "slices": 4, "rows": "natural", "unroll": 2}, "us": 160.0,
-              "cusparse_us": 300.0, "speedup": 1.875}
-    doc = {"env": {"gpu": "H100"}, "runs": [{"command": "python benchmarks/bench_slices.py", "started": "now"}],
-           "cells": [{"matrix": "uk", "n": 256, "plain": plain, "sliced": sliced},
-                     {"matrix": "tiny", "n": 128, "plain": plain, "sliced": None}]}
-    text = slices_bench.markdown(doc)
-    assert "| uk | 256 | 200.0 (1.50×) | 160.0 (1.88×) | 1.25× | lanes=16, vec=4, slices=4, rows=natural |" in text
-    assert "| tiny | 128 | 200.0 (1.50×) | – | – |  |" in text
-    import torch
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit):
-        slices_bench.main(["--out", "/nonexistent/x.json"])

@@ -148,10 +148,6 @@ def test_rendered_source_bakes_geometry():
     ("group_row", {"lanes": 1, "vec": 1}, "sddmm", "f32", 128,
      ("group_row", "'lanes'", "lanes*vec*32 >= n=128 for op=sddmm", "got 1")),
     ("vector_row", {}, "sddmm", "f32", 32, ("vector_row", "'op'", "['spmv']", "'sddmm'")),
-    ("group_row", {"lanes": 32, "vec": 4, "slices": 4}, "spmm", "f32", 96,
-     ("group_row", "'slices'", "n/slices=24 columns is not a multiple of the pass width lanes*vec*tiles=128")),
-    ("group_row", {"slices": 3}, "spmm", "f32", 96, ("group_row", "'slices'", "(1, 2, 4, 8)", "3")),
-    ("group_row", {"slices": 2, "vec": 1}, "sddmm", "f32", 64, ("group_row", "'slices'", "1 for op=sddmm")),
 ])
 def test_invalid_params_raise_a_clear_value_error(name, params, op, dtype, n, words):
     with pytest.raises(ValueError) as info:
@@ -203,27 +199,6 @@ def test_space_is_sized_renderable_and_pruned(op, n, dtype, features):
             assert ("merge_path" in families) == (dtype == "f32")
 
 
-def test_column_slices_cut_wide_spmm_into_whole_tiles_gathered_slice_by_slice():
-    spec = F.render("group_row", {"lanes": 16, "vec": 4, "slices": 4}, op="spmm", dtype="f32", n=256)
-    src = spec.source
-    for line in ("#define SR_N 256", "#define SR_SLICES 4", "#define SR_TB 1", "#define SR_PASSES 1"):
-        assert line in src  # each slice of 64 columns is one pass of one 16 x float4 tile
-    assert spec.plan.grid.text == "ceil(rows/16)*4" and spec.plan.grid.evaluate({"rows": 100}) == 28
-    assert "slices=4" in src.splitlines()[1]
-    # an unsliced kernel renders as it did before slices existed
-    plain = F.render("group_row", {"lanes": 8, "vec": 4}, op="spmm", dtype="f32", n=32)
-    assert "slices" not in plain.source.splitlines()[1] and "SR_SLICES" not in plain.source.split("// ----")[0]
-    assert plain.key == F.render("group_row", {"lanes": 8, "vec": 4, "slices": 1}, op="spmm", dtype="f32", n=32).key
-    # the space offers slices for wide products only, each of whole tiles
-    for n, dtype in ((128, "f32"), (256, "f32"), (256, "bf16"), (512, "f16")):
-        sliced = [p for name, p in F.space("spmm", dtype, n) if name == "group_row" and p.get("slices", 1) > 1]
-        assert {p["slices"] for p in sliced} == {2, 4}, (n, dtype)
-        for p in sliced:
-            assert n // p["slices"] % (p["lanes"] * p["vec"]) == 0
-    assert not [p for name, p in F.space("spmm", "f32", 64) if p.get("slices")]
-    assert not [p for name, p in F.space("sddmm", "f32", 256) if p.get("slices")]
-
-
 def test_spmm_tiles_cover_n_without_too_many_registers():
     for n in (1, 5, 7, 32, 64, 130, 256, 1000):
         for lanes in F.LANES:
@@ -243,8 +218,7 @@ def _compile_subset() -> list[tuple[str, str, str, int, dict]]:
     extra = {
         ("vector_row", "spmv"): [{"lanes": 1, "unroll": 1, "rows": "sorted_desc"}, {"lanes": 32, "unroll": 4}],
         ("binned", "spmv"): [{"edges": (2, 8, 32, 256, 4096), "lanes": (1, 4, 16, 32, 32, 256)}],
-        ("group_row", "spmm"): [{"lanes": 32, "vec": 2, "rows": "sorted_desc", "unroll": 1},
-                                {"lanes": 8, "vec": 2, "slices": 2}],
+        ("group_row", "spmm"): [{"lanes": 32, "vec": 2, "rows": "sorted_desc", "unroll": 1}],
         ("warp_row_staged", "spmm"): [{"lanes": 16, "vec": 2, "stage": "smem"}],
         ("nnz_split", "spmm"): [{"lanes": 4, "vec": 1, "chunk": 32}],
         ("rowchunks", "spmm"): [{"lanes": 32, "vec": 2, "seg": 128}],

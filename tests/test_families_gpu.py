@@ -212,22 +212,6 @@ def test_sddmm_family_matches_reference(name, params, dtype, n, patterns):
     _check(name, params, "sddmm", dtype, n, patterns)
 
 
-def _sliced_cases():
-    for dtype in TORCH_DTYPES:
-        for n in (64, 128, 256):
-            for slices in (2, 4, 8):
-                for lanes, vec in F._spmm_shapes(dtype, n // slices, limit=1):
-                    for rows in ("natural", "sorted_desc"):
-                        params = {"lanes": lanes, "vec": vec, "slices": slices, "rows": rows}
-                        yield pytest.param(params, dtype, n, id=f"spmm-group_row-{slices}slices-{rows}-{dtype}-n{n}")
-
-
-@pytest.mark.parametrize("params,dtype,n", list(_sliced_cases()))
-def test_column_sliced_group_row_matches_reference(params, dtype, n, patterns):
-    """Every slice of every row written (outputs NaN-filled first), on every test pattern."""
-    _check("group_row", params, "spmm", dtype, n, patterns)
-
-
 @pytest.mark.parametrize("op,n,dtype", [("spmv", 1, "f32"), ("spmm", 32, "f32"), ("spmm", 32, "bf16"),
                                         ("sddmm", 64, "f32")])
 def test_space_candidates_match_reference_on_power_law(op, n, dtype, patterns):

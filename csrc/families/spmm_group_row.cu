@@ -4,29 +4,14 @@
 // Why fast: the X row gather is one fully used 64-512 byte segment per nonzero; matching the
 // tile width to N (e.g. 8 lanes x float4 for N=32) packs several short rows per warp, which is
 // what road networks, meshes and banded matrices need. Sorted rows make warps uniform.
-// Column slices (SR_SLICES > 1, wide N): the N columns are cut into SR_SLICES slices of whole
-// tiles, and the grid holds every row block once per slice, slice-major: the blocks gathering
-// slice s of X run before those of slice s + 1, so that a slice of X that fits L2 is read from
-// DRAM about once instead of once per nonzero of its column. Each slice reads the row's (col,
-// val) again: 8 bytes per nonzero against N/SR_SLICES gathered values.
 // Optional: SR_EPILOGUE (spmm_common.cuh).
-// Needs: SR_BLOCK, SR_N, SR_LANES, SR_VEC, SR_TB, SR_PASSES (per slice), SR_UNROLL, SR_SORTED.
-#ifndef SR_SLICES
-#define SR_SLICES 1
-#endif
+// Needs: SR_BLOCK, SR_N, SR_LANES, SR_VEC, SR_TB, SR_PASSES, SR_UNROLL, SR_SORTED.
 extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int* __restrict__ rowptr, const int* __restrict__ col, const T* __restrict__ val,
     const T* __restrict__ x, T* __restrict__ y, const int* __restrict__ aux,
     float* __restrict__ work, int rows, int cols, int n, int nnz, int parts SR_EPILOGUE_PARAMS)
 {
-#if SR_SLICES > 1
-    const unsigned row_blocks = ((unsigned)rows + (SR_BLOCK / SR_LANES) - 1) / (SR_BLOCK / SR_LANES);
-    const unsigned slice = blockIdx.x / row_blocks;
-    const unsigned block_of_rows = blockIdx.x - slice * row_blocks;
-#else
-    const unsigned slice = 0, block_of_rows = blockIdx.x;
-#endif
-    const int slot = (int)((block_of_rows * (unsigned)SR_BLOCK + threadIdx.x) / SR_LANES);
+    const int slot = (int)((blockIdx.x * (unsigned)SR_BLOCK + threadIdx.x) / SR_LANES);
     const int gl = threadIdx.x % SR_LANES;
     if (slot >= rows) return;  // no shuffles in this kernel
 #if SR_SORTED
@@ -37,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int start = __ldg(rowptr + row), end = __ldg(rowptr + row + 1);
 #pragma unroll 1
     for (int pass = 0; pass < SR_PASSES; ++pass) {
-        const int col0 = (int)slice * (SR_N / SR_SLICES) + pass * SR_TB * SR_W + gl * SR_VEC;
+        const int col0 = pass * SR_TB * SR_W + gl * SR_VEC;
         float acc[SR_TB][SR_VEC];
         sr_acc_zero(acc);
         sr_row_accumulate(acc, col, val, x, start, end, col0);

@@ -29,8 +29,8 @@ merge_path                spmv   merge-path split over rows+nonzeros; skew + emp
 sell                      spmv   SELL-C-sigma, thread per row; regular FEM/stencil/road
 binned                    spmv   rows binned by length, lanes per bin, one persistent launch
 rowchunks                 all    hub rows cut into segments of <= T nonzeros, atomics
-group_row                 spmm,  G lanes per row x VEC columns per lane; short rows, small N;
-                          sddmm  wide SpMM in column slices that keep their part of X in L2
+group_row                 spmm,  G lanes per row x VEC columns per lane; short rows, small N
+                          sddmm
 warp_row_staged           spmm   coalesced (col,val) batches broadcast by shfl or smem; long rows
 ========================  =====  ==============================================================
 
@@ -68,7 +68,6 @@ LANES = (1, 2, 4, 8, 16, 32)
 BLOCKS = (64, 128, 256, 512, 1024)
 ROW_ORDERS = ("natural", "sorted_desc")
 UNROLLS = (1, 2, 4, 8)
-SLICES = (1, 2, 4, 8)  # column slices of a wide SpMM (group_row), each gathered by blocks of its own
 # fp32 accumulators one lane holds per pass over a row (SR_TB tiles x SR_VEC columns)
 ACC_BUDGET = 32
 # persistent grids (binned): enough blocks to fill the 132 SMs of an H100 at 2048 threads/SM
@@ -310,39 +309,17 @@ def _rowchunks(op, dtype, n, params) -> _Rendered:
                      params=c.p)
 
 
-def _column_slices(c: _Checker, op: str, dtype: str, n: int) -> tuple[int, dict[str, int]]:
-    """(slices, geometry) of an SpMM whose n columns are cut into ``slices`` equal slices, each a
-    whole number of column tiles, handled by blocks of their own (slice-major: every row block
-    of a slice before the next slice, so that the slice of X being gathered stays in L2)."""
-    slices = c.one_of("slices", SLICES)
-    if slices == 1:
-        return 1, _dense_geometry(op, c, dtype, n)
-    if op != "spmm":
-        c.fail("slices", f"1 for op={op} (column slices are for SpMM)")
-    if n % slices:
-        c.fail("slices", f"a divisor of n={n}")
-    geo = _spmm_geometry(c, dtype, n // slices)
-    width = geo["SR_LANES"] * geo["SR_VEC"] * geo["SR_TB"]
-    if (n // slices) % width:
-        c.fail("slices", f"slices of whole tiles: n/slices={n // slices} columns is not a multiple of the pass "
-                         f"width lanes*vec*tiles={width}")
-    return slices, {**geo, "SR_N": n, "SR_SLICES": slices}
-
-
 def _group_row(op, dtype, n, params) -> _Rendered:
-    c = _Checker("group_row", params, {"lanes": 8, "vec": 4, "block": 256, "rows": "natural", "unroll": 2,
-                                       "slices": 1})
-    slices, geo = _column_slices(c, op, dtype, n)
+    c = _Checker("group_row", params, {"lanes": 8, "vec": 4, "block": 256, "rows": "natural", "unroll": 2})
+    geo = _dense_geometry(op, c, dtype, n)
     block = _block(c)
     rows = c.one_of("rows", ROW_ORDERS)
     unroll = c.one_of("unroll", UNROLLS)
-    grid = f"ceil(rows/{block // geo['SR_LANES']})" + (f"*{slices}" if slices > 1 else "")
     return _Rendered(
-        plan={"rows": rows, "split": "none", "block": str(block), "grid": grid},
+        plan={"rows": rows, "split": "none", "block": str(block),
+              "grid": f"ceil(rows/{block // geo['SR_LANES']})"},
         defines={"SR_BLOCK": block, **geo, "SR_UNROLL": unroll, "SR_SORTED": int(rows == "sorted_desc")},
-        # unsliced kernels keep the source they had before slices existed (cache entries, the
-        # policy's training text)
-        params={k: v for k, v in c.p.items() if k != "slices" or v != 1})
+        params=c.p)
 
 
 def _warp_row_staged(op, dtype, n, params) -> _Rendered:
@@ -530,12 +507,6 @@ def _grid_group_row(op, dtype, n, features):
         # a full accumulator tile plus 4 rows of X in flight would spill
         for u in (unrolls if tb * vec < ACC_BUDGET else (1,) if vec == 8 else (1, 2)):
             out += [{"lanes": lanes, "vec": vec, "block": 256, "rows": rows, "unroll": u} for rows in orders]
-    if op == "spmm" and n >= 128:
-        # wide products gather X in column slices that fit L2, each slice's tile shaped for its width
-        for slices in (2, 4):
-            for lanes, vec in (_spmm_shapes(dtype, n // slices, limit=1) if n % slices == 0 else []):
-                out += [{"lanes": lanes, "vec": vec, "block": 256, "rows": rows, "unroll": 2, "slices": slices}
-                        for rows in orders]
     return out
 
 
