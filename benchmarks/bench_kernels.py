@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import fnmatch
+import functools
 import hashlib
 import importlib
 import json
@@ -70,6 +71,8 @@ DEFAULT_OPS = "spmv,spmm"
 DEFAULT_N = "1,16,32,64,128,256"   # n=1 is spmv, n>1 spmm
 DEFAULT_DTYPES = "f32"
 DEFAULT_BUDGET_S = 20.0
+# the cap of a cell's scaled screening budget (--max-budget-s)
+DEFAULT_MAX_BUDGET_S = 600.0
 DEFAULT_TUNE = "torch_sparserl.specialize.autotune:tune"
 COPY_BYTES = 1 << 30               # the copy-bandwidth probe's buffer
 
@@ -355,7 +358,8 @@ def cell_record(cell: Cell, meta: dict, result, copy_bw: float | None, budget_s:
               "best_family": getattr(best, "family", None) if oracle_us else None}
     record.update(report.cell_metrics(cusparse_us, oracle_us, floor_time))
     record.update({"floor_bytes": nbytes, "floor_us": floor_time, "copy_bandwidth_GBps": copy_bw,
-                   "budget_s": budget_s, "tune_elapsed_s": getattr(result, "elapsed_s", None),
+                   "budget_s": budget_s, "screen_budget_s": getattr(result, "budget_s", None),
+                   "tune_elapsed_s": getattr(result, "elapsed_s", None),
                    "wall_s": round(wall_s, 3), "evaluated": len(table),
                    "screened": getattr(result, "screened", None), "space_size": getattr(result, "candidates", None),
                    "budget_exhausted": getattr(result, "budget_exhausted", None),
@@ -622,6 +626,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue a results file: skip its done cells, rerun its errors. Without a "
                              "path: the newest kernels-<gpu>-*.json in --out; with a path elsewhere, it is "
                              "copied into --out (with its -tables.jsonl) and continued there")
+    parser.add_argument("--max-budget-s", type=float, default=DEFAULT_MAX_BUDGET_S,
+                        help="let a cell's screening budget grow to screen every candidate at the pace of "
+                             f"its first, up to this many seconds (default {DEFAULT_MAX_BUDGET_S:g}; the "
+                             "--budget-s value is the floor); 0 keeps --budget-s fixed")
     parser.add_argument("--max-time-s", type=float, default=None,
                         help="start no cell that might end past this many seconds (e.g. 540 for a "
                              "10-minute device call); exit 3 when cells remain")
@@ -690,6 +698,8 @@ def main(argv: list[str] | None = None, tune_fn: Callable | None = None) -> int:
         return 0
     injected = tune_fn is not None
     tune_fn = tune_fn or load_tune(args.tune)
+    if args.max_budget_s and not injected:
+        tune_fn = functools.partial(tune_fn, max_budget_s=max(args.max_budget_s, budget_s))
     env = environment()
     if env["gpu"] is None:
         print("bench_kernels: no CUDA GPU: the floor fractions stay empty", file=sys.stderr)

@@ -125,3 +125,25 @@ def test_tune_names_bad_arguments(cora, kwargs, message):
 def test_tune_names_a_matrix_it_cannot_read():
     with pytest.raises(TypeError, match="expected a SciPy sparse matrix"):
         tune([[1, 0], [0, 1]], op="spmv", sandbox=FakeSandbox())
+
+
+def test_a_scaled_budget_screens_every_candidate_up_to_its_cap(cora, monkeypatch):
+    """max_budget_s: the screening budget becomes what every candidate takes at the first one's
+    pace (a quarter more), from budget_s up to the cap; without it, budget_s stays fixed."""
+    import torch_sparserl.specialize.autotune as autotune
+
+    clock = [0.0]
+    monkeypatch.setattr(autotune.time, "monotonic", lambda: clock[0])
+
+    class Paced(FakeSandbox):
+        def evaluate(self, *args):
+            clock[0] += 2.0  # two seconds per evaluation
+            return super().evaluate(*args)
+
+    fixed = tune(cora, op="spmv", sandbox=Paced(wrong_every=0), budget_s=5.0, top_k=1)
+    assert fixed.budget_exhausted and fixed.screened == 3 and fixed.budget_s == 5.0
+    scaled = tune(cora, op="spmv", sandbox=Paced(wrong_every=0), budget_s=5.0, top_k=1, max_budget_s=1e6)
+    assert not scaled.budget_exhausted and scaled.screened == scaled.candidates
+    assert scaled.budget_s == pytest.approx(1.25 * 2.0 * scaled.candidates)
+    capped = tune(cora, op="spmv", sandbox=Paced(wrong_every=0), budget_s=5.0, top_k=1, max_budget_s=11.0)
+    assert capped.budget_exhausted and capped.screened == 6 and capped.budget_s == 11.0

@@ -63,6 +63,7 @@ class TuneResult:
     screened: int = 0
     candidates: int = 0
     budget_exhausted: bool = False
+    budget_s: float | None = None  # the screening budget applied (max_budget_s lets it grow)
 
     @property
     def speedup(self) -> float | None:
@@ -138,7 +139,8 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
          top_k: int = DEFAULT_TOP_K, sandbox: Sandbox | None = None, families: list[str] | None = None,
          screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
          timeout_s: float = 60.0, progress=None, features: dict | None = None,
-         matrix_key: str | None = None, only: Callable[[KernelSpec], bool] | None = None) -> TuneResult:
+         matrix_key: str | None = None, only: Callable[[KernelSpec], bool] | None = None,
+         max_budget_s: float | None = None) -> TuneResult:
     """Search the kernel space for the fastest correct kernel of ``op`` on ``matrix``.
 
     ``progress(done, total)`` is called after each screened candidate, if given.
@@ -146,6 +148,12 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
     hash naming the pattern, as :func:`~torch_sparserl.pattern.fingerprint.pattern_hash`) may be
     passed when known; they are computed otherwise. ``only``: screen only the candidates it
     accepts (class kernels take :func:`~torch_sparserl.toolchain.kernel.pattern_free` plans).
+
+    ``budget_s`` bounds the screening. With ``max_budget_s``, the budget scales with the
+    problem: once the first candidate is screened, it becomes what screening every candidate at
+    that pace would take, a quarter more, between ``budget_s`` and ``max_budget_s`` (a large
+    matrix at a large N, whose evaluations take seconds, is then screened whole where the cap
+    allows). The finalists' full evaluation comes on top of either.
     """
     if op not in ("spmm", "spmv", "sddmm"):
         raise ValueError(f"tune: op must be 'spmm', 'spmv' or 'sddmm' (got {op!r})")
@@ -163,17 +171,23 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
         result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None,
                             candidates=len(specs))
         screened: list[tuple[EvalRecord, KernelSpec]] = []
+        limit = budget_s
         for spec in specs:
-            if time.monotonic() - start > budget_s and screened:
+            if time.monotonic() - start > limit and screened:
                 result.budget_exhausted = True
                 break
+            began = time.monotonic()
             record = box.evaluate(spec, key, n, dtype, screen_config, timeout_s)
             record.timing["stage"] = "screen"
             screened.append((record, spec))
+            if max_budget_s is not None and len(screened) == 1:
+                pace = time.monotonic() - began
+                limit = min(max_budget_s, max(budget_s, (began - start) + 1.25 * pace * len(specs)))
             result.table.append(record)
             if progress is not None:
                 progress(len(screened), len(specs))
         result.screened = len(screened)
+        result.budget_s = limit
         finalists = sorted((pair for pair in screened if math.isfinite(_runtime(pair[0]))),
                            key=lambda pair: _runtime(pair[0]))[:top_k]
         best: tuple[EvalRecord, KernelSpec] | None = None
