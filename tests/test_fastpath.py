@@ -361,6 +361,18 @@ def test_ts_csr_takes_the_short_path_for_host_triples_bound_for_cuda(monkeypatch
     A = ts.csr((crow, col, val), (np.int64(2), 3), device="cuda")
     assert calls == [(True, True, True, 2, 3, "cuda")] and tuple(A.shape) == (2, 3)
     assert answer["young_ns"] == fastpath.young_ns(rt.active())  # young for the active runtime's admission age
+    # C++ serves a young matrix: its eager products try the C++ door first
+    assert A.__dict__.get("_eager_ncols") is None  # the tests' runtime is off: not young in C++
+    monkeypatch.setattr(fastpath, "_owner", fastpath._owner)  # young_ns makes its runtime the owner: restored
+    young = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0.1))
+    previous = rt.set_active(young)
+    try:  # background mode: C++ serves it while young, and its eager products try the C++ door first
+        A = ts.csr((crow, col, val), (2, 3), device="cuda")
+        assert answer["young_ns"] == 100_000_000 and A.__dict__.get("_eager_ncols") == 3
+    finally:
+        rt.set_active(previous)
+        young.close()
+    calls.pop()
     assert [A.crow, A.col, A.val] == answer["out"] and patterns.validated(A.crow, A.col, 3) is not None
     no_gpu = (RuntimeError, AssertionError)  # the general path's .to("cuda") on this CPU-only torch
     for kwargs, parts in (({"dtype": torch.float64}, (crow, col, val)), ({"index_dtype": torch.int64}, (crow, col, val)),
