@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from concurrent.futures import Future
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -143,13 +144,7 @@ class ClassTable:
             self._records.clear()
 
 
-def _deciding():
-    from concurrent.futures import Future
-
-    return Future()
-
-
-_DECIDING = _deciding()  # the future of a class being decided (its record's state holds the work)
+_DECIDING: Future = Future()  # the future of a class being decided (never set: the record's state says)
 
 
 def check(launch: Callable, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, op: str, n: int,
@@ -186,12 +181,10 @@ def sized_installer(entry) -> Callable:
     current one (cuSPARSE serves them)."""
     from ..toolchain import inline
     from ..toolchain.kernel import SizedKernel
-    from .install import entry_spec
+    from .install import current_raw_stream, entry_spec
 
     spec = entry_spec(entry)
     sized = SizedKernel(inline.build([spec])[spec.key])
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    current_stream = raw_stream if raw_stream is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
     current_device = torch.cuda.current_device
 
     def launch(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, X: torch.Tensor,
@@ -199,7 +192,7 @@ def sized_installer(entry) -> Callable:
         index = X.device.index
         if index != current_device():
             return None
-        return sized(crow, col, val, X, current_stream(index), y)
+        return sized(crow, col, val, X, current_raw_stream(index), y)
 
     launch.kernel = sized
     return launch

@@ -101,6 +101,15 @@ def check_fused(launch: Callable, pattern: Pattern, crow, col, n: int, dtype: to
         raise SpecializationError(f"the fused kernel differs from the float64 reference: {why}")
 
 
+def _stream_of(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+current_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_of
+"""The current CUDA stream of device ``index`` as the address launches take (torch's raw getter,
+without a Stream object, where this torch has it)."""
+
+
 @functools.lru_cache(maxsize=None)
 def _openmp() -> bool:
     return "OpenMP" in torch.__config__.parallel_info()
@@ -170,9 +179,7 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, 
     bound = kernel.bind(prepared)
     shape = operand_shapes(spec.plan.op, rows, ncols, col.numel(), n)["y"]
     device_index = col.device.index if col.device.index is not None else torch.cuda.current_device()
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    current_stream = ((lambda: raw_stream(device_index)) if raw_stream is not None
-                      else (lambda: torch.cuda.current_stream(device_index).cuda_stream))
+    current_stream = functools.partial(current_raw_stream, device_index)
 
     init_zero = prepared.init_zero
 

@@ -475,13 +475,7 @@ class Runtime:
                 if entry.spec_source is None:
                     state = Fallback(key, f"no class kernel: {entry.reason}", decided=True)
                 else:
-                    prebuild = getattr(self.specializer, "prebuild", None)
-                    if prebuild is not None:
-                        try:
-                            with self._specialize_lock:
-                                prebuild(entry, key.arch)
-                        except Exception as exc:  # noqa: BLE001 - the installer builds it here instead
-                            log.info("sparserl: building the class kernel in the sandbox's worker failed (%s)", exc)
+                    self._prebuild(getattr(self.specializer, "prebuild", None), entry, key.arch)
                     if self._closing:
                         raise _ShuttingDown("the process exits")
                     launch = self.class_installer(entry)
@@ -607,15 +601,7 @@ class Runtime:
         (``prebuild``) when it is not on disk. ``interim``: the state serving meanwhile (the NVRTC
         build), which serves on if this install fails."""
         with _on_device(col):
-            if prebuild is not None:
-                try:
-                    # The library is built out of this process when it is not on disk yet (a training
-                    # loop here would stall while torch's builder holds the interpreter lock).
-                    with self._specialize_lock:
-                        prebuild(entry, arch)
-                except Exception as exc:  # noqa: BLE001 - the installer below builds it here instead
-                    log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here",
-                             entry.family, exc)
+            self._prebuild(prebuild, entry, arch)
             if self._closing:  # no build at exit
                 return self._fallback(pattern, decision, key, "the process exits", None)
             installer = self.installer
@@ -638,6 +624,19 @@ class Runtime:
         self._stats["installs"] += 1
         log.info("sparserl: %s n=%d %s -> %s (%s)", key.op, key.n, key.dtype, state.description, entry.reason)
         return state
+
+    def _prebuild(self, prebuild: Callable | None, entry: CacheEntry, arch: str) -> None:
+        """Build ``entry``'s library with the specializer's ``prebuild`` (in its worker), one build
+        or search at a time. The library is built out of this process when it is not on disk yet
+        (a training loop here would stall while torch's builder holds the interpreter lock); a
+        failure only means the installer builds it here."""
+        if prebuild is None:
+            return
+        try:
+            with self._specialize_lock:
+                prebuild(entry, arch)
+        except Exception as exc:  # noqa: BLE001 - the installer builds it here instead
+            log.info("sparserl: building %s in the sandbox's worker failed (%s); building it here", entry.family, exc)
 
     def _install_interim(self, pattern, decision, key, entry: CacheEntry, crow, col) -> Installed | None:
         """Serve ``entry``'s kernel from its NVRTC build while its library is built. NVRTC
