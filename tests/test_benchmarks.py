@@ -481,3 +481,12 @@ def test_bench_classes_markdown_and_refusal_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         classes_bench.main(["--out", "/nonexistent/x.json"])
+
+
+def test_profile_cell_refuses_without_a_gpu(monkeypatch, capsys):
+    profile = load_benchmark("profile_cell")
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        profile.main(["results.json", "cora", "spmm", "32"])
+    assert "no CUDA device here" in capsys.readouterr().err
