@@ -637,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="candidates always run in the evaluator's child process; 'shared': one worker "
                              "for the whole run (started once), 'per-cell': tune starts its own each cell")
     parser.add_argument("--no-tables", action="store_true", help="do not write the full tables (.jsonl)")
+    parser.add_argument("--opt-in", default="", metavar="FAMILIES",
+                        help="comma-separated families to screen besides the default space "
+                             "(torch_sparserl.specialize.families.OPT_IN_FAMILIES, e.g. tc_tiles)")
     parser.add_argument("--tune", default=DEFAULT_TUNE, help=f"autotuner as module:function (default {DEFAULT_TUNE})")
     parser.add_argument("--list", action="store_true", help="print the selected matrices and cells and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or per-cell lines")
@@ -700,6 +703,14 @@ def main(argv: list[str] | None = None, tune_fn: Callable | None = None) -> int:
     tune_fn = tune_fn or load_tune(args.tune)
     if args.max_budget_s and not injected:
         tune_fn = functools.partial(tune_fn, max_budget_s=max(args.max_budget_s, budget_s))
+    opt_in = tuple(name for name in args.opt_in.split(",") if name)
+    if opt_in:
+        from torch_sparserl.specialize.families import OPT_IN_FAMILIES
+
+        unknown = sorted(set(opt_in) - set(OPT_IN_FAMILIES))
+        if unknown:
+            parser.error(f"--opt-in: expected names from {', '.join(OPT_IN_FAMILIES)}, got {', '.join(unknown)}")
+        tune_fn = functools.partial(tune_fn, opt_in=opt_in)
     env = environment()
     if env["gpu"] is None:
         print("bench_kernels: no CUDA GPU: the floor fractions stay empty", file=sys.stderr)

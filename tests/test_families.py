@@ -70,6 +70,10 @@ def _default_params(name: str, op: str, dtype: str, n: int) -> dict:
 
 @pytest.mark.parametrize("name,op,dtype,n", list(_cases()))
 def test_renders_a_valid_abi_source(name, op, dtype, n):
+    if name == "tc_tiles" and n % 16:
+        with pytest.raises(ValueError, match=f"family tc_tiles: parameter 'j' expected a divisor of n/16 .n={n}"):
+            F.render(name, {"j": 1}, op=op, dtype=dtype, n=n)
+        return
     if float32_only(name, op) and dtype != "f32":
         with pytest.raises(ValueError, match=f"family {name}: parameter 'dtype' expected f32 for op={op}"):
             F.render(name, _default_params(name, op, "f32", n), op=op, dtype=dtype, n=n)
@@ -79,17 +83,17 @@ def test_renders_a_valid_abi_source(name, op, dtype, n):
     assert parse_plan(plan_line(spec.source)) == plan
     assert (plan.op, plan.dtype, plan.n) == (op, dtype, n)
     assert spec.family == name and spec.params == tuple(sorted(spec.params))
-    # self-contained: only CUDA's own half-precision headers
+    # self-contained: only CUDA's own half-precision and (tensor-core families) warp-matrix headers
     includes = re.findall(r'#\s*include\s*([<"][^>"]+[>"])', spec.source)
-    assert set(includes) <= {"<cuda_fp16.h>", "<cuda_bf16.h>"}, includes
+    assert set(includes) <= {"<cuda_fp16.h>", "<cuda_bf16.h>", "<mma.h>"}, includes
     assert '#include "' not in spec.source
     assert 'extern "C" __global__' in spec.source and "sparserl_kernel(" in spec.source
     if plan.split != "none":
         assert plan.rows == "natural"
         # spmm/spmv pieces of a row meet atomically in zeroed output, or (rowchunks) in a float32
         # workspace that every launch leaves zero, every row stored once; sddmm outputs are per nonzero
-        if op == "sddmm":
-            assert plan.init == "none"
+        if op == "sddmm" or plan.split == "tiles":  # one output element (tiles: row) per work item
+            assert plan.init == "none" and plan.work.text == "0"
         elif name == "rowchunks":
             assert plan.init == "none" and "hubs" in plan.work.text and plan.work_init == "once"
         else:
@@ -228,7 +232,11 @@ def _compile_subset() -> list[tuple[str, str, str, int, dict]]:
             for dtype in DTYPES:
                 if float32_only(name, op) and dtype != "f32":
                     continue  # not in the space (float32 accumulation)
-                if op == "spmv":
+                if name == "tc_tiles":  # one and two 16-row tiles, 1 to 4 column tiles, TF32 once
+                    shapes = [(16, {"j": 1}), (64, {"window": 32, "j": 2}), (64, {"window": 16, "j": 4, "block": 64})]
+                    if dtype == "f32":
+                        shapes.append((64, {"window": 32, "j": 2, "math": "tf32"}))
+                elif op == "spmv":
                     shapes = [(1, {})]
                 elif op == "sddmm":  # n=130 with vec=2: a ragged last tile of D; sorted rows; one lane per row
                     shapes = [(128, {}), (130, {"vec": 2, "lanes": 32}), (7, {"vec": 1, "lanes": 8, "unroll": 4})]

@@ -46,11 +46,25 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 
+# A float32 product through one TF32 multiply per term (plan math=tf32): operands keep 10 bits of
+# mantissa, as float16's do, so its results are judged like float16's.
+TF32_TOLERANCE = Tolerance(rtol=1e-2, atol=1e-2, rel_norm=5e-3)
+
+
+def tolerance(dtype: torch.dtype, math_mode: str = "ieee") -> Tolerance:
+    """The table's tolerance for ``dtype``; :data:`TF32_TOLERANCE` for float32 under ``math=tf32``."""
+    if math_mode == "tf32" and dtype == torch.float32:
+        return TF32_TOLERANCE
+    return TOLERANCES[dtype]
+
+
 _CHECK_CHUNK = 1 << 24  # elements compared at once: float64 temporaries of 128 MiB each
 
 
-def close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[bool, str]:
-    """Compare ``out`` with a float64 ``ref`` under the table's tolerance for ``dtype``.
+def close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None,
+                       math_mode: str = "ieee") -> tuple[bool, str]:
+    """Compare ``out`` with a float64 ``ref`` under the table's tolerance for ``dtype``
+    (:func:`tolerance`: ``math_mode="tf32"`` for a float32 kernel that multiplies in TF32).
 
     Returns ``(ok, reason)``; ``reason`` names the first failing check. NaN never passes,
     so outputs pre-filled with NaN catch every element a kernel did not write.
@@ -61,7 +75,7 @@ def close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype 
     on the host takes, which would be most of a key's JIT time.
     """
     dtype = dtype or out.dtype
-    tol = TOLERANCES[dtype]
+    tol = tolerance(dtype, math_mode)
     if out.shape != ref.shape:
         return False, f"shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}"
     if out.numel() == 0:

@@ -30,7 +30,16 @@ OPS = ("spmm", "spmv", "sddmm")
 DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 HALF_DTYPES = ("f16", "bf16")  # their kernels round y once, from float32 sums: no atomics into y
 ROW_ORDERS = ("natural", "sorted_desc", "binned", "sell")
-SPLITS = ("none", "nnz", "merge", "rowchunks")
+SPLITS = ("none", "nnz", "merge", "rowchunks", "tiles")
+TILE_WINDOWS = (16, 32)
+"""``split=tiles(W)``: rows in windows of W (one or two 16-row tensor-core tiles), each window's
+distinct columns condensed into blocks of 8 (csrc/README.md section 3). Every row is stored once,
+by the one warp that owns its window and column slice: no pieces, no atomics."""
+MATHS = ("ieee", "tf32")
+"""``math=``: how a float32 kernel multiplies. ``ieee``: float32 products (a tensor-core kernel
+reaches them with three TF32 products per term, split into high and low parts); ``tf32``: one
+TF32 product per term, about 3 decimal digits, judged by :data:`torch_sparserl.dtypes.TF32_TOLERANCE`
+and run only where torch allows TF32 (``torch.backends.cuda.matmul.allow_tf32``)."""
 HUB_SPLITS = {"spmm": ("rowchunks", "nnz"), "spmv": ("rowchunks",)}
 """The splits whose half-precision kernels (op=spmm, spmv) sum a row's pieces in a float32
 workspace (``work=...hubs...``), and so the only splits the ABI takes for those dtypes."""
@@ -50,7 +59,8 @@ MAX_SMEM_BYTES = 227 * 1024  # sm_90 opt-in limit per block
 MAX_BINS = 8
 MAX_CHUNK = 1 << 20
 
-_KEYS = ("op", "dtype", "n", "rows", "split", "block", "grid", "smem", "init", "work", "work_init", "epilogue")
+_KEYS = ("op", "dtype", "n", "rows", "split", "block", "grid", "smem", "init", "work", "work_init", "epilogue",
+         "math")
 _REQUIRED = ("op", "dtype", "block", "grid")
 
 
@@ -209,6 +219,7 @@ class Plan:
     work: Expr = field(default_factory=lambda: parse_expr("0"))
     epilogue: str = "none"
     work_init: str = "zero"
+    math: str = "ieee"
 
     def __post_init__(self):
         def bad(key, expected, got):
@@ -233,7 +244,7 @@ class Plan:
             if self.op != "spmm" or self.atomic or self.init != "none":
                 bad("epilogue", "none unless op=spmm with split=none and init=none (each row of y stored once)",
                     self.epilogue)
-        if self.dtype in HALF_DTYPES and self.op != "sddmm" and self.split != "none" and not (
+        if self.dtype in HALF_DTYPES and self.op != "sddmm" and self.atomic and not (
                 self.split in HUB_SPLITS[self.op] and "hubs" in self.work.text):
             allowed = " or ".join(f"{split}(T)" for split in HUB_SPLITS[self.op])
             bad(f"split for op={self.op} dtype={self.dtype}", f"none, or {allowed} with a float32 workspace "
@@ -267,6 +278,18 @@ class Plan:
                 bad("rows=sell(C,S): S", f"a positive multiple of C={c}", s)
         elif self.rows_args:
             bad(f"rows={self.rows}", "no arguments", self.rows_args)
+        if self.math not in MATHS:
+            bad("math", " or ".join(MATHS), self.math)
+        if self.math != "ieee" and self.dtype != "f32":
+            bad("math", f"ieee for dtype={self.dtype} (math=tf32 rounds float32 operands)", self.math)
+        if self.split == "tiles":
+            if self.op != "spmm":
+                bad("split", f"not tiles for op={self.op} (tensor-core tiles are an spmm layout)", "tiles")
+            if self.split_arg not in TILE_WINDOWS:
+                bad("split=tiles(W): W", " or ".join(map(str, TILE_WINDOWS)), self.split_arg)
+            if self.init != "none" or self.work.text != "0":
+                bad("split=tiles(W)", "init=none and no workspace (each row of y is stored once)",
+                    f"init={self.init} work={self.work}")
         if self.split == "none":
             if self.split_arg is not None:
                 bad("split=none", "no argument", self.split_arg)
@@ -293,7 +316,7 @@ class Plan:
     @property
     def atomic(self) -> bool:
         """Work items may share a row: the kernel then accumulates into zero-filled output."""
-        return self.split != "none"
+        return self.split not in ("none", "tiles")
 
     def format(self) -> str:
         """The canonical plan line (parses back to an equal plan)."""
@@ -313,6 +336,8 @@ class Plan:
             parts.append(f"work_init={self.work_init}")
         if self.epilogue != "none":
             parts.append(f"epilogue={self.epilogue}")
+        if self.math != "ieee":
+            parts.append(f"math={self.math}")
         return f"{PLAN_PREFIX} {' '.join(parts)}"
 
 
@@ -370,7 +395,7 @@ def parse_plan(line: str) -> Plan:
         split_arg=split_args[0] if split_args else None,
         smem=parse_expr(fields.get("smem", "0")), init=fields.get("init", "none"),
         work=parse_expr(fields.get("work", "0")), epilogue=fields.get("epilogue", "none"),
-        work_init=fields.get("work_init", "zero"),
+        work_init=fields.get("work_init", "zero"), math=fields.get("math", "ieee"),
     )
 
 
@@ -423,9 +448,9 @@ def check_source(source: str) -> Plan:
 #   static at namespace scope, struct/class/union/enum/namespace/operator/using, [[attributes]],
 #   string literals (but "C"), backslashes, digraphs.
 
-DEVICE_INCLUDES = frozenset({"<cuda_fp16.h>", "<cuda_bf16.h>", '"sparserl/prelude.cuh"',
+DEVICE_INCLUDES = frozenset({"<cuda_fp16.h>", "<cuda_bf16.h>", "<mma.h>", '"sparserl/prelude.cuh"',
                              '"sparserl/spmm_common.cuh"', '"sparserl/sddmm_common.cuh"'})
-"""What a kernel may include: the CUDA half-precision headers and the ABI's own headers
+"""What a kernel may include: the CUDA half-precision and warp-matrix (``nvcuda::wmma``) headers, and the ABI's own headers
 (families.HEADERS, expanded before a build)."""
 
 _BANNED = frozenset({

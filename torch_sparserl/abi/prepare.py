@@ -140,6 +140,37 @@ def _rowchunks(rowptr: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple
     return torch.cat([seg_row, seg_start, hub_slot[seg_row]]), parts, int(hub.sum())
 
 
+TILE_K = 8  # condensed columns per block of split=tiles(W): the K of a TF32 tensor-core tile
+
+
+def _tiles(rowptr: torch.Tensor, col: torch.Tensor, cols: int, window: int) -> tuple[torch.Tensor, int]:
+    """``split=tiles(W)``: rows in windows of W; a window's distinct columns, in increasing order,
+    condensed into blocks of TILE_K; the nonzeros reordered by block, each with its slot
+    ``rank * 32 + row``: the rank of its column among the window's and its row in the window."""
+    device = rowptr.device
+    rows = rowptr.numel() - 1
+    windows = _ceil_div(rows, window)
+    lengths = _row_lengths(rowptr)
+    row_of = torch.repeat_interleave(torch.arange(rows, device=device), lengths)
+    win_of = row_of // window
+    pairs, pair_of = torch.unique(win_of * max(cols, 1) + col.long(), sorted=True, return_inverse=True)
+    pair_win = pairs // max(cols, 1)
+    distinct = torch.bincount(pair_win, minlength=windows)
+    per_win = (distinct + TILE_K - 1) // TILE_K
+    win_blk = torch.cat([per_win.new_zeros(1), per_win.cumsum(0)])
+    blocks = int(win_blk[-1]) if windows else 0
+    first_pair = distinct.cumsum(0) - distinct
+    pos = torch.arange(pairs.numel(), device=device) - first_pair[pair_win]  # rank among its window's columns
+    pair_blk = win_blk[pair_win] + pos // TILE_K
+    blk_col = torch.full((blocks * TILE_K,), -1, dtype=torch.int64, device=device)
+    blk_col[pair_blk * TILE_K + pos % TILE_K] = pairs % max(cols, 1)
+    nz_blk = pair_blk[pair_of]
+    nz_slot = pos[pair_of] * 32 + (row_of - win_of * window)
+    order = torch.argsort(nz_blk, stable=True)
+    blk_nz = torch.cat([nz_blk.new_zeros(1), torch.bincount(nz_blk, minlength=blocks).cumsum(0)])
+    return torch.cat([win_blk, blk_col, blk_nz, order, nz_slot[order]]), windows
+
+
 def prepare(plan: Plan, rowptr: torch.Tensor, col: torch.Tensor, shape: tuple[int, int], n: int) -> Prepared:
     """Build the plan's data for the pattern ``(rowptr, col, shape)`` and evaluate its geometry."""
     rows, cols = int(shape[0]), int(shape[1])
@@ -167,6 +198,8 @@ def prepare(plan: Plan, rowptr: torch.Tensor, col: torch.Tensor, shape: tuple[in
         aux, parts = _merge_split(rowptr, nnz, plan.split_arg)
     elif plan.split == "rowchunks":
         aux, parts, hubs = _rowchunks(rowptr, lengths, plan.split_arg)
+    elif plan.split == "tiles":
+        aux, parts = _tiles(rowptr, col, cols, plan.split_arg)
     if aux is not None:
         if aux.numel() and int(aux.max()) > _INT32_MAX:
             raise PlanError("prepare: the plan's data does not fit int32")

@@ -391,7 +391,7 @@ class _Problem:
         missing = self.unwritten(out)
         if missing:
             return False, f"{missing} of {out.numel()} output elements were never written", missing
-        ok, reason = close_to_reference(out, self.ref, self.dtype)
+        ok, reason = close_to_reference(out, self.ref, self.dtype, self.prepared.plan.math)
         return ok, reason, 0
 
     def max_error(self, out: torch.Tensor) -> float:
@@ -402,7 +402,7 @@ class _Problem:
         return value if value == value else float("inf")  # NaN → inf
 
     def close(self, a: torch.Tensor, b: torch.Tensor) -> bool:
-        return _same_bits(a, b) or close_to_reference(a, b.double(), self.dtype)[0]
+        return _same_bits(a, b) or close_to_reference(a, b.double(), self.dtype, self.prepared.plan.math)[0]
 
 
 # ----------------------------------------------------------------------------- evaluation

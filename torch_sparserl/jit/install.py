@@ -137,15 +137,28 @@ def one_cpu_thread():
         torch.set_num_threads(previous)
 
 
+def tf32_allowed() -> bool:
+    """Whether torch lets float32 matrix products use TF32 (``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.set_float32_matmul_precision("high")``): the opt-in a ``math=tf32`` kernel needs."""
+    return torch.get_float32_matmul_precision() != "highest"
+
+
 def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, kernel=None,
                like: Callable | None = None) -> Callable:
     """``spec``'s kernel (``kernel``, else its library's, built or loaded) with its plan data for
     this pattern: ``launch(crow, col, val, X, bias, scale)``. ``like``: a launch this function
-    returned for the same source and the same pattern and width, whose plan data are reused."""
+    returned for the same source and the same pattern and width, whose plan data are reused.
+    A ``math=tf32`` kernel is refused (the caller serves the product otherwise) unless torch
+    allows TF32 when it is installed."""
     from ..abi import operand_shapes
     from ..abi.prepare import prepare
     from ..toolchain import inline
 
+    if spec.plan.math == "tf32" and not tf32_allowed():
+        raise SpecializationError(
+            f"kernel {spec.key}: its plan says math=tf32, and torch does not allow TF32 for float32 "
+            f"products (torch.get_float32_matmul_precision() is 'highest'; set "
+            f"torch.backends.cuda.matmul.allow_tf32 = True to opt in)")
     if kernel is None:
         kernel = inline.build([spec])[spec.key]
     rows = crow.numel() - 1

@@ -38,4 +38,30 @@ def structural_features(rowptr, col, shape) -> dict[str, float]:
         same_row = np.diff(row_of) == 0
         features["col_jump_mean"] = float(jumps[same_row].mean()) if same_row.any() else 0.0
         features["diag_fraction"] = float((col == row_of).mean())
+        features["window_reuse"] = window_reuse(rowptr, col)
     return features
+
+
+def window_reuse(rowptr: np.ndarray, col: np.ndarray, window: int = 16, samples: int = 4096,
+                 most_nonzeros: int = 1 << 18) -> float:
+    """Nonzeros per distinct column in windows of ``window`` consecutive rows: how many times a
+    kernel that gathers each column's row of X once per window (tc_tiles) reads it less than
+    one gathering per nonzero. Exact over up to ``samples`` evenly spaced windows, fewer where
+    windows are long (about ``most_nonzeros`` in all), and estimated from them."""
+    rowptr = np.asarray(rowptr, dtype=np.int64)
+    rows = rowptr.size - 1
+    windows = -(-rows // window)
+    if windows == 0 or rowptr[-1] == 0:
+        return 1.0
+    per_window = max(1.0, float(rowptr[-1]) / windows)
+    samples = max(16, min(samples, windows, int(most_nonzeros / per_window)))
+    picked = np.unique(np.linspace(0, windows - 1, num=min(samples, windows)).astype(np.int64))
+    starts, ends = rowptr[picked * window], rowptr[np.minimum(picked * window + window, rows)]
+    counts = ends - starts
+    total = int(counts.sum())
+    if total == 0:
+        return 1.0
+    owner = np.repeat(np.arange(picked.size, dtype=np.int64), counts)
+    index = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(total)
+    distinct = np.unique(owner * (int(col.max()) + 1) + np.asarray(col, dtype=np.int64)[index]).size
+    return total / distinct

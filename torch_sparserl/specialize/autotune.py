@@ -101,13 +101,14 @@ def _pattern_arrays(matrix):
 
 
 def candidates(op: str, n: int, dtype: str, features: dict, families: list[str] | None = None,
-               only: Callable[[KernelSpec], bool] | None = None) -> list[KernelSpec]:
+               only: Callable[[KernelSpec], bool] | None = None, opt_in: tuple[str, ...] = ()) -> list[KernelSpec]:
     """Render the families' parameter space for this problem (deduplicated by source);
-    ``families`` and ``only`` (a test of the rendered spec) narrow it."""
+    ``families`` and ``only`` (a test of the rendered spec) narrow it; ``opt_in`` adds families
+    the default space leaves out (``families.OPT_IN_FAMILIES``)."""
     from . import families as fam
 
     specs: dict[str, KernelSpec] = {}
-    for family, params in fam.space(op, dtype, n, features):
+    for family, params in fam.space(op, dtype, n, features, opt_in=opt_in):
         if families is not None and family not in families:
             continue
         spec = fam.render(family, params, op=op, dtype=dtype, n=n)
@@ -140,7 +141,7 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
          screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
          timeout_s: float = 60.0, progress=None, features: dict | None = None,
          matrix_key: str | None = None, only: Callable[[KernelSpec], bool] | None = None,
-         max_budget_s: float | None = None) -> TuneResult:
+         max_budget_s: float | None = None, opt_in: tuple[str, ...] = ()) -> TuneResult:
     """Search the kernel space for the fastest correct kernel of ``op`` on ``matrix``.
 
     ``progress(done, total)`` is called after each screened candidate, if given.
@@ -148,6 +149,7 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
     hash naming the pattern, as :func:`~torch_sparserl.pattern.fingerprint.pattern_hash`) may be
     passed when known; they are computed otherwise. ``only``: screen only the candidates it
     accepts (class kernels take :func:`~torch_sparserl.toolchain.kernel.pattern_free` plans).
+    ``opt_in``: families screened besides the default space (``families.OPT_IN_FAMILIES``).
 
     ``budget_s`` bounds the screening. With ``max_budget_s``, the budget scales with the
     problem: once the first candidate is screened, it becomes what screening every candidate at
@@ -167,7 +169,7 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
     box = Sandbox() if own else sandbox
     try:
         rowptr, col, shape, features, key = _problem(matrix, box, features, matrix_key)
-        specs = candidates(op, n, dtype, features, families, only)
+        specs = candidates(op, n, dtype, features, families, only, tuple(opt_in))
         result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None,
                             candidates=len(specs))
         screened: list[tuple[EvalRecord, KernelSpec]] = []

@@ -32,7 +32,13 @@ rowchunks                 all    hub rows cut into segments of <= T nonzeros, at
 group_row                 spmm,  G lanes per row x VEC columns per lane; short rows, small N
                           sddmm
 warp_row_staged           spmm   coalesced (col,val) batches broadcast by shfl or smem; long rows
+tc_tiles                  spmm   tensor cores on condensed 16/32-row x 8-column tiles; rows
+                                 sharing columns (meshes, banded, web graphs), n % 16 == 0
 ========================  =====  ==============================================================
+
+tc_tiles computes float32 exactly enough for the float32 tolerance with three TF32 products per
+term (``math="ieee"``, the default); ``math="tf32"`` keeps one (plan ``math=tf32``: judged by the
+TF32 tolerance, and run only where torch allows TF32). The half types use their native products.
 
 The split families sum a row's pieces through atomics. Into a half-precision ``y`` that would
 round every partial sum, where the ABI accumulates in float32: merge_path and nnz_split's spmv
@@ -322,6 +328,39 @@ def _group_row(op, dtype, n, params) -> _Rendered:
         params=c.p)
 
 
+TC_WINDOWS = (16, 32)  # rows per window: one or two 16-row tensor-core tiles (abi.TILE_WINDOWS)
+TC_SLICES = (1, 2, 4)  # 16-column accumulator tiles per warp
+
+
+def _tc_tiles(op, dtype, n, params) -> _Rendered:
+    c = _Checker("tc_tiles", params, {"window": 16, "j": 1, "math": "ieee", "block": 128})
+    window = c.one_of("window", TC_WINDOWS)
+    j = c.one_of("j", TC_SLICES)
+    math_ = c.one_of("math", ("ieee", "tf32"))
+    block = _block(c)
+    if math_ == "tf32" and dtype != "f32":
+        c.fail("math", f"'ieee' for dtype={dtype} (its tensor-core products are native)")
+    if n % (16 * j):
+        c.fail("j", f"a divisor of n/16 (n={n} must be a multiple of 16*j = {16 * j}: whole 16-column tiles)")
+    kk = 32  # columns a step (SR_KK): A tile, staged X rows, a 16x16 output tile, A as T (half types)
+    floats = window * kk + kk * 16 * j * (4 if dtype == "f32" else 2) // 4 + 256 + (0 if dtype == "f32" else window * kk // 2)
+    if block // 32 * floats * 4 > MAX_STATIC_SMEM:
+        fits = [b for b in BLOCKS if b // 32 * floats * 4 <= MAX_STATIC_SMEM] or [0]
+        c.fail("block", f"at most {fits[-1]} threads for window={window}, j={j}, "
+                        f"dtype={dtype} ({floats * 4} bytes of shared memory a warp)")
+    slices = n // (16 * j)
+    plan = {"rows": "natural", "split": f"tiles({window})", "block": str(block),
+            "grid": f"ceil(parts*{slices}/{block // 32})"}
+    if math_ == "tf32":
+        plan["math"] = "tf32"
+    acc_regs = 16 * (window // 16) * j  # the window's accumulators and a step's partial sums
+    return _Rendered(
+        plan=plan,
+        defines={"SR_BLOCK": block, "SR_N": n, "SR_WIN": window, "SR_J": j, "SR_SLICES": slices,
+                 "SR_MATH": 0 if dtype != "f32" else 3 if math_ == "ieee" else 1},
+        params=c.p, occupancy_quarters=2 if acc_regs <= 32 else 1)
+
+
 def _warp_row_staged(op, dtype, n, params) -> _Rendered:
     c = _Checker("warp_row_staged", params, {"lanes": 32, "vec": 1, "block": 256, "rows": "natural",
                                              "stage": "shfl"})
@@ -353,6 +392,7 @@ class Family:
     doc: str
     grid: Callable[[str, str, int, dict], list[dict]]
     build: Callable[[str, str, int, dict], _Rendered]
+    dense_helpers: bool = True  # includes spmm_common.cuh (lane x vector column tiles, epilogues)
 
     def template_path(self, op: str) -> Path:
         return TEMPLATE_DIR / self.template.format(op=op)
@@ -520,6 +560,23 @@ def _grid_warp_row_staged(op, dtype, n, features):
             for lanes, vec in shapes for rows in orders for st in ("shfl", "smem")]
 
 
+# Families left out of the space the autotuner screens unless named (space(opt_in=...),
+# tune(opt_in=...), bench_kernels --opt-in): correct and tested, but slower than the screened
+# families in every cell measured (benchmarks/results/tc-tiles-*.md), so screening them would only
+# spend the budget.
+OPT_IN_FAMILIES = ("tc_tiles",)
+TC_MIN_REUSE = 1.3  # tc_tiles: nonzeros per distinct column of a 16-row window below which X is not reused
+TC_MAX_ROW = 256  # tc_tiles: longest row screened (a window's steps run in sequence: a hub is the tail)
+
+
+def _grid_tc_tiles(op, dtype, n, features):
+    f = _feat(features)
+    if n % 16 or (f and (f.get("window_reuse", 0.0) < TC_MIN_REUSE or f.get("row_max", 0) > TC_MAX_ROW)):
+        return []  # whole 16-column tiles only; rows that share no columns gain nothing from a tile
+    slices = [j for j in (2, 1) if n % (16 * j) == 0]
+    return [{"window": w, "j": j, "math": "ieee", "block": 128} for w in TC_WINDOWS for j in slices]
+
+
 FAMILIES: dict[str, Family] = {fam.name: fam for fam in (
     Family("vector_row", frozenset({"spmv"}), "{op}_vector_row.cu",
            "SpMV, V lanes per row (1..32), natural or length-sorted rows, unrolled gathers",
@@ -546,6 +603,10 @@ FAMILIES: dict[str, Family] = {fam.name: fam for fam in (
     Family("warp_row_staged", frozenset({"spmm"}), "{op}_warp_row_staged.cu",
            "SpMM, coalesced (col,val) batches broadcast by __shfl_sync or shared memory",
            _grid_warp_row_staged, _warp_row_staged),
+    Family("tc_tiles", frozenset({"spmm"}), "{op}_tc_tiles.cu",
+           "SpMM on tensor cores (wmma): per 16/32-row window, its distinct columns condensed into "
+           "8-column blocks; dense tiles of A times the staged rows of X",
+           _grid_tc_tiles, _tc_tiles, dense_helpers=False),
 )}
 
 
@@ -640,7 +701,7 @@ def render(family: str, params: dict | None = None, *, op: str, dtype: str, n: i
     parts += [f"#define {k} {v}" for k, v in defines.items()]
     header = (lambda name: f'#include "sparserl/{name}"') if compact else _read
     parts.append(header("prelude.cuh"))
-    if op in DENSE_OPS:
+    if op in DENSE_OPS and fam.dense_helpers:
         parts.append(header("spmm_common.cuh"))
     if op == "sddmm":
         parts.append(header("sddmm_common.cuh"))
@@ -648,19 +709,24 @@ def render(family: str, params: dict | None = None, *, op: str, dtype: str, n: i
     return KernelSpec(source="\n".join(parts), family=family, params=full)
 
 
-def space(op: str, dtype: str, n: int, features: dict | None = None) -> list[tuple[str, dict]]:
+def space(op: str, dtype: str, n: int, features: dict | None = None,
+          opt_in: tuple[str, ...] | list[str] = ()) -> list[tuple[str, dict]]:
     """All ``(family, params)`` candidates for one (op, dtype, n), pruned by ``features``.
 
     ``features`` holds structural statistics of the pattern (rows, cols, nnz, row_mean,
-    row_max, row_cv); without them a default grid covering every family is returned.
-    Every candidate renders without error.
+    row_max, row_cv, window_reuse); without them a default grid covering every screened
+    family is returned. The families of :data:`OPT_IN_FAMILIES` are listed only when named in
+    ``opt_in``. Every candidate renders without error.
     """
     if op not in OPS:
         raise ValueError(f"space: op expected one of {OPS}, got {op!r}")
+    unknown = sorted(set(opt_in) - set(OPT_IN_FAMILIES))
+    if unknown:
+        raise ValueError(f"space: opt_in expected names from {OPT_IN_FAMILIES}, got {unknown}")
     out: list[tuple[str, dict]] = []
     seen = set()
     for name, fam in FAMILIES.items():
-        if op not in fam.ops:
+        if op not in fam.ops or (name in OPT_IN_FAMILIES and name not in opt_in):
             continue
         for params in fam.grid(op, dtype, n, _feat(features)):
             try:
