@@ -44,7 +44,7 @@ class PolicyConfig:
     samples: int = 128          # sampled nonzeros: prefix positions
     pe_dim: int = 64            # sinusoidal width per coordinate (row and column each)
     coords: str = "sinusoidal"  # or "raw" (the ablation)
-    max_new_tokens: int = 320   # longest completion sampled
+    max_new_tokens: int = 640   # longest completion sampled (nnz_split spmm: up to ~500 tokens)
 
 
 def _decoder(config: PolicyConfig, ids: dict[str, int]):
