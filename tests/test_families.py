@@ -235,7 +235,7 @@ def _compile_subset() -> list[tuple[str, str, str, int, dict]]:
                 if name == "tc_tiles":  # one and two 16-row tiles, 1 to 4 column tiles, TF32 once
                     shapes = [(16, {"j": 1}), (64, {"window": 32, "j": 2}), (64, {"window": 16, "j": 4, "block": 64})]
                     if dtype == "f32":
-                        shapes.append((64, {"window": 32, "j": 2, "math": "tf32"}))
+                        shapes += [(64, {"window": 32, "j": 2, "math": "tf32"}), (64, {"window": 32, "j": 2, "ksplit": 16})]
                 elif op == "spmv":
                     shapes = [(1, {})]
                 elif op == "sddmm":  # n=130 with vec=2: a ragged last tile of D; sorted rows; one lane per row

@@ -166,6 +166,8 @@ def _tc_cases():
                 shapes.append({"window": 16, "j": 4, "block": 64})
             if dtype == "f32" and n in (32, 128):
                 shapes.append({"window": 32, "j": 2, "math": "tf32"})
+            if dtype == "f32":  # warps sharing a window's steps, partial tiles added atomically
+                shapes += [{"window": 16, "j": 1, "ksplit": 4}, {"window": 32, "j": 1, "ksplit": 16}]
             for i, params in enumerate(shapes):
                 yield pytest.param("tc_tiles", params, dtype, n, id=f"spmm-tc_tiles-{i}-{dtype}-n{n}")
 
@@ -228,6 +230,8 @@ def test_tc_tiles_adds_duplicate_nonzeros(dtype):
     indices = np.array([4, 4, 1, 0, 0, 0, 30, 2, 2])
     A = sp.csr_matrix((rng.standard_normal(9), indices, indptr), shape=(4, 33))
     _check("tc_tiles", {"window": 16, "j": 2}, "spmm", dtype, 32, {"duplicates": A})
+    if dtype == "f32":
+        _check("tc_tiles", {"window": 16, "j": 2, "ksplit": 2}, "spmm", dtype, 32, {"duplicates": A})
 
 
 @pytest.mark.parametrize("name,params,dtype,n", list(_sddmm_cases()))

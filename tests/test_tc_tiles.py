@@ -64,6 +64,9 @@ def test_tiles_plan_data_reproduces_the_product(name, window):
     prep = prepare(spec.plan, rowptr, col, (rows, cols), 16)
     assert prep.parts == -(-rows // window) and not prep.init_zero and prep.work_numel == 0
     assert prep.grid == -(-prep.parts // 4)  # one warp per window (n = one slice), 4 warps a block
+    split = F.render("tc_tiles", {"window": window, "j": 1, "ksplit": 8}, op="spmm", dtype="f32", n=16)
+    prep8 = prepare(split.plan, rowptr, col, (rows, cols), 16)
+    assert prep8.init_zero and prep8.grid == -(-prep.parts * 8 // 4) and torch.equal(prep8.aux, prep.aux)
     rng = np.random.default_rng(rows + window)
     val = rng.standard_normal(A.nnz)
     x = rng.standard_normal((cols, 16))
@@ -83,10 +86,14 @@ def test_tiles_and_math_in_the_plan():
     assert (plan.split, plan.split_arg, plan.math, plan.atomic) == ("tiles", 32, "tf32", False)
     assert parse_plan(plan.format()) == plan
     assert parse_plan("// sparserl: op=spmm dtype=bf16 n=64 split=tiles(16) block=128 grid=1").math == "ieee"
+    shared = parse_plan("// sparserl: op=spmm dtype=f32 n=64 split=tiles(16) block=128 grid=1 init=zero")
+    assert shared.atomic  # warps sharing a window's steps add their tiles into zero-filled y
     for bad, words in [
         ("op=sddmm dtype=f32 n=64 split=tiles(16) block=128 grid=1", "not tiles for op=sddmm"),
         ("op=spmm dtype=f32 n=64 split=tiles(8) block=128 grid=1", "split=tiles(W): W must be 16 or 32"),
-        ("op=spmm dtype=f32 n=64 split=tiles(16) block=128 grid=1 init=zero", "init=none and no workspace"),
+        ("op=spmm dtype=f32 n=64 split=tiles(16) block=128 grid=1 work=64", "split=tiles(W) must be no workspace"),
+        ("op=spmm dtype=bf16 n=64 split=tiles(16) block=128 grid=1 init=zero",
+         "split for op=spmm dtype=bf16 must be none, or rowchunks"),
         ("op=spmm dtype=f32 n=64 rows=sorted_desc split=tiles(16) block=128 grid=1", "natural with split=tiles"),
         ("op=spmm dtype=f16 n=64 split=tiles(16) block=128 grid=1 math=tf32", "math must be ieee for dtype=f16"),
         ("op=spmm dtype=f32 n=64 block=128 grid=1 math=fast", "math must be ieee or tf32"),
@@ -99,6 +106,8 @@ def test_tiles_and_math_in_the_plan():
     ({"j": 4}, "f32", 32, "parameter 'j' expected a divisor of n/16 (n=32 must be a multiple of 16*j = 64"),
     ({"math": "tf32"}, "bf16", 32, "parameter 'math' expected 'ieee' for dtype=bf16"),
     ({"window": 64}, "f32", 32, "parameter 'window' expected one of (16, 32)"),
+    ({"ksplit": 4}, "bf16", 32, "parameter 'ksplit' expected 1 for dtype=bf16"),
+    ({"ksplit": 3}, "f32", 32, "parameter 'ksplit' expected one of (1, 2, 4, 8, 16)"),
     ({"window": 32, "j": 4, "block": 256}, "f16", 64, "parameter 'block' expected at most 128 threads"),
 ])
 def test_tc_tiles_parameters_are_checked(params, dtype, n, words):
@@ -123,7 +132,7 @@ def test_the_space_offers_tiles_on_request_only_where_windows_share_columns():
     shared = {"rows": 5000, "cols": 5000, "nnz": 300_000, "row_mean": 60.0, "row_max": 80, "row_cv": 0.2,
               "window_reuse": 6.6}
     alone = {**shared, "window_reuse": 1.05}
-    hub = {**shared, "row_max": 3000}
+    hub = {**shared, "row_max": 30000}  # 938 steps of 32 columns: more than 16 warps x 8 steps
     tc = ("tc_tiles",)
     assert not any(name == "tc_tiles" for name, _ in F.space("spmm", "f32", 128, shared))  # opt-in only
     assert any(name == "tc_tiles" for name, _ in F.space("spmm", "f32", 128, shared, opt_in=tc))
@@ -131,6 +140,9 @@ def test_the_space_offers_tiles_on_request_only_where_windows_share_columns():
     assert not any(name == "tc_tiles" for name, _ in F.space("spmm", "f32", 128, hub, opt_in=tc))
     assert not any(name == "tc_tiles" for name, _ in F.space("spmm", "f32", 24, shared, opt_in=tc))  # not whole tiles
     assert all(p["math"] == "ieee" for name, p in F.space("spmm", "f32", 64, shared, opt_in=tc) if name == "tc_tiles")
+    long_rows = {**shared, "row_max": 3000}  # 94 steps: only the 16-way split keeps a warp's share short
+    assert {p["ksplit"] for name, p in F.space("spmm", "f32", 64, long_rows, opt_in=tc) if name == "tc_tiles"} == {16}
+    assert {p["ksplit"] for name, p in F.space("spmm", "bf16", 64, shared, opt_in=tc) if name == "tc_tiles"} == {1}
     with pytest.raises(ValueError, match="opt_in expected names from .'tc_tiles',., got .'group_row'."):
         F.space("spmm", "f32", 64, shared, opt_in=("group_row",))
 

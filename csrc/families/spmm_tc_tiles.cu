@@ -11,8 +11,12 @@
 // float32 (SR_MATH 3) splits each operand into a high and a low TF32 part and adds three products
 // (the low x low term is below float32's rounding); SR_MATH 1 (plan math=tf32) keeps one.
 // Duplicate nonzeros add up in the tile (shared-memory atomics). Each row of Y is stored once.
-// A window's steps run in sequence: a hub row (thousands of columns) makes its window the tail.
-// Needs: SR_BLOCK, SR_N, SR_WIN (16 or 32), SR_J, SR_SLICES (SR_N / (16*SR_J)), SR_MATH (0 half).
+// SR_KSPLIT warps share a window and slice, each taking every SR_KSPLIT-th step: more warps in
+// flight to hide that chain, and a hub row's window no longer one warp's tail. They add their
+// partial tiles atomically into zero-filled Y (plan init=zero; float32 only). With SR_KSPLIT 1 a
+// warp runs all of its window's steps and stores each row of Y once.
+// Needs: SR_BLOCK, SR_N, SR_WIN (16 or 32), SR_J, SR_SLICES (SR_N / (16*SR_J)), SR_KSPLIT,
+//        SR_MATH (0 half).
 #include <mma.h>
 
 #define SR_MT (SR_WIN / 16)
@@ -68,9 +72,9 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     __shared__ __align__(128) float sr_smem[SR_WARPS * SR_PER_WARP];
     const int lane = threadIdx.x & 31;
     const int warp = (int)((blockIdx.x * (unsigned)SR_BLOCK + threadIdx.x) >> 5);
-    const int win = warp / SR_SLICES;
+    const int win = warp / (SR_SLICES * SR_KSPLIT);
     if (win >= parts) return;  // a whole warp: no wmma call is left half-joined
-    const int n0 = (warp % SR_SLICES) * SR_S;
+    const int n0 = (warp / SR_KSPLIT % SR_SLICES) * SR_S, ks = warp % SR_KSPLIT;
     float* at = sr_smem + (threadIdx.x >> 5) * SR_PER_WARP;
     SrTile* bt = reinterpret_cast<SrTile*>(at + SR_A_FLOATS);
     float* ct = at + SR_A_FLOATS + SR_B_FLOATS;
@@ -80,6 +84,7 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
     const int* nz_idx = blk_nz + blocks + 1;
     const int* nz_slot = nz_idx + nnz;
     const int first = __ldg(aux + win), last = __ldg(aux + win + 1);
+    if (SR_KSPLIT > 1 && first + ks * (SR_KK / 8) >= last) return;  // no step for this warp: Y is zero-filled
 
     SrFragC acc[SR_MT][SR_J];
 #pragma unroll
@@ -88,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
         for (int j = 0; j < SR_J; ++j) nvcuda::wmma::fill_fragment(acc[m][j], 0.f);
 
 #pragma unroll 1
-    for (int b = first; b < last; b += SR_KK / 8) {
+    for (int b = first + ks * (SR_KK / 8); b < last; b += SR_KSPLIT * (SR_KK / 8)) {
         const int blocks_here = min(SR_KK / 8, last - b), width = blocks_here * 8;
         const int base = (b - first) * 8;  // the window rank of the step's first column
         // A: zero, then add the step's nonzeros at (row, rank - base); their slots are rank*32 + row
@@ -187,7 +192,9 @@ extern "C" __global__ void __launch_bounds__(SR_BLOCK, SR_MINB) sparserl_kernel(
 #pragma unroll
                 for (int i = 0; i < 8; ++i) o[i] = ct[r * 16 + c8 + i];
                 T* yp = y + (size_t)row * SR_N + n0 + j * 16 + c8;
-#if SR_DTYPE == 0
+#if SR_KSPLIT > 1
+                sr_atomicv_f32<8>(reinterpret_cast<float*>(yp), o);
+#elif SR_DTYPE == 0
                 sr_stv<4>(yp, *reinterpret_cast<const float(*)[4]>(o));
                 sr_stv<4>(yp + 4, *reinterpret_cast<const float(*)[4]>(o + 4));
 #else

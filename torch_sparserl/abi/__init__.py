@@ -34,7 +34,8 @@ SPLITS = ("none", "nnz", "merge", "rowchunks", "tiles")
 TILE_WINDOWS = (16, 32)
 """``split=tiles(W)``: rows in windows of W (one or two 16-row tensor-core tiles), each window's
 distinct columns condensed into blocks of 8 (csrc/README.md section 3). Every row is stored once,
-by the one warp that owns its window and column slice: no pieces, no atomics."""
+by the one warp that owns its window and column slice, or (``init=zero``, float32) added atomically
+by the warps that share its window's steps."""
 MATHS = ("ieee", "tf32")
 """``math=``: how a float32 kernel multiplies. ``ieee``: float32 products (a tensor-core kernel
 reaches them with three TF32 products per term, split into high and low parts); ``tf32``: one
@@ -287,9 +288,9 @@ class Plan:
                 bad("split", f"not tiles for op={self.op} (tensor-core tiles are an spmm layout)", "tiles")
             if self.split_arg not in TILE_WINDOWS:
                 bad("split=tiles(W): W", " or ".join(map(str, TILE_WINDOWS)), self.split_arg)
-            if self.init != "none" or self.work.text != "0":
-                bad("split=tiles(W)", "init=none and no workspace (each row of y is stored once)",
-                    f"init={self.init} work={self.work}")
+            if self.work.text != "0":
+                bad("split=tiles(W)", "no workspace (a window's rows are stored once, or with init=zero "
+                    "added atomically by the warps sharing its steps)", f"work={self.work}")
         if self.split == "none":
             if self.split_arg is not None:
                 bad("split=none", "no argument", self.split_arg)
@@ -316,7 +317,7 @@ class Plan:
     @property
     def atomic(self) -> bool:
         """Work items may share a row: the kernel then accumulates into zero-filled output."""
-        return self.split not in ("none", "tiles")
+        return self.split not in ("none", "tiles") or (self.split == "tiles" and self.init == "zero")
 
     def format(self) -> str:
         """The canonical plan line (parses back to an equal plan)."""

@@ -330,16 +330,21 @@ def _group_row(op, dtype, n, params) -> _Rendered:
 
 TC_WINDOWS = (16, 32)  # rows per window: one or two 16-row tensor-core tiles (abi.TILE_WINDOWS)
 TC_SLICES = (1, 2, 4)  # 16-column accumulator tiles per warp
+TC_KSPLITS = (1, 2, 4, 8, 16)  # warps sharing a window's steps (float32: partial tiles added atomically)
 
 
 def _tc_tiles(op, dtype, n, params) -> _Rendered:
-    c = _Checker("tc_tiles", params, {"window": 16, "j": 1, "math": "ieee", "block": 128})
+    c = _Checker("tc_tiles", params, {"window": 16, "j": 1, "ksplit": 1, "math": "ieee", "block": 128})
     window = c.one_of("window", TC_WINDOWS)
     j = c.one_of("j", TC_SLICES)
+    ksplit = c.one_of("ksplit", TC_KSPLITS)
     math_ = c.one_of("math", ("ieee", "tf32"))
     block = _block(c)
     if math_ == "tf32" and dtype != "f32":
         c.fail("math", f"'ieee' for dtype={dtype} (its tensor-core products are native)")
+    if ksplit > 1 and dtype != "f32":
+        c.fail("ksplit", f"1 for dtype={dtype} (a window's warps add their partial tiles atomically into y, "
+                         f"which for a half dtype would not accumulate in float32)")
     if n % (16 * j):
         c.fail("j", f"a divisor of n/16 (n={n} must be a multiple of 16*j = {16 * j}: whole 16-column tiles)")
     kk = 32  # columns a step (SR_KK): A tile, staged X rows, a 16x16 output tile, A as T (half types)
@@ -350,13 +355,15 @@ def _tc_tiles(op, dtype, n, params) -> _Rendered:
                         f"dtype={dtype} ({floats * 4} bytes of shared memory a warp)")
     slices = n // (16 * j)
     plan = {"rows": "natural", "split": f"tiles({window})", "block": str(block),
-            "grid": f"ceil(parts*{slices}/{block // 32})"}
+            "grid": f"ceil(parts*{slices * ksplit}/{block // 32})"}
+    if ksplit > 1:
+        plan["init"] = "zero"
     if math_ == "tf32":
         plan["math"] = "tf32"
     acc_regs = 16 * (window // 16) * j  # the window's accumulators and a step's partial sums
     return _Rendered(
         plan=plan,
-        defines={"SR_BLOCK": block, "SR_N": n, "SR_WIN": window, "SR_J": j, "SR_SLICES": slices,
+        defines={"SR_BLOCK": block, "SR_N": n, "SR_WIN": window, "SR_J": j, "SR_SLICES": slices, "SR_KSPLIT": ksplit,
                  "SR_MATH": 0 if dtype != "f32" else 3 if math_ == "ieee" else 1},
         params=c.p, occupancy_quarters=2 if acc_regs <= 32 else 1)
 
@@ -566,15 +573,18 @@ def _grid_warp_row_staged(op, dtype, n, features):
 # spend the budget.
 OPT_IN_FAMILIES = ("tc_tiles",)
 TC_MIN_REUSE = 1.3  # tc_tiles: nonzeros per distinct column of a 16-row window below which X is not reused
-TC_MAX_ROW = 256  # tc_tiles: longest row screened (a window's steps run in sequence: a hub is the tail)
+TC_MAX_STEPS = 8  # tc_tiles: most steps (32 columns each) one warp runs for a hub row's window
 
 
 def _grid_tc_tiles(op, dtype, n, features):
     f = _feat(features)
-    if n % 16 or (f and (f.get("window_reuse", 0.0) < TC_MIN_REUSE or f.get("row_max", 0) > TC_MAX_ROW)):
+    if n % 16 or (f and f.get("window_reuse", 0.0) < TC_MIN_REUSE):
         return []  # whole 16-column tiles only; rows that share no columns gain nothing from a tile
     slices = [j for j in (2, 1) if n % (16 * j) == 0]
-    return [{"window": w, "j": j, "math": "ieee", "block": 128} for w in TC_WINDOWS for j in slices]
+    hub_steps = -(-int(f.get("row_max", 0)) // 32)
+    splits = [k for k in ((1, 4, 16) if dtype == "f32" else (1,)) if hub_steps <= TC_MAX_STEPS * k]
+    return [{"window": w, "j": j, "ksplit": k, "math": "ieee", "block": 128}
+            for w in TC_WINDOWS for j in slices for k in splits]
 
 
 FAMILIES: dict[str, Family] = {fam.name: fam for fam in (
