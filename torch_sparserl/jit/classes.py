@@ -39,7 +39,7 @@ import torch
 
 from ..pattern import Pattern
 from ..pattern.fingerprint import SpecializationKey
-from .decisions import Fallback, Installed, Pending, SpecializationError
+from .decisions import Fallback, Installed, Pending
 
 log = logging.getLogger("torch_sparserl.jit.classes")
 
@@ -150,28 +150,17 @@ _DECIDING: Future = Future()  # the future of a class being decided (never set: 
 def check(launch: Callable, pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, op: str, n: int,
           dtype: torch.dtype) -> None:
     """Run a class's launch once on ``pattern`` with fresh random values and operand, its output
-    NaN-filled first, against the float64 reference; raise SpecializationError where they differ."""
-    from ..dtypes import close_to_reference
-    from ..kernels import reference
+    NaN-filled first, against the float64 reference; raise SpecializationError where they differ
+    (:func:`~torch_sparserl.jit.install.check_launch`)."""
+    from .install import check_launch
 
-    device = col.device
-    generator = torch.Generator(device=device).manual_seed(pattern.nnz * 31 + n)
-    val = torch.randn(pattern.nnz, generator=generator, device=device).to(dtype)
-    X = torch.randn(pattern.ncols, n, generator=generator, device=device).to(dtype)
-    if op == "spmv":
-        X = X[:, 0].contiguous()
-    y = torch.full((pattern.nrows,) if op == "spmv" else (pattern.nrows, n), float("nan"), dtype=dtype, device=device)
-    out = launch(crow, col, val, X, y)
-    if out is None:
-        raise SpecializationError(f"the class kernel declined a pattern of its class ({pattern.nrows} rows, "
-                                  f"{pattern.nnz} nonzeros)")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    want = getattr(reference, op)(pattern, crow, col, val.double(), X.double())
-    ok, why = close_to_reference(out, want, dtype)
-    if not ok:
-        raise SpecializationError(f"the class kernel differs from the float64 reference on a pattern of "
-                                  f"{pattern.nrows} rows and {pattern.nnz} nonzeros: {why}")
+    shape = (pattern.nrows,) if op == "spmv" else (pattern.nrows, n)
+
+    def run(val, X, bias, scale):
+        return launch(crow, col, val, X, torch.full(shape, float("nan"), dtype=dtype, device=col.device))
+
+    check_launch(run, pattern, crow, col, op=op, n=n, dtype=dtype, seed=pattern.nnz * 31 + n,
+                 what="the class kernel")
 
 
 def sized_installer(entry) -> Callable:
