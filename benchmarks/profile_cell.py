@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("op", choices=("spmv", "spmm"))
     parser.add_argument("n", type=int)
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--family", help="profile this family instead of the cell's oracle (with --params)")
+    parser.add_argument("--params", default="{}", help="the family's parameters as JSON (with --family)")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -50,8 +52,19 @@ def main(argv=None) -> int:
     if cell is None:
         parser.error(f"{args.results}: no f32 cell with a best kernel for {args.matrix} {args.op} n={args.n}")
     best = cell["best"]
-    params = {k: tuple(v) if isinstance(v, list) else v for k, v in best["params"].items()}  # JSON made lists
-    spec = families.render(best["family"], params, op=args.op, dtype="f32", n=args.n)
+    family, params = best["family"], best["params"]
+    if args.family:
+        try:
+            family, params = args.family, json.loads(args.params)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--params: expected a JSON object, got {args.params!r} ({exc})")
+        if not isinstance(params, dict):
+            parser.error(f"--params: expected a JSON object, got {args.params!r}")
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}  # JSON made lists
+    try:
+        spec = families.render(family, params, op=args.op, dtype="f32", n=args.n)
+    except ValueError as exc:
+        parser.error(str(exc))
     A = known_matrices()[args.matrix].load().tocsr()
     rowptr = torch.from_numpy(A.indptr.astype(np.int32)).cuda()
     col = torch.from_numpy(A.indices.astype(np.int32)).cuda()
