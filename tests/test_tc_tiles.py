@@ -122,7 +122,7 @@ def test_window_reuse_is_exact_where_every_window_is_read():
     row_of = np.repeat(np.arange(500), np.diff(A.indptr))
     exact = A.nnz / len(set(zip(row_of // 16, A.indices)))
     assert window_reuse(A.indptr, A.indices) == pytest.approx(exact)
-    assert structural_features(A.indptr, A.indices, A.shape)["window_reuse"] == pytest.approx(exact)
+    assert "window_reuse" not in structural_features(A.indptr, A.indices, A.shape)  # the runtime's path skips it
     dense_rows = sp.csr_matrix(np.ones((64, 8)))  # every row of a window reads the same 8 columns
     assert window_reuse(dense_rows.indptr, dense_rows.indices) == pytest.approx(16.0)
     assert window_reuse(np.zeros(4, dtype=np.int64), np.zeros(0, dtype=np.int64)) == 1.0
@@ -173,3 +173,16 @@ def test_a_tf32_kernel_is_refused_without_torchs_opt_in():
         assert tf32_allowed()
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_tune_adds_window_reuse_only_when_tc_tiles_is_opted_in():
+    import torch_sparserl as ts
+    from test_autotune import FakeSandbox
+
+    from torch_sparserl.specialize.autotune import tune
+
+    cora = ts.load_matrix("cora")
+    plain = tune(cora, op="spmm", n=32, sandbox=FakeSandbox(), budget_s=0.0, top_k=1)
+    opted = tune(cora, op="spmm", n=32, sandbox=FakeSandbox(), budget_s=0.0, top_k=1, opt_in=("tc_tiles",))
+    assert "window_reuse" not in plain.features
+    assert opted.features["window_reuse"] == pytest.approx(window_reuse(cora.indptr, cora.indices))

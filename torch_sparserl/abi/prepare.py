@@ -153,8 +153,9 @@ def _tiles(rowptr: torch.Tensor, col: torch.Tensor, cols: int, window: int) -> t
     lengths = _row_lengths(rowptr)
     row_of = torch.repeat_interleave(torch.arange(rows, device=device), lengths)
     win_of = row_of // window
-    pairs, pair_of = torch.unique(win_of * max(cols, 1) + col.long(), sorted=True, return_inverse=True)
-    pair_win = pairs // max(cols, 1)
+    stride = max(cols, 1)  # (window, column) pairs as one sortable key
+    pairs, pair_of = torch.unique(win_of * stride + col.long(), sorted=True, return_inverse=True)
+    pair_win = pairs // stride
     distinct = torch.bincount(pair_win, minlength=windows)
     per_win = (distinct + TILE_K - 1) // TILE_K
     win_blk = torch.cat([per_win.new_zeros(1), per_win.cumsum(0)])
@@ -163,7 +164,7 @@ def _tiles(rowptr: torch.Tensor, col: torch.Tensor, cols: int, window: int) -> t
     pos = torch.arange(pairs.numel(), device=device) - first_pair[pair_win]  # rank among its window's columns
     pair_blk = win_blk[pair_win] + pos // TILE_K
     blk_col = torch.full((blocks * TILE_K,), -1, dtype=torch.int64, device=device)
-    blk_col[pair_blk * TILE_K + pos % TILE_K] = pairs % max(cols, 1)
+    blk_col[pair_blk * TILE_K + pos % TILE_K] = pairs % stride
     nz_blk = pair_blk[pair_of]
     nz_slot = pos[pair_of] * 32 + (row_of - win_of * window)
     order = torch.argsort(nz_blk, stable=True)

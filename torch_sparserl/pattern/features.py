@@ -38,7 +38,6 @@ def structural_features(rowptr, col, shape) -> dict[str, float]:
         same_row = np.diff(row_of) == 0
         features["col_jump_mean"] = float(jumps[same_row].mean()) if same_row.any() else 0.0
         features["diag_fraction"] = float((col == row_of).mean())
-        features["window_reuse"] = window_reuse(rowptr, col)
     return features
 
 
@@ -47,7 +46,9 @@ def window_reuse(rowptr: np.ndarray, col: np.ndarray, window: int = 16, samples:
     """Nonzeros per distinct column in windows of ``window`` consecutive rows: how many times a
     kernel that gathers each column's row of X once per window (tc_tiles) reads it less than
     one gathering per nonzero. Exact over up to ``samples`` evenly spaced windows, fewer where
-    windows are long (about ``most_nonzeros`` in all), and estimated from them."""
+    windows are long (about ``most_nonzeros`` in all), and estimated from them. Not part of
+    :func:`structural_features`: only the opt-in tc_tiles grid reads it (``tune(opt_in=...)``
+    adds it), so the runtime's decisions do not pay for it."""
     rowptr = np.asarray(rowptr, dtype=np.int64)
     rows = rowptr.size - 1
     windows = -(-rows // window)

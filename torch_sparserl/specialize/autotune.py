@@ -27,7 +27,7 @@ from ..abi import KernelSpec
 from ..evaluate.config import EvalConfig
 from ..evaluate.record import EvalRecord, dtype_name
 from ..evaluate.sandbox import Sandbox
-from ..pattern.features import structural_features
+from ..pattern.features import structural_features, window_reuse
 from ..pattern.fingerprint import pattern_hash
 
 log = logging.getLogger("torch_sparserl.specialize.autotune")
@@ -169,6 +169,8 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
     box = Sandbox() if own else sandbox
     try:
         rowptr, col, shape, features, key = _problem(matrix, box, features, matrix_key)
+        if "tc_tiles" in opt_in and "window_reuse" not in features:  # what only its grid reads
+            features = {**features, "window_reuse": window_reuse(rowptr, col)}
         specs = candidates(op, n, dtype, features, families, only, tuple(opt_in))
         result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None,
                             candidates=len(specs))
