@@ -568,3 +568,17 @@ def test_a_bad_burst_setting_in_the_environment_is_named():
                             text=True, env=env, timeout=120)
     assert result.returncode != 0
     assert "SPARSERL_EVAL_BURST_REPS: expected a whole number of timed runs >= 0 (got 'four')" in result.stderr
+
+
+def test_prebuilding_where_the_worker_cannot_compile_leaves_it_to_the_evaluations(caplog):
+    """Sandbox.prebuild is an optimization: a worker without CUDA (its task fails) gives {}
+    and a warning, and nothing is lost (each evaluation compiles and records as before)."""
+    from torch_sparserl.specialize import families
+
+    specs = [families.render("vector_row", None, op="spmv", dtype="f32", n=1)]
+    with Sandbox(init=None, matrix_loader=None, health_check=None) as box:
+        assert box.prebuild([]) == {}  # nothing to build: the worker is not even started
+        assert box.worker_pid is None
+        with caplog.at_level("WARNING", logger="torch_sparserl.evaluate.sandbox"):
+            assert box.prebuild(specs) == {}
+    assert "prebuilding 1 candidates failed" in caplog.text

@@ -122,6 +122,25 @@ def test_in_process_evaluation_and_recheck_of_high_speedups():
         assert record.timing["recheck"]["output_ok"]
 
 
+def test_runtime_configurations_never_build_a_kernel_again_to_count_spills(monkeypatch):
+    """count_spills=False (the runtime's screening and validation): a local-memory kernel is
+    judged without a second build by nvcc; its spill count is the build's own, if any."""
+    from torch_sparserl.evaluate import harness
+    from torch_sparserl.specialize.autotune import FINAL_CONFIG, SCREEN_CONFIG
+
+    def refuse(*args):
+        raise AssertionError("nvcc was asked to count spills")
+
+    monkeypatch.setattr(harness, "_spills_from_nvcc", refuse)
+    assert not SCREEN_CONFIG.count_spills and not FINAL_CONFIG.count_spills
+    rowptr, col, shape = random_pattern(rows=512, cols=512, per_row=8, seed=4)
+    config = EvalConfig(trials=2, reps=5, warmup=1, count_spills=False)
+    record = harness.evaluate_candidate(spec("spills.cu"), harness.Matrix.from_numpy(rowptr, col, shape), 32,
+                                        torch.float32, config)
+    assert record.correct and record.local_bytes > 0, record.log
+    assert record.spill_bytes is None or record.spill_bytes > 0
+
+
 def _fill_device(down_to_bytes: int) -> list:
     """Allocations holding the device's memory until less than ``down_to_bytes`` can be had."""
     held, size = [], 1 << 30
@@ -201,3 +220,22 @@ def test_a_kernel_that_leaves_its_kept_workspace_dirty_is_stale(op, n, cleanup):
     dirty = KernelSpec(good.source.replace(cleanup, ""), family="rowchunks")
     record = evaluate_candidate(dirty, matrix, n, torch.float32, CONFIG)
     assert record.error_kind is ErrorKind.STALE, record.log
+
+
+def test_candidates_prebuilt_together_evaluate_as_they_would_alone():
+    """Sandbox.prebuild compiles candidates concurrently in the worker (NVRTC on several
+    threads); the evaluations then use those builds, and a candidate that does not compile is
+    still recorded as a compile failure by its evaluation."""
+    from torch_sparserl.specialize import families
+
+    rowptr, col, shape = random_pattern(rows=1024, cols=768, per_row=12, seed=3)
+    specs = [families.render(f, p, op="spmm", dtype="f32", n=32) for f, p in families.space("spmm", "f32", 32)[::3]]
+    broken = [spec("does_not_compile.cu"), spec("bad_plan.cu")]
+    with Sandbox() as box:
+        box.set_matrix("m", rowptr, col, shape)
+        built = box.prebuild(specs + broken, workers=8, timeout_s=TIMEOUT_S)
+        assert set(built) == {s.key for s in specs} and all(sec > 0 for sec in built.values())
+        assert box.prebuild(specs) == {}  # loaded already: nothing to build
+        records = list(box.evaluate_many(specs + broken, "m", 32, "f32", CONFIG, timeout_s=TIMEOUT_S))
+    assert all(r.correct for r in records[:-2]), [(r.family, r.error_kind, r.log[-300:]) for r in records]
+    assert [r.error_kind for r in records[-2:]] == [ErrorKind.COMPILE, ErrorKind.PLAN]

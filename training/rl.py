@@ -94,7 +94,8 @@ class Rewarder:
             rowptr, col, shape, _ = self.patterns.get(cell.matrix)
             self.box.set_matrix(cell.matrix, rowptr.astype(np.int32), col.astype(np.int32), shape)
             first = cell.cell not in self.cusparse
-            config = dataclasses.replace(SCREEN_CONFIG, baseline=first, burst_reps=0)  # the GPU is training's alone
+            # the GPU is training's alone; the reward's spill penalty needs the count
+            config = dataclasses.replace(SCREEN_CONFIG, baseline=first, burst_reps=0, count_spills=True)
             rec = self.box.evaluate(proposal.spec, cell.matrix, cell.n, cell.dtype, config)
             if first and rec.cusparse_us:
                 self.cusparse[cell.cell] = rec.cusparse_us

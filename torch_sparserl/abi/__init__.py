@@ -654,7 +654,25 @@ class _DeviceScan:
 
 
 def check_device_only(source: str) -> None:
-    """Raise :class:`PlanError` unless ``source`` holds device code only (the whitelist above)."""
+    """Raise :class:`PlanError` unless ``source`` holds device code only (the whitelist above).
+
+    The verdict on a text is a function of the text alone: the last few hundred are kept, so
+    a candidate screened, validated and installed is scanned once per process, not per stage."""
+    verdict = _device_only_verdict(source)
+    if verdict is not None:
+        raise PlanError(verdict)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_only_verdict(source: str) -> str | None:
+    try:
+        _scan_device_only(source)
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
+def _scan_device_only(source: str) -> None:
     if "\\" in source or "??" in source:  # line splices (in comments too), universal character names, trigraphs
         raise PlanError("source: not device code only: backslashes and '??' are not allowed in a kernel")
     scan = _DeviceScan()

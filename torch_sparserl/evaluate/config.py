@@ -31,6 +31,11 @@ class EvalConfig:
     # (the JIT's case) can run in the gaps instead of waiting behind a whole timing loop.
     burst_reps: int = 0
     burst_gap_ms: float = 1.0
+    # A kernel with local memory may hold stack arrays or spills; where the build's log does
+    # not say which, True builds it again with nvcc to count the spill bytes (the RL reward's
+    # penalty, hundreds of milliseconds). False leaves spill_bytes None then (no decision of
+    # the runtime reads it).
+    count_spills: bool = True
 
     def __post_init__(self):
         def bad(name, expected):

@@ -38,6 +38,7 @@ from .record import ErrorKind, EvalRecord, clip_log, dtype_name
 log = logging.getLogger(__name__)
 
 EVALUATE_TASK = "torch_sparserl.evaluate.harness:sandbox_task"
+PREBUILD_TASK = "torch_sparserl.evaluate.harness:prebuild_task"
 RELEASE_TASK = "torch_sparserl.evaluate.harness:release_memory"
 CUDA_INIT = "torch_sparserl.evaluate.harness:worker_init"
 CUDA_MATRIX_LOADER = "torch_sparserl.evaluate.harness:load_matrix"
@@ -436,8 +437,7 @@ class Sandbox:
         candidate's faults (only :class:`SandboxError` when the sandbox itself cannot work)."""
         config = EvalConfig.from_dict(config.to_dict() if isinstance(config, EvalConfig) else config)
         dtype = dtype_name(dtype)
-        spec_fields = dict(source=spec.source, family=spec.family, params=tuple(spec.params))
-        outcome = self.run(self.task, (spec_fields,), dict(n=int(n), dtype=dtype, config=config.to_dict()),
+        outcome = self.run(self.task, (_fields(spec),), dict(n=int(n), dtype=dtype, config=config.to_dict()),
                            timeout_s=timeout_s, matrix_key=matrix_key, progress=True)
         if outcome.ok:
             try:
@@ -468,12 +468,32 @@ class Sandbox:
         record.timing.setdefault("sandbox_s", round(outcome.elapsed_s, 6))
         return record
 
+    def prebuild(self, specs: Iterable, workers: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, float]:
+        """Compile ``specs`` in the worker, up to ``workers`` at once, before they are evaluated
+        one by one (:func:`~torch_sparserl.toolchain.prebuild_nvrtc`). Returns each built key's
+        compile seconds; {} when the worker's task failed (the evaluations then compile, and
+        record, as they would have)."""
+        specs = [_fields(s) for s in specs]
+        if not specs:
+            return {}
+        outcome = self.run(PREBUILD_TASK, (specs,), dict(workers=int(workers)), timeout_s=timeout_s)
+        if not outcome.ok:
+            log.warning("sandbox: prebuilding %d candidates failed (%s): %s", len(specs), outcome.status,
+                        outcome.error)
+            return {}
+        return dict(outcome.value)
+
     def evaluate_many(self, specs: Iterable, matrix_key: str, n: int, dtype,
                       config: EvalConfig | dict | None = None,
                       timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[EvalRecord]:
         """Records one by one, in the order of ``specs`` (a generator: the autotuner can stop early)."""
         for spec in specs:
             yield self.evaluate(spec, matrix_key, n, dtype, config, timeout_s)
+
+
+def _fields(spec) -> dict:
+    """A spec as builtins for the pipe."""
+    return dict(source=spec.source, family=spec.family, params=tuple(spec.params))
 
 
 def _stub(spec, n: int, dtype: str, matrix_key: str | None) -> EvalRecord:

@@ -40,9 +40,12 @@ log = logging.getLogger("torch_sparserl.specialize.autotune")
 
 RUNTIME_BURST_REPS = config.read("specializer.eval_burst_reps")
 # Screening shares one cuSPARSE timing per problem (taken in the final stage), not one per candidate.
+# The runtime's decisions read no spill count: neither configuration builds a kernel again
+# with nvcc to count them (training's reward does, through its own configuration).
 SCREEN_CONFIG = EvalConfig(trials=1, reps=10, warmup=2, check_determinism=False, baseline=False,
-                           burst_reps=RUNTIME_BURST_REPS)
-FINAL_CONFIG = EvalConfig(trials=3, reps=30, warmup=5, check_determinism=True, burst_reps=RUNTIME_BURST_REPS)
+                           burst_reps=RUNTIME_BURST_REPS, count_spills=False)
+FINAL_CONFIG = EvalConfig(trials=3, reps=30, warmup=5, check_determinism=True, burst_reps=RUNTIME_BURST_REPS,
+                          count_spills=False)
 DEFAULT_TOP_K = 4
 DEFAULT_BUDGET_S = 120.0
 

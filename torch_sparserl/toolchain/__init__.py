@@ -49,4 +49,52 @@ def load_kernel(spec: KernelSpec, backend: str = "nvrtc") -> Kernel:
     return _LOADED[cache_key]
 
 
-__all__ = ["BACKENDS", "BuildError", "CompileError", "Kernel", "LaunchError", "load_kernel"]
+def prebuild_nvrtc(specs: list[KernelSpec], workers: int = 4) -> dict[str, float]:
+    """Compile the NVRTC kernels of ``specs`` not yet loaded, up to ``workers`` at once, so
+    that :func:`load_kernel` then finds them; returns each built key's compile seconds.
+
+    NVRTC compiles distinct programs concurrently and ``ctypes`` releases the interpreter
+    lock around the call, so K candidates cost about one compile on K cores. Modules are
+    loaded on the calling thread (the CUDA context is current there). A spec that does not
+    compile is left out: :func:`load_kernel` compiles it again and raises its error where
+    the evaluation records it.
+    """
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from . import nvrtc
+
+    if workers < 1:
+        raise ValueError(f"prebuild_nvrtc: workers must be >= 1 (got {workers})")
+    device = torch.cuda.current_device()
+    todo = {}
+    for spec in specs:
+        try:
+            spec.plan  # noqa: B018
+        except PlanError:
+            continue
+        if (spec.key, "nvrtc", device) not in _LOADED:
+            todo.setdefault(spec.key, spec)
+    if not todo:
+        return {}
+    arch = nvrtc.device_arch(device)
+
+    def build(spec):
+        try:
+            return nvrtc.compile(spec.source, arch)
+        except CompileError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=min(workers, len(todo), os.cpu_count() or 1), thread_name_prefix="sparserl-nvrtc") as pool:
+        built = list(pool.map(build, todo.values()))
+    seconds = {}
+    for spec, result in zip(todo.values(), built):
+        if result is not None:
+            _LOADED[(spec.key, "nvrtc", device)] = nvrtc.from_cubin(spec, *result)
+            seconds[spec.key] = round(result[2], 4)
+    return seconds
+
+
+__all__ = ["BACKENDS", "BuildError", "CompileError", "Kernel", "LaunchError", "load_kernel", "prebuild_nvrtc"]

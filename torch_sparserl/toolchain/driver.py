@@ -114,18 +114,33 @@ def include_dirs() -> list[str]:
     return dirs
 
 
+NVRTC_ERROR_INVALID_OPTION = 5
+# ptxas's resource report (registers, spill bytes) in the program log, so that the evaluator
+# reads spills from the build itself instead of building a local-memory kernel again with
+# nvcc. Not every build has it: NVRTC 13 left the log empty for a program it had built before
+# on the machine, and the evaluator then asks nvcc. Dropped for the process if this NVRTC
+# refuses the option.
+_PTXAS_REPORT = ["--ptxas-options=-v"]
+
+
 def nvrtc_compile(source: str, arch: str, name: str = "kernel.cu") -> tuple[bytes, str]:
-    """Compile to a cubin for ``arch`` (e.g. ``sm_90``); return (cubin, log)."""
+    """Compile to a cubin for ``arch`` (e.g. ``sm_90``); return (cubin, log). The log holds
+    ptxas's resource report where NVRTC takes ``--ptxas-options``."""
+    global _PTXAS_REPORT
     lib = nvrtc()
     prog = ctypes.c_void_p()
     code = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
     if code != 0:
         raise CompileError(f"NVRTC: nvrtcCreateProgram failed ({code})")
     try:
-        options = [f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space"]
+        report = _PTXAS_REPORT
+        options = [f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space", *report]
         options = [f"-I{d}" for d in include_dirs()] + options
         array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
         result = lib.nvrtcCompileProgram(prog, len(options), array)
+        if result == NVRTC_ERROR_INVALID_OPTION and report:
+            _PTXAS_REPORT = []
+            return nvrtc_compile(source, arch, name)
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         buf = ctypes.create_string_buffer(size.value)

@@ -25,7 +25,12 @@ def compile(source: str, arch: str | None = None) -> tuple[bytes, str, float]:  
 
 def load(spec: KernelSpec, arch: str | None = None) -> Kernel:
     spec.plan  # noqa: B018 - a malformed plan fails before the compiler runs
-    cubin, log, seconds = compile(spec.source, arch)
+    return from_cubin(spec, *compile(spec.source, arch))
+
+
+def from_cubin(spec: KernelSpec, cubin: bytes, log: str, seconds: float) -> Kernel:
+    """The kernel of a cubin :func:`compile` built from ``spec``'s source, loaded into the
+    current context."""
     module = driver.Module(cubin, KERNEL_NAME)
     kernel = Kernel(
         spec, module.launch, backend="nvrtc",
