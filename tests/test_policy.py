@@ -160,6 +160,29 @@ def test_sft_loss_only_counts_completion_tokens(small_tokenizer):
     assert torch.allclose(lps[0][:2], lps[1], atol=1e-5)  # right padding does not leak
 
 
+def test_scoring_completions_equals_their_summed_token_logprobs(small_tokenizer):
+    """score() runs the prefix once and the completions after its cache, batched and padded;
+    completion_logprobs() runs each whole sequence with a mask. They must agree, and the
+    batch size must not change a score."""
+    tok, _ = small_tokenizer
+    torch.manual_seed(0)
+    policy = build(tok, hidden=32, layers=2, heads=2, intermediate=64, samples=8, pe_dim=8)
+    rowptr, col = _random_csr(50, 40, 3)
+    inp = PatternInput.from_pattern(rowptr, col, (50, 40), "spmm", "f32", 32, samples=8)
+    texts = [corpus.completion_text(corpus.render_compact(f, p, "spmm", "f32", 32), "spmm", "f32", 32)
+             for f, p in families.space("spmm", "f32", 32)[:5]] + ["", " x"]
+    eos = special_ids(tok)[EOS]
+    req = policy.request_ids("spmm", "f32", 32)
+    with torch.no_grad():
+        expected = [float(lp.sum()) for lp in policy.completion_logprobs(
+            [inp] * len(texts), [req] * len(texts), [policy.encode(t) + [eos] for t in texts])]
+    for batch in (1, 3, 16):
+        assert policy.score(inp, "spmm", "f32", 32, texts, batch=batch) == pytest.approx(expected, abs=1e-3)
+    assert policy.score(inp, "spmm", "f32", 32, []) == []
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        policy.score(inp, "spmm", "f32", 32, texts, batch=0)
+
+
 def test_loading_a_broken_checkpoint_names_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="lacks config.json"):
         KernelPolicy.load(tmp_path)
@@ -200,16 +223,17 @@ def test_shipped_checkpoint_fits_in_the_package(shipped):
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="nvcc not installed")
+@pytest.mark.parametrize("strategy", ["rank", "sample"])
 @pytest.mark.parametrize("op,n", [("spmv", 1), ("spmm", 32), ("spmm", 128)])
-def test_shipped_policy_writes_kernels_that_parse_and_compile(shipped, op, n):
-    """The policy encodes a shipped matrix and samples K=4 kernels on the CPU; each parses
+def test_shipped_policy_writes_kernels_that_parse_and_compile(shipped, op, n, strategy):
+    """The policy encodes a shipped matrix and proposes K=4 kernels on the CPU; each parses
     and compiles for sm_90 with nvcc."""
     from torch_sparserl.data.datasets import load_matrix
     from torch_sparserl.evaluate.compile_tier import compile_only
     from torch_sparserl.specialize.policy.propose import propose
 
     A = load_matrix("cora")
-    props = propose(shipped, A.indptr, A.indices, A.shape, op=op, n=n, dtype="f32", k=4, seed=1)
+    props = propose(shipped, A.indptr, A.indices, A.shape, op=op, n=n, dtype="f32", k=4, seed=1, strategy=strategy)
     assert len(props) == 4
     built = {}
     for p in props:
@@ -221,7 +245,8 @@ def test_shipped_policy_writes_kernels_that_parse_and_compile(shipped, op, n):
         assert built[p.spec.key].compiled, built[p.spec.key].log[-2000:]
 
 
-def test_the_policy_in_a_sandbox_worker_samples_what_it_samples_here(shipped):
+@pytest.mark.parametrize("strategy", ["rank", "sample"])
+def test_the_policy_in_a_sandbox_worker_proposes_what_it_proposes_here(shipped, strategy):
     """The runtime runs the policy in the sandbox's worker (SandboxedPolicy): same seed, same
     proposals as in this process, and this process never loads it for that."""
     from torch_sparserl.data.datasets import load_matrix
@@ -230,16 +255,51 @@ def test_the_policy_in_a_sandbox_worker_samples_what_it_samples_here(shipped):
     from torch_sparserl.specialize.policy.propose import SandboxedPolicy, propose
 
     A = load_matrix("cora")
-    here = propose(shipped, A.indptr, A.indices, A.shape, op="spmm", n=32, k=4, seed=3)
+    here = propose(shipped, A.indptr, A.indices, A.shape, op="spmm", n=32, k=4, seed=3, strategy=strategy)
     with Sandbox(init=None, matrix_loader=None, health_check=None) as box:  # a CPU worker
         remote = SandboxedPolicy(box, CHECKPOINT_DIR)
         assert remote.config == shipped.config and remote.load() == {"device": "cpu"}
-        there = propose(remote, A.indptr, A.indices, A.shape, op="spmm", n=32, k=4, seed=3)
+        there = propose(remote, A.indptr, A.indices, A.shape, op="spmm", n=32, k=4, seed=3, strategy=strategy)
         worker = box.worker_pid
         assert worker is not None and worker != os.getpid()
     assert [p.compact for p in there] == [p.compact for p in here]
     assert [p.sample.tokens for p in there] == [p.sample.tokens for p in here]
     assert [p.sample.logprob for p in there] == pytest.approx([p.sample.logprob for p in here], abs=1e-4)
+
+
+def test_ranking_proposes_the_likeliest_distinct_kernels_of_the_space(shipped):
+    """strategy="rank": K distinct kernels of the autotuner's space for the pattern, in the
+    order of the policy's log-probability of writing them, and none left out scores higher."""
+    from torch_sparserl.data.datasets import load_matrix
+    from torch_sparserl.pattern.features import structural_features
+    from torch_sparserl.specialize.policy.propose import propose
+
+    A = load_matrix("citeseer")
+    feats = structural_features(A.indptr, A.indices, A.shape)
+    props = propose(shipped, A.indptr, A.indices, A.shape, op="spmm", n=64, k=3, seed=0, features=feats)
+    space = families.space("spmm", "f32", 64, feats)
+    texts = {corpus.render_compact(f, p, "spmm", "f32", 64): (f, p) for f, p in space}
+    assert len(props) == 3 and len({p.spec.key for p in props}) == 3
+    assert all(p.compact in texts and p.error is None and p.sample.finished for p in props)
+    logps = [p.sample.logprob for p in props]
+    assert logps == sorted(logps, reverse=True)
+    inp = PatternInput.from_pattern(A.indptr, A.indices, A.shape, "spmm", "f32", 64, shipped.config.samples,
+                                    features=feats)
+    rest = [corpus.completion_text(t, "spmm", "f32", 64) for t in texts if t not in {p.compact for p in props}]
+    assert max(shipped.score(inp, "spmm", "f32", 64, rest)) <= logps[-1] + 1e-4
+    # a space smaller than K gives the whole space
+    assert len(propose(shipped, A.indptr, A.indices, A.shape, op="spmm", n=64, k=len(texts) + 5,
+                       features=feats)) == len(texts)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(strategy="beam"), r"strategy must be one of \('rank', 'sample'\)"),
+                                          (dict(k=0), "k must be >= 1")])
+def test_propose_names_bad_arguments(shipped, kwargs, match):
+    from torch_sparserl.specialize.policy.propose import propose
+
+    rowptr, col = _random_csr(20, 20, 2)
+    with pytest.raises(ValueError, match=match):
+        propose(shipped, rowptr, col, (20, 20), op="spmm", n=32, **kwargs)
 
 
 

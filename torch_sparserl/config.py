@@ -259,7 +259,7 @@ class JitOptions(_Group):
     Part of the cache key, with the checkpoint's hash."""
 
     k: int = setting(DEFAULT_JIT_K, whole(f"an integer in 1..{MAX_K}", lambda v: 1 <= v <= MAX_K))
-    """Candidates the learned policy samples per key."""
+    """Candidates the learned policy proposes per key (its K likeliest kernels)."""
 
     idle_s: float = setting(DEFAULT_JIT_IDLE_S, number("a number of seconds >= 0", lambda v: v >= 0))
     """Seconds without a specialization after which the specializer's worker process (the

@@ -298,7 +298,7 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
 
 
 def _demo_compile_tier(M, n: int, k: int) -> int:
-    """No GPU: the policy writes K kernels on the CPU; each distinct one is compiled by nvcc."""
+    """No GPU: the policy picks its K likeliest kernels on the CPU; each is compiled by nvcc."""
     import shutil
     import time
 
@@ -308,8 +308,8 @@ def _demo_compile_tier(M, n: int, k: int) -> int:
 
     start = time.monotonic()
     proposals = propose(load_default("cpu"), M.indptr, M.indices, M.shape, op="spmm", n=n, k=k)
-    print(f"sample   {k} kernels written on the CPU in {time.monotonic() - start:.1f} s "
-          f"({len({p.spec.key for p in proposals})} distinct); the first (greedy) would be tried first")
+    print(f"rank     the policy's {len(proposals)} likeliest kernels, scored on the CPU in "
+          f"{time.monotonic() - start:.1f} s; the first would be tried first")
     if shutil.which("nvcc") is None:
         print("note     no GPU and no nvcc: kernels are neither built nor run here")
         return 0

@@ -151,14 +151,14 @@ class autotune_specializer:  # noqa: N801 - used like a function
 
 
 class learned_specializer(autotune_specializer):  # noqa: N801 - used like a function
-    """Candidates from the shipped policy: K samples, the distinct ones screened in the sandbox,
-    the fastest validated with the full evaluation. When the checkpoint does not load, every
+    """Candidates from the shipped policy: the K kernels it is likeliest to write, compiled
+    together and screened in the sandbox, the fastest validated with the full evaluation. When the checkpoint does not load, every
     key goes to the autotuner instead (logged once).
 
     For a CUDA pattern the policy runs in the sandbox's worker
     (:class:`~torch_sparserl.specialize.policy.propose.SandboxedPolicy`): the user's process, where a
     training loop shares the interpreter lock with the background thread, neither loads it
-    nor decodes with it. A CPU pattern (tests) uses it in this process."""
+    nor runs it. A CPU pattern (tests) uses it in this process."""
 
     def __init__(self, settings: JitOptions, checkpoint=None):
         super().__init__(settings)
@@ -200,8 +200,8 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
         matrix, known = self._problem(key, crow, col, ncols)
         result, proposals, _ = policy_tune(matrix, op=key.op, n=key.n, dtype=key.dtype, policy=policy,
                                            k=self.settings.k, **known)
-        return self._entry(key, result, f"{result.screened} distinct of {len(proposals)} policy samples in "
-                                        f"{result.elapsed_s:.1f} s", "policy sample")
+        return self._entry(key, result, f"{result.screened} distinct of {len(proposals)} policy kernels in "
+                                        f"{result.elapsed_s:.1f} s", "policy kernel")
 
     def close(self) -> None:
         super().close()

@@ -200,6 +200,46 @@ class KernelPolicy(nn.Module):
                                   finished=finished, token_logprobs=lps[i]))
         return samples
 
+    @torch.no_grad()
+    def score(self, inp: PatternInput, op: str, dtype: str, n: int, completions: list[str], *,
+              batch: int = 8) -> list[float]:
+        """The log-probability of writing each completion (and then ``<eos>``) for this pattern.
+
+        The pattern prefix and the request are run once; the completions are run after that
+        cached state, ``batch`` at a time and right-padded (causal attention keeps padding out
+        of every real token's view, so no mask is needed)."""
+        if batch < 1:
+            raise ValueError(f"policy.score: batch must be >= 1 (got {batch})")
+        if not completions:
+            return []
+        request = self.request_ids(op, dtype, n)
+        prefix = self.prefix([inp])
+        req = torch.tensor(request, device=self.device).unsqueeze(0)
+        first = self.lm(inputs_embeds=torch.cat([prefix, self.lm.model.embed_tokens(req)], dim=1), use_cache=True)
+        first_logp = torch.log_softmax(first.logits[0, -1].float(), dim=-1)
+        eos, pad = self.ids[EOS], self.ids[PAD]
+        ids = [ids + [eos] for ids in (e.ids for e in self.tokenizer.encode_batch(completions))]
+        scores = []
+        for start in range(0, len(ids), batch):
+            rows = ids[start:start + batch]
+            b, t = len(rows), max(map(len, rows))
+            tok = torch.full((b, t), pad, dtype=torch.long)
+            for i, row in enumerate(rows):
+                tok[i, :len(row)] = torch.tensor(row)
+            tok = tok.to(self.device)
+            cache = first.past_key_values.copy()
+            cache.keys = [k.expand(b, -1, -1, -1) for k in cache.keys]
+            cache.values = [v.expand(b, -1, -1, -1) for v in cache.values]
+            # token j is predicted by the logits at j - 1; token 0 by the request's last position
+            logits = self.lm(input_ids=tok[:, :-1], past_key_values=cache, use_cache=True).logits.float() \
+                if t > 1 else torch.empty(b, 0, first_logp.numel(), device=self.device)
+            logp = torch.cat([first_logp.expand(b, 1, -1), torch.log_softmax(logits, dim=-1)], dim=1)
+            picked = logp.gather(2, tok.unsqueeze(2)).squeeze(2)
+            valid = torch.arange(t, device=self.device)[None, :] < torch.tensor([len(r) for r in rows],
+                                                                                device=self.device)[:, None]
+            scores += (picked * valid).sum(1).tolist()
+        return scores
+
     # ------------------------------------------------------------------ speculative sampling
     def _draft_index(self) -> dict:
         """Token trigrams of the kernel corpus -> (document, position): the draft source."""

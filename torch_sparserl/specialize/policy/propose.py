@@ -1,10 +1,18 @@
-"""From the policy's samples to a validated kernel: the learned counterpart of ``autotune.tune``.
+"""From the policy to a validated kernel: the learned counterpart of ``autotune.tune``.
 
-:func:`propose` samples K completions for one pattern and turns each into a candidate: the
-request plus what the policy wrote is a compact ABI source; its ``#include "sparserl/..."``
-lines are expanded (:func:`torch_sparserl.specialize.families.expand_headers`) into the self-contained
+:func:`propose` turns the policy's completions for one pattern into candidates: the request
+plus what the policy wrote is a compact ABI source; its ``#include "sparserl/..."`` lines are
+expanded (:func:`torch_sparserl.specialize.families.expand_headers`) into the self-contained
 translation unit every builder takes. A completion that cannot become a source (unfinished,
 an unknown header) is still a candidate: the evaluator scores it as a compile-tier failure.
+Two strategies give the completions:
+
+* ``"rank"`` (the runtime's): the policy scores every kernel of the families' space for the
+  pattern (the autotuner's candidates, the text the policy was trained to write) and the K
+  most likely distinct ones are the candidates. One batched forward pass instead of K
+  decodes, and K distinct kernels where sampling a confident policy gives one kernel K times.
+* ``"sample"``: K decoded completions, the first greedy (the stochastic policy that RL
+  trains; it may write a kernel outside the space).
 
 :func:`policy_tune` evaluates the distinct candidates in the sandbox with the screening
 configuration, then validates the fastest correct ones with the full configuration (fresh
@@ -30,6 +38,7 @@ from .corpus import request
 from .encoder import PatternInput
 from .model import KernelPolicy, Sample
 
+STRATEGIES = ("rank", "sample")
 _FAMILY_LINE = re.compile(r"^// family: ([a-z_]+)\((.*)\)\s*$", re.M)
 
 
@@ -69,13 +78,27 @@ def to_proposal(sample: Sample, op: str, dtype: str, n: int) -> Proposal:
 
 
 def propose(policy: KernelPolicy | SandboxedPolicy, rowptr, col, shape, *, op: str, n: int, dtype: str = "f32",
-            k: int = 4, seed: int = 0, temperature: float = 1.0, features: dict | None = None) -> list[Proposal]:
-    """K candidates for one pattern (the first is the greedy choice, the top-1)."""
+            k: int = 4, seed: int = 0, temperature: float = 1.0, features: dict | None = None,
+            strategy: str = "rank") -> list[Proposal]:
+    """At most K candidates for one pattern, the policy's first choice first (``strategy``:
+    see the module docstring; ``seed`` and ``temperature`` apply to ``"sample"``, and ``seed``
+    also picks the nonzeros the encoder reads)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"propose: strategy must be one of {STRATEGIES} (got {strategy!r})")
+    if k < 1:
+        raise ValueError(f"propose: k must be >= 1 (got {k})")
     dtype = dtype_name(dtype)
+    if features is None:
+        from ...pattern.features import structural_features
+
+        features = structural_features(rowptr, col, shape)
     inp = PatternInput.from_pattern(rowptr, col, shape, op, dtype, n, policy.config.samples, seed=seed,
                                     features=features)
     if isinstance(policy, SandboxedPolicy):
-        samples = policy.sample(inp, op, dtype, n, k=k, temperature=temperature, seed=seed)
+        samples = (policy.rank(inp, features, op, dtype, n, k=k) if strategy == "rank" else
+                   policy.sample(inp, op, dtype, n, k=k, temperature=temperature, seed=seed))
+    elif strategy == "rank":
+        samples = _rank(policy, inp, features, op, dtype, n, k)
     else:
         samples = _sample(policy, inp, op, dtype, n, k, temperature, seed)
     return [to_proposal(s, op, dtype, n) for s in samples]
@@ -84,6 +107,21 @@ def propose(policy: KernelPolicy | SandboxedPolicy, rowptr, col, shape, *, op: s
 def _sample(policy: KernelPolicy, inp: PatternInput, op, dtype, n, k, temperature, seed) -> list[Sample]:
     gen = torch.Generator(device=policy.device).manual_seed(seed)
     return policy.sample_speculative(inp, op, dtype, n, k=k, temperature=temperature, generator=gen)
+
+
+def _rank(policy: KernelPolicy, inp: PatternInput, features: dict, op, dtype, n, k) -> list[Sample]:
+    """The K kernels of the space the policy is likeliest to write, most likely first."""
+    from .. import families as fam
+    from .corpus import completion_text, render_compact
+    from .tokenizer import EOS
+
+    texts = list(dict.fromkeys(completion_text(render_compact(f, p, op, dtype, n), op, dtype, n)
+                               for f, p in fam.space(op, dtype, n, features)))
+    scores = policy.score(inp, op, dtype, n, texts)
+    order = sorted(range(len(texts)), key=lambda i: -scores[i])[:k]
+    eos = policy.ids[EOS]
+    return [Sample(text=texts[i], tokens=policy.encode(texts[i]) + [eos], logprob=scores[i], finished=True)
+            for i in order]
 
 
 class SandboxedPolicy:
@@ -119,6 +157,11 @@ class SandboxedPolicy:
                seed: int) -> list[Sample]:
         found = self._run("sample_task", inp.rows, inp.cols, tuple(inp.shape), inp.features, op, dtype, int(n),
                           int(k), float(temperature), int(seed))
+        return [Sample(**fields) for fields in found]
+
+    def rank(self, inp: PatternInput, features: dict, op: str, dtype: str, n: int, *, k: int) -> list[Sample]:
+        found = self._run("rank_task", inp.rows, inp.cols, tuple(inp.shape), inp.features, dict(features), op,
+                          dtype, int(n), int(k))
         return [Sample(**fields) for fields in found]
 
 
@@ -157,8 +200,21 @@ def sample_task(checkpoint: str, rows, cols, shape, features, op: str, dtype: st
     """Sandbox task: K samples for one encoded pattern, as builtins (the pipe carries no torch objects)."""
     policy = _worker_policy(checkpoint)
     samples = _sample(policy, PatternInput(rows, cols, tuple(shape), features), op, dtype, n, k, temperature, seed)
-    return [{"text": s.text, "tokens": [int(t) for t in s.tokens], "logprob": float(s.logprob),
-             "finished": bool(s.finished), "token_logprobs": [float(v) for v in s.token_logprobs]} for s in samples]
+    return [_plain(s) for s in samples]
+
+
+def rank_task(checkpoint: str, rows, cols, shape, encoded, features: dict, op: str, dtype: str, n: int,
+              k: int) -> list[dict]:
+    """Sandbox task: the K likeliest kernels of the space for one encoded pattern, as builtins."""
+    policy = _worker_policy(checkpoint)
+    return [_plain(s) for s in _rank(policy, PatternInput(rows, cols, tuple(shape), encoded), features, op, dtype,
+                                     n, k)]
+
+
+def _plain(s: Sample) -> dict:
+    """A sample as builtins (the pipe carries no torch objects)."""
+    return {"text": s.text, "tokens": [int(t) for t in s.tokens], "logprob": float(s.logprob),
+            "finished": bool(s.finished), "token_logprobs": [float(v) for v in s.token_logprobs]}
 
 
 def _failed(p: Proposal, op: str, n: int, dtype: str) -> EvalRecord:
@@ -174,13 +230,15 @@ def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolic
                 sandbox=None, seed: int = 0, temperature: float = 1.0, finalists: int = 1,
                 screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
                 timeout_s: float = 60.0, features: dict | None = None,
-                matrix_key: str | None = None) -> tuple[TuneResult, list[Proposal], list[EvalRecord]]:
-    """Sample ``k`` candidates, screen the distinct ones, validate the best ``finalists``
-    (and the next ones while none has passed the full validation).
+                matrix_key: str | None = None, strategy: str = "rank",
+                ) -> tuple[TuneResult, list[Proposal], list[EvalRecord]]:
+    """Propose ``k`` candidates (``strategy`` as :func:`propose`), screen the distinct ones,
+    validate the best ``finalists`` (and the next ones while none has passed the full validation).
 
-    Returns the result (``best`` as the autotuner's), the proposals in sample order, and one
-    record per proposal (duplicates share their record). When the samples hold a single
-    distinct runnable kernel it is validated directly, without a screening run.
+    Returns the result (``best`` as the autotuner's), the proposals in the policy's order, and
+    one record per proposal (duplicates share their record). The distinct candidates are
+    compiled together before they are screened. When the proposals hold a single distinct
+    runnable kernel it is validated directly, without a screening run.
     ``features`` and ``matrix_key`` may be passed when known, as to ``autotune.tune``.
     """
     from ...evaluate.sandbox import Sandbox
@@ -192,10 +250,16 @@ def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolic
     records: dict[str, EvalRecord] = {}
     try:
         rowptr, col, shape, features, key = _problem(matrix, box, features, matrix_key)
+        problem_s = time.monotonic() - start
         proposals = propose(policy, rowptr, col, shape, op=op, n=n, dtype=dtype, k=k, seed=seed,
-                            temperature=temperature, features=features)
-        gen_s = time.monotonic() - start
-        result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None, candidates=k)
+                            temperature=temperature, features=features, strategy=strategy)
+        gen_s = time.monotonic() - start - problem_s
+        distinct = list({p.spec.key: p.spec for p in proposals if p.error is None}.values())
+        if len(distinct) > 1 and hasattr(box, "prebuild"):
+            box.prebuild(distinct, workers=len(distinct))
+        prebuild_s = time.monotonic() - start - problem_s - gen_s
+        result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None,
+                            candidates=len(proposals))
         runnable = {p.spec.key for p in proposals if p.error is None}
         # One distinct runnable candidate (a confident policy): nothing to rank, so it goes
         # straight to the full validation, whose record stands for the screen too.
@@ -239,5 +303,7 @@ def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolic
             box.release()  # the problem's inputs and references; the matrix stays for the next key
     result.elapsed_s = time.monotonic() - start
     for r in result.table:
+        r.timing.setdefault("problem_s", round(problem_s, 4))
         r.timing.setdefault("generate_s", round(gen_s, 4))
+        r.timing.setdefault("prebuild_s", round(prebuild_s, 4))
     return result, proposals, [records[p.spec.key] for p in proposals]
