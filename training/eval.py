@@ -4,7 +4,8 @@
 For every cell (validation matrix, op, n) and every policy: sample K candidates (the first
 greedy: the top-1), screen the distinct ones in the sandbox with cuSPARSE timed in the same
 run, validate the fastest with the full configuration -- the runtime's path, whose wall time
-is the policy's JIT cost. Then run the exhaustive autotuner on the same cell in the same
+is the policy's JIT cost (``--strategies``: the runtime's ``rank``, the sampled ``sample``, or
+both, each a method of its own). Then run the exhaustive autotuner on the same cell in the same
 process (its wall time is the autotuner's JIT cost). Resumable: cells already in ``--out``
 are kept. ``--compile-only`` runs without a GPU: the compile tier with nvcc only::
 
@@ -40,6 +41,7 @@ class EvalArgs:
     ns: list[int] = field(default_factory=lambda: [1, 32, 128])
     dtype: str = "f32"
     k: int = 4
+    strategies: list[str] = field(default_factory=lambda: ["rank"])
     temperature: float = 1.0
     oracle: bool = True
     oracle_budget_s: float = 300.0
@@ -65,7 +67,7 @@ def _sample_row(p, record) -> dict:
             "runtime_us": record.runtime_us, "cusparse_us": record.cusparse_us, "speedup": record.speedup}
 
 
-def _policy_cell(policy, pattern, op, n, args, sandbox) -> dict:
+def _policy_cell(policy, strategy, pattern, op, n, args, sandbox) -> dict:
     from torch_sparserl.evaluate.compile_tier import compile_only
     from torch_sparserl.specialize.policy.propose import policy_tune, propose
 
@@ -73,7 +75,7 @@ def _policy_cell(policy, pattern, op, n, args, sandbox) -> dict:
     if args.compile_only:
         start = time.monotonic()
         props = propose(policy, rowptr, col, shape, op=op, n=n, dtype=args.dtype, k=args.k, seed=args.seed,
-                        temperature=args.temperature, features=feats)
+                        temperature=args.temperature, features=feats, strategy=strategy)
         seen, rows = {}, []
         for p in props:
             if p.spec.key not in seen:
@@ -85,7 +87,8 @@ def _policy_cell(policy, pattern, op, n, args, sandbox) -> dict:
     triple = (rowptr.astype("int32"), col.astype("int32"), shape)
     # 1. The runtime's path, timed: its wall time is the policy's JIT cost.
     result, props, _ = policy_tune(triple, op=op, n=n, dtype=args.dtype, policy=policy, k=args.k,
-                                   sandbox=sandbox, seed=args.seed, temperature=args.temperature)
+                                   sandbox=sandbox, seed=args.seed, temperature=args.temperature,
+                                   strategy=strategy)
     # 2. The metrics, untimed: every distinct sample screened with cuSPARSE timed beside it.
     from torch_sparserl.pattern.fingerprint import pattern_hash
     import torch
@@ -99,14 +102,33 @@ def _policy_cell(policy, pattern, op, n, args, sandbox) -> dict:
 
                 screened[p.spec.key] = EvalRecord(key=p.spec.key, family=p.family).fail(ErrorKind.PLAN, p.error)
             else:
-                screened[p.spec.key] = sandbox.evaluate(p.spec, key, n, args.dtype, _eval_screen())
+                screened[p.spec.key] = _median_screen(sandbox, p.spec, key, n, args.dtype)
     rows = [_sample_row(p, screened[p.spec.key]) for p in props]
     speeds = [r["speedup"] if r["correct"] else 0.0 for r in rows]
+    first = result.table[0].timing if result.table else {}
+    stages = {"problem_s": first.get("problem_s"), "generate_s": first.get("generate_s"),
+              "prebuild_s": first.get("prebuild_s")}
+    for r in result.table:  # seconds of each stage's evaluations, round trips included
+        name = f"{r.timing.get('stage', 'screen')}_s"
+        stages[name] = round(stages.get(name, 0.0) + (r.timing.get("sandbox_s") or 0.0), 4)
     return {"samples": rows, "jit_s": result.elapsed_s, "distinct": len({r["key"] for r in rows}),
-            "generate_s": (result.table[0].timing.get("generate_s") if result.table else None),
+            "generate_s": first.get("generate_s"), "jit_stages_s": stages,
             "top1_speedup": speeds[0], "bestk_speedup": max(speeds),
             "validated_speedup": result.best.speedup if result.best else None,
             "validated_family": result.best.family if result.best else None}
+
+
+METRIC_SCREENS = 3
+
+
+def _median_screen(sandbox, spec, key, n, dtype):
+    """The metric screen of one sample, run METRIC_SCREENS times: the run with the median
+    speedup (each run times the kernel and cuSPARSE together), so that one run through a slow
+    stretch of the GPU, on either side, cannot decide a cell's best-of-K."""
+    runs = [sandbox.evaluate(spec, key, n, dtype, _eval_screen()) for _ in range(METRIC_SCREENS)]
+    if not all(r.correct for r in runs):
+        return next(r for r in runs if not r.correct)
+    return sorted(runs, key=lambda r: r.speedup or 0.0)[len(runs) // 2]
 
 
 def _oracle_cell(pattern, op, n, args, sandbox) -> dict:
@@ -168,13 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     names = args.names or [Path(p).parent.name if Path(p).name == "policy" else Path(p).name for p in args.policies]
     if len(names) != len(args.policies):
         raise SystemExit(f"eval: {len(args.policies)} policies but {len(names)} names")
+    from torch_sparserl.specialize.policy.propose import STRATEGIES
+
+    bad = sorted(set(args.strategies) - set(STRATEGIES))
+    if bad or not args.strategies:
+        raise SystemExit(f"eval: --strategies expects some of {', '.join(STRATEGIES)} (got {args.strategies})")
+    # one method per (policy, strategy), named by the policy alone when there is one strategy
+    methods = {(nm if len(args.strategies) == 1 else f"{nm}:{st}"): (path, st)
+               for nm, path in zip(names, args.policies) for st in args.strategies}
     device = pick_device(args.device)
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.exists() else {
         "schema": "torch_sparserl.eval/1", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "args": dataclasses.asdict(args), "env": {}, "cells": []}
     doc["env"] = _environment()
-    policies = {name: KernelPolicy.load(path, device) for name, path in zip(names, args.policies)}
+    loaded = {path: KernelPolicy.load(path, device) for path in dict.fromkeys(args.policies)}
+    policies = {name: (loaded[path], strategy) for name, (path, strategy) in methods.items()}
+    names = list(methods)
     patterns = Patterns()
     budget = Budget(args.max_time_s)
     sandboxes = {}
@@ -199,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             pattern = patterns.get(matrix)
             for nm in need:
-                cell["policies"][nm] = _policy_cell(policies[nm], pattern, op, n, args, sandboxes.get(nm))
+                cell["policies"][nm] = _policy_cell(*policies[nm], pattern, op, n, args, sandboxes.get(nm))
             if need_oracle:
                 cell["oracle"] = _oracle_cell(pattern, op, n, args, sandboxes["oracle"])
             if key not in done:
@@ -234,8 +266,9 @@ def _warm_up(policies, sandboxes, args) -> None:
     m = synthetic.make("banded:rows=4096,bandwidth=4")
     triple = (m.indptr.astype("int32"), m.indices.astype("int32"), m.shape)
     start = time.monotonic()
-    for name, policy in policies.items():
-        policy_tune(triple, op="spmm", n=32, dtype=args.dtype, policy=policy, k=args.k, sandbox=sandboxes[name])
+    for name, (policy, strategy) in policies.items():
+        policy_tune(triple, op="spmm", n=32, dtype=args.dtype, policy=policy, k=args.k, sandbox=sandboxes[name],
+                    strategy=strategy)
     tune(triple, op="spmm", n=32, dtype=args.dtype, budget_s=2.0, sandbox=sandboxes["oracle"],
          families=["group_row"])
     print(f"eval: warm-up {time.monotonic() - start:.1f} s", flush=True)
