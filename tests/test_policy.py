@@ -3,6 +3,7 @@ shipped policy's candidates compiled with nvcc, and the runtime's choice of spec
 
 import math
 import os
+import re
 import shutil
 
 import numpy as np
@@ -379,7 +380,7 @@ def test_runtime_uses_the_learned_policy_by_default():
     rt = Runtime(RuntimeSettings(mode="sync"))
     try:
         assert isinstance(rt.specializer, learned_specializer)
-        assert rt.policy_id.startswith("learned:") and len(rt.policy_id) == len("learned:") + 12
+        assert re.fullmatch(r"learned:[0-9a-f]{12}/rank", rt.policy_id), rt.policy_id
     finally:
         rt.close()
     rt = Runtime(RuntimeSettings(mode="sync", policy="autotune"))

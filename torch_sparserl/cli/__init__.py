@@ -276,7 +276,7 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     print(f"pattern  fingerprint {fingerprint(entry, A.crow, A.col)}; row mean {features['row_mean']:.1f}, "
           f"max {features['row_max']}, cv {features['row_cv']:.2f}")
     settings = rt.RuntimeSettings(mode="sync", budget_s=args.budget_s)
-    print(f"policy   {rt.settings_policy_id(settings)}: {settings.k} kernels sampled per product, "
+    print(f"policy   {rt.settings_policy_id(settings)}: its {settings.k} likeliest kernels per product, "
           f"validated, the fastest installed if it beats cuSPARSE by {settings.margin}x")
     if device.type != "cuda":
         return _demo_compile_tier(M, args.n, settings.k)

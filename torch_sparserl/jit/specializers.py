@@ -168,7 +168,7 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
         self._policy = None
         self.unavailable: str | None = None
         try:
-            self.policy_id = f"learned:{_policy.checkpoint_id(self.checkpoint)}"
+            self.policy_id = learned_id(self.checkpoint)
         except OSError as exc:
             self.unavailable = str(exc)
             self.policy_id = "autotune"
@@ -214,15 +214,22 @@ def _failures(records) -> str:
     return "failed: " + ", ".join(f"{name} {count}" for name, count in sorted(kinds.items())) if kinds else "none evaluated"
 
 
+def learned_id(checkpoint=None) -> str:
+    """``learned:<checkpoint hash>/rank``: the weights and how candidates are drawn from them.
+    Decisions cached under another proposer (``/rank`` was absent while the runtime sampled
+    the policy) are not read: the kernels are decided again."""
+    from ..specialize import policy as _policy
+
+    return f"learned:{_policy.checkpoint_id(checkpoint or _policy.CHECKPOINT_DIR)}/rank"
+
+
 def settings_policy_id(settings: JitOptions) -> str:
-    """``learned:<checkpoint hash>`` for the learned policy (``autotune`` when no checkpoint
+    """:func:`learned_id` for the learned policy (``autotune`` when no checkpoint
     is shipped, as :class:`learned_specializer` then does), else the policy's name."""
     if settings.policy != "learned":
         return settings.policy
-    from ..specialize import policy as _policy
-
     try:
-        return f"learned:{_policy.checkpoint_id()}"
+        return learned_id()
     except OSError:
         return "autotune"
 
