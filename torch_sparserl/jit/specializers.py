@@ -7,7 +7,7 @@ settings' ``margin``, and otherwise the reason none serves. Two are shipped:
 
 * :class:`autotune_specializer` — the autotuner's candidates
   (:mod:`~torch_sparserl.specialize.autotune`) under the settings' time budget;
-* :class:`learned_specializer` — K samples of the shipped policy
+* :class:`learned_specializer` — the K kernels the shipped policy is likeliest to write
   (:mod:`~torch_sparserl.specialize.policy`), the autotuner's where the policy has no kernel space.
 
 Every candidate runs first in the sandbox's child process

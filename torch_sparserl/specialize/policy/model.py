@@ -230,11 +230,13 @@ class KernelPolicy(nn.Module):
             cache = first.past_key_values.copy()
             cache.keys = [k.expand(b, -1, -1, -1) for k in cache.keys]
             cache.values = [v.expand(b, -1, -1, -1) for v in cache.values]
-            # token j is predicted by the logits at j - 1; token 0 by the request's last position
-            logits = self.lm(input_ids=tok[:, :-1], past_key_values=cache, use_cache=True).logits.float() \
-                if t > 1 else torch.empty(b, 0, first_logp.numel(), device=self.device)
-            logp = torch.cat([first_logp.expand(b, 1, -1), torch.log_softmax(logits, dim=-1)], dim=1)
-            picked = logp.gather(2, tok.unsqueeze(2)).squeeze(2)
+            # token j is predicted by the logits at j - 1; token 0 by the request's last position.
+            # Gathered minus logsumexp: no second (batch, length, vocab) tensor besides the logits.
+            picked = first_logp[tok[:, :1]]
+            if t > 1:
+                logits = self.lm(input_ids=tok[:, :-1], past_key_values=cache, use_cache=True).logits.float()
+                later = logits.gather(2, tok[:, 1:].unsqueeze(2)).squeeze(2) - torch.logsumexp(logits, dim=-1)
+                picked = torch.cat([picked, later], dim=1)
             valid = torch.arange(t, device=self.device)[None, :] < torch.tensor([len(r) for r in rows],
                                                                                 device=self.device)[:, None]
             scores += (picked * valid).sum(1).tolist()
@@ -299,49 +301,58 @@ class KernelPolicy(nn.Module):
             dist = first.logits[0, -1].float()
             tokens, lps = [], []
 
-            def choose(logits: torch.Tensor, draft_token: int | None) -> tuple[int, bool]:
-                """(token, accepted draft) from one position's logits."""
+            def verify(logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int, list[float]]:
+                """One pass's verdict on a draft, with a few host transfers in all (not per
+                token): the accepted draft tokens, then the correction at the first rejection
+                or a bonus token after a fully accepted draft; how many were accepted; and the
+                log-probabilities of all of them. ``logits``: ``(len(draft) + 1, vocab)``."""
+                n_draft = len(draft)
+                logp = torch.log_softmax(logits, dim=-1)
+                drafted = torch.tensor(draft, dtype=torch.long, device=logits.device)
                 if greedy:
-                    t = int(logits.argmax())
-                    return t, t == draft_token
-                probs = torch.softmax(logits / temperature, dim=-1)
-                if draft_token is not None:
-                    u = torch.rand((), generator=generator, device=probs.device) if generator is not None \
-                        else torch.rand((), device=probs.device)
-                    if bool(u < probs[draft_token]):
-                        return draft_token, True
-                    probs = probs.clone()
-                    probs[draft_token] = 0
-                    probs = probs / probs.sum()
-                return int(torch.multinomial(probs, 1, generator=generator)), False
+                    best = logits.argmax(-1)
+                    agree = (best[:n_draft] == drafted).tolist()
+                    n_acc = agree.index(False) if False in agree else n_draft
+                    nxt = int(best[n_acc])
+                else:
+                    probs = torch.softmax(logits / temperature, dim=-1)
+                    u = torch.rand(n_draft, generator=generator, device=probs.device) if generator is not None \
+                        else torch.rand(n_draft, device=probs.device)
+                    keep = (u < probs[torch.arange(n_draft, device=probs.device), drafted]).tolist()
+                    n_acc = keep.index(False) if False in keep else n_draft
+                    p = probs[n_acc]
+                    if n_acc < n_draft:  # at a rejection: p with the drafted token removed, renormalised
+                        p = p.clone()
+                        p[draft[n_acc]] = 0
+                        p = p / p.sum()
+                    nxt = int(torch.multinomial(p, 1, generator=generator))
+                chosen = draft[:n_acc] + [nxt]
+                picked = logp[torch.arange(len(chosen), device=logp.device),
+                              torch.tensor(chosen, dtype=torch.long, device=logp.device)]
+                return chosen, n_acc, picked.tolist()
 
-            t, _ = choose(dist, None)
+            (t,), _, (lp,) = verify(dist[None], [])
             tokens.append(t)
-            lps.append(float(torch.log_softmax(dist, -1)[t]))
+            lps.append(lp)
             while tokens[-1] != eos and len(tokens) < max_new:
-                budget = min(draft_len, max_new - len(tokens))
-                # An earlier row that wrote the same tokens so far is the best draft (a confident
-                # policy writes one kernel K times: then a row costs one or two passes); else the corpus.
-                draft = next((s.tokens[len(tokens):len(tokens) + budget] for s in samples
+                # An earlier row that wrote the same tokens so far is the best draft, all of its
+                # remainder (a confident policy writes one kernel K times: then a row costs one
+                # pass); else up to draft_len tokens from the corpus.
+                draft = next((s.tokens[len(tokens):max_new] for s in samples
                               if len(s.tokens) > len(tokens) and s.tokens[:len(tokens)] == tokens), None)
                 if not draft:
-                    draft = self._draft(request + tokens, budget)
+                    draft = self._draft(request + tokens, min(draft_len, max_new - len(tokens)))
                 inp_ids = torch.tensor([[tokens[-1], *draft]], device=self.device)
                 out = self.lm(input_ids=inp_ids, past_key_values=cache, use_cache=True)
                 cache, logits = out.past_key_values, out.logits[0].float()
-                accepted = 0
-                for j, d in enumerate(draft):
-                    t, ok = choose(logits[j], d)
+                chosen, n_acc, chosen_lps = verify(logits, draft)
+                accepted = 0  # accepted draft tokens after which the row goes on
+                for j, (t, lp) in enumerate(zip(chosen, chosen_lps)):
                     tokens.append(t)
-                    lps.append(float(torch.log_softmax(logits[j], -1)[t]))
-                    if not ok or t == eos or len(tokens) >= max_new:
+                    lps.append(lp)
+                    if t == eos or len(tokens) >= max_new:
                         break
-                    accepted += 1
-                else:
-                    if tokens[-1] != eos and len(tokens) < max_new:
-                        t, _ = choose(logits[len(draft)], None)
-                        tokens.append(t)
-                        lps.append(float(torch.log_softmax(logits[len(draft)], -1)[t]))
+                    accepted += j < n_acc
                 # keep in the cache what was fed and accepted; the last token is fed next round
                 base += 1 + accepted
                 if accepted < len(draft):
