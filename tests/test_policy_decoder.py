@@ -3,6 +3,7 @@ names, same logits, losses, gradients and cached decoding, on random weights and
 checkpoint; and the runtime's paths that load the policy import neither transformers nor
 torch._dynamo."""
 
+import inspect
 import subprocess
 import sys
 
@@ -129,10 +130,19 @@ class _TransformersLM(torch.nn.Module):
         super().__init__()
         self.llama, self.model = llama, llama.model
 
+    # transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache``
+    # (the old name warns, to be removed in 5.40); the device's 5.17 knows only the old one.
+    CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
+        else "past_key_values"
+
     def forward(self, past_key_values=None, **kwargs):
-        out = self.llama(past_key_values=past_key_values.inner if past_key_values is not None else None, **kwargs)
-        cache = _TransformersCache(out.past_key_values) if out.past_key_values is not None else None
-        return type(out)(logits=out.logits, past_key_values=cache)
+        from torch_sparserl.specialize.policy.decoder import DecoderOutput
+
+        inner = past_key_values.inner if past_key_values is not None else None
+        out = self.llama(**{self.CACHE: inner}, **kwargs)
+        returned = out.get(self.CACHE)
+        return DecoderOutput(logits=out.logits,
+                             past_key_values=_TransformersCache(returned) if returned is not None else None)
 
 
 def test_shipped_policy_samples_what_transformers_llama_samples(shipped):
