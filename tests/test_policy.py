@@ -442,3 +442,40 @@ def test_the_worker_samples_where_the_switch_says(monkeypatch):
     monkeypatch.setenv("SPARSERL_POLICY_DEVICE", "tpu")
     with pytest.raises(ValueError, match=r"SPARSERL_POLICY_DEVICE: expected one of \('cuda', 'cpu'\) \(got 'tpu'\)"):
         worker_policy_device()
+
+
+@pytest.mark.parametrize("strategy", ["rank", "sample"])
+def test_policy_tune_builds_screens_and_validates_the_distinct_proposals(shipped, strategy):
+    """policy_tune on the CPU with a fake sandbox (candidates timed by a hash of their source):
+    the distinct runnable proposals are compiled together first, each is screened once, the
+    fastest screened one is the one validated, and every stage's seconds are recorded."""
+    from test_autotune import FakeSandbox
+
+    from torch_sparserl.data.datasets import load_matrix
+    from torch_sparserl.specialize.autotune import FINAL_CONFIG, SCREEN_CONFIG
+    from torch_sparserl.specialize.policy.propose import policy_tune
+
+    class Box(FakeSandbox):
+        def prebuild(self, specs, workers=4):
+            self.prebuilt = [s.key for s in specs]
+            return {}
+
+    box = Box(wrong_every=0)
+    A = load_matrix("cora")
+    result, proposals, records = policy_tune(A, op="spmm", n=32, policy=shipped, k=4, sandbox=box, strategy=strategy)
+    distinct = list(dict.fromkeys(p.spec.key for p in proposals))
+    assert len(proposals) == len(records) == 4 and result.candidates == 4
+    screens = [key for key, config in box.calls if config is SCREEN_CONFIG]
+    finals = [key for key, config in box.calls if config is FINAL_CONFIG]
+    if len(distinct) > 1:
+        assert box.prebuilt == distinct and sorted(screens) == sorted(distinct)
+        fastest = min((r for r in records), key=lambda r: r.runtime_us)
+        assert finals == [fastest.key]
+    else:  # one kernel proposed K times: validated directly, nothing to build together or screen
+        assert not hasattr(box, "prebuilt") and screens == [] and finals == distinct
+    if strategy == "rank":
+        assert len(distinct) == 4
+    assert result.best is not None and result.best.key == finals[0] and result.best_spec.key == finals[0]
+    stages = result.table[0].timing
+    assert all(stages[name] >= 0 for name in ("problem_s", "generate_s", "prebuild_s"))
+    assert box.released == 1  # the caller's sandbox keeps its worker, the problem's inputs go
