@@ -152,8 +152,8 @@ class autotune_specializer:  # noqa: N801 - used like a function
 
 class learned_specializer(autotune_specializer):  # noqa: N801 - used like a function
     """Candidates from the shipped policy: the K kernels it is likeliest to write, compiled
-    together and screened in the sandbox, the fastest validated with the full evaluation. When the checkpoint does not load, every
-    key goes to the autotuner instead (logged once).
+    together and screened in the sandbox, the fastest validated with the full evaluation.
+    When the checkpoint does not load, every key goes to the autotuner instead (logged once).
 
     For a CUDA pattern the policy runs in the sandbox's worker
     (:class:`~torch_sparserl.specialize.policy.propose.SandboxedPolicy`): the user's process, where a

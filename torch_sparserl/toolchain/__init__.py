@@ -87,7 +87,8 @@ def prebuild_nvrtc(specs: list[KernelSpec], workers: int = 4) -> dict[str, float
         except CompileError:
             return None
 
-    with ThreadPoolExecutor(max_workers=min(workers, len(todo), os.cpu_count() or 1), thread_name_prefix="sparserl-nvrtc") as pool:
+    threads = min(workers, len(todo), os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sparserl-nvrtc") as pool:
         built = list(pool.map(build, todo.values()))
     seconds = {}
     for spec, result in zip(todo.values(), built):

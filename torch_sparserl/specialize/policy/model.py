@@ -200,25 +200,34 @@ class KernelPolicy(nn.Module):
                                   finished=finished, token_logprobs=lps[i]))
         return samples
 
-    @torch.no_grad()
+    def completion_ids(self, completions: list[str]) -> list[list[int]]:
+        """Each completion's token ids, ``<eos>`` appended: what :meth:`score_ids` scores."""
+        eos = self.ids[EOS]
+        return [e.ids + [eos] for e in self.tokenizer.encode_batch(completions)]
+
     def score(self, inp: PatternInput, op: str, dtype: str, n: int, completions: list[str], *,
               batch: int = 8) -> list[float]:
-        """The log-probability of writing each completion (and then ``<eos>``) for this pattern.
+        """The log-probability of writing each completion (and then ``<eos>``) for this pattern."""
+        return self.score_ids(inp, op, dtype, n, self.completion_ids(completions), batch=batch)
+
+    @torch.no_grad()
+    def score_ids(self, inp: PatternInput, op: str, dtype: str, n: int, ids: list[list[int]], *,
+                  batch: int = 8) -> list[float]:
+        """:meth:`score` of completions given as token ids (:meth:`completion_ids`).
 
         The pattern prefix and the request are run once; the completions are run after that
         cached state, ``batch`` at a time and right-padded (causal attention keeps padding out
         of every real token's view, so no mask is needed)."""
         if batch < 1:
             raise ValueError(f"policy.score: batch must be >= 1 (got {batch})")
-        if not completions:
+        if not ids:
             return []
         request = self.request_ids(op, dtype, n)
         prefix = self.prefix([inp])
         req = torch.tensor(request, device=self.device).unsqueeze(0)
         first = self.lm(inputs_embeds=torch.cat([prefix, self.lm.model.embed_tokens(req)], dim=1), use_cache=True)
         first_logp = torch.log_softmax(first.logits[0, -1].float(), dim=-1)
-        eos, pad = self.ids[EOS], self.ids[PAD]
-        ids = [ids + [eos] for ids in (e.ids for e in self.tokenizer.encode_batch(completions))]
+        pad = self.ids[PAD]
         scores = []
         for start in range(0, len(ids), batch):
             rows = ids[start:start + batch]
@@ -279,8 +288,8 @@ class KernelPolicy(nn.Module):
         Prompt-lookup speculative decoding: a draft continuation is read from an earlier row
         that wrote the same tokens so far, else from the kernel corpus where the last three
         tokens occur there, and the model scores the whole draft in one pass. The draft never
-        depends on the current row's own random draws, so acceptance stays exact. A draft token d is kept with probability p(d) (greedy rows: when it is the
-        argmax); at the first rejection a token is drawn from p with d removed, renormalised
+        depends on the current row's own random draws, so acceptance stays exact. A draft token
+        d is kept with probability p(d) (greedy rows: when it is the argmax); at the first rejection a token is drawn from p with d removed, renormalised
         -- exact speculative sampling for a point-mass draft -- so the samples follow the
         policy's distribution and greedy rows equal greedy decoding.
         """

@@ -113,15 +113,13 @@ def _rank(policy: KernelPolicy, inp: PatternInput, features: dict, op, dtype, n,
     """The K kernels of the space the policy is likeliest to write, most likely first."""
     from .. import families as fam
     from .corpus import completion_text, render_compact
-    from .tokenizer import EOS
 
     texts = list(dict.fromkeys(completion_text(render_compact(f, p, op, dtype, n), op, dtype, n)
                                for f, p in fam.space(op, dtype, n, features)))
-    scores = policy.score(inp, op, dtype, n, texts)
+    ids = policy.completion_ids(texts)
+    scores = policy.score_ids(inp, op, dtype, n, ids)
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[:k]
-    eos = policy.ids[EOS]
-    return [Sample(text=texts[i], tokens=policy.encode(texts[i]) + [eos], logprob=scores[i], finished=True)
-            for i in order]
+    return [Sample(text=texts[i], tokens=ids[i], logprob=scores[i], finished=True) for i in order]
 
 
 class SandboxedPolicy:
@@ -254,13 +252,12 @@ def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolic
         proposals = propose(policy, rowptr, col, shape, op=op, n=n, dtype=dtype, k=k, seed=seed,
                             temperature=temperature, features=features, strategy=strategy)
         gen_s = time.monotonic() - start - problem_s
-        distinct = list({p.spec.key: p.spec for p in proposals if p.error is None}.values())
-        if len(distinct) > 1 and hasattr(box, "prebuild"):
-            box.prebuild(distinct, workers=len(distinct))
+        runnable = {p.spec.key: p.spec for p in proposals if p.error is None}  # distinct, in order
+        if len(runnable) > 1 and hasattr(box, "prebuild"):
+            box.prebuild(list(runnable.values()), workers=len(runnable))
         prebuild_s = time.monotonic() - start - problem_s - gen_s
         result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None,
                             candidates=len(proposals))
-        runnable = {p.spec.key for p in proposals if p.error is None}
         # One distinct runnable candidate (a confident policy): nothing to rank, so it goes
         # straight to the full validation, whose record stands for the screen too.
         screen = len(runnable) > 1 or finalists < 1
