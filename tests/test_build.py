@@ -153,6 +153,31 @@ def test_builders_launch_a_correct_kernel(backend, tmp_path, monkeypatch):
     assert ok, why
 
 
+@pytest.mark.gpu
+def test_a_kernel_loaded_from_the_cubin_cache_is_correct(tmp_path, monkeypatch):
+    from torch_sparserl import toolchain
+    from torch_sparserl.toolchain import cubins, paths, trust
+
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
+    paths.forget_checks()
+    trust.forget_keys()
+    A = make_pattern("empty rows in the middle")
+    rowptr, col, val, x = _operands(A)
+    first = load_kernel(spec(77))
+    assert cubins.count()[0] == 1
+    monkeypatch.setattr(toolchain, "_LOADED", {})  # as a new process: the module is loaded again
+    kernel = load_kernel(spec(77))
+    assert kernel is not first and kernel.compile_log == first.compile_log
+    assert kernel.registers == first.registers and cubins.count()[0] == 1
+    prep = prepare(kernel.plan, rowptr, col, A.shape, n=1)
+    y = torch.full((A.shape[0],), float("nan"), device="cuda")
+    kernel(rowptr, col, val, x, y, prep)
+    ok, why = close_to_reference(y, _reference(rowptr, col, val, x, A.shape), torch.float32)
+    assert ok, why
+    paths.forget_checks()
+    trust.forget_keys()
+
+
 # Each row's sum is atomically added: y must be zero before the kernel (init=zero), and a matrix
 # without nonzeros launches no block at all (grid=ceil(nnz/128) = 0), yet y is still zeroed.
 ATOMIC_ROWS = """// sparserl: op=spmv dtype=f32 rows=natural split=none block=128 grid=ceil(nnz/128) init=zero

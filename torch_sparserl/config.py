@@ -32,6 +32,7 @@ variable                      field                       values (default)
 ``SPARSERL_CACHE_DIR``        ``cache.dir``               a folder (``$XDG_CACHE_HOME/torch_sparserl``,
                                                           else ``~/.cache/torch_sparserl``)
 ``SPARSERL_CACHE_MAX_MB``     ``cache.max_mb``            megabytes > 0 (256)
+``SPARSERL_CACHE_CUBINS``     ``cache.cubins``            a boolean (1)
 ``SPARSERL_FAST_PATH``        ``fast_path.enabled``       a boolean (1)
 ``SPARSERL_POLICY_DEVICE``    ``specializer.policy_device``  ``cuda``, ``cpu`` (cuda where there is one)
 ``SPARSERL_EVAL_BURST_REPS``  ``specializer.eval_burst_reps``  a whole number >= 0; 0: no bursts (0)
@@ -112,6 +113,7 @@ DEFAULT_FLATTEN_MATRICES = True
 
 DEFAULT_CACHE_DIR = None  # $XDG_CACHE_HOME/torch_sparserl, else ~/.cache/torch_sparserl
 DEFAULT_CACHE_MAX_MB = 256.0  # the decisions on disk; least recently used ones go first
+DEFAULT_CACHE_CUBINS = True
 DEFAULT_FAST_PATH_ENABLED = True
 DEFAULT_POLICY_DEVICE = "cuda"
 DEFAULT_EVAL_BURST_REPS = 0
@@ -390,12 +392,16 @@ class CacheOptions(_Group):
     """The kernel cache on disk (:class:`~torch_sparserl.jit.cache.KernelCache`)."""
 
     dir: Path | str | None = setting(DEFAULT_CACHE_DIR, FOLDER)
-    """The folder of the cache (kernels, decisions, built libraries), private to the user.
+    """The folder of the cache (decisions, built libraries and cubins), private to the user.
     None: ``$XDG_CACHE_HOME/torch_sparserl``, else ``~/.cache/torch_sparserl``."""
 
     max_mb: float = setting(DEFAULT_CACHE_MAX_MB, number("a number of megabytes > 0", lambda v: v > 0))
     """The most the decisions on disk may take: a write past it removes the least recently
     used ones (``sparserl cache prune`` does it on demand)."""
+
+    cubins: bool = setting(DEFAULT_CACHE_CUBINS, BOOL)
+    """Keep NVRTC's builds in ``<dir>/cubins``, signed with the user's key, so that a kernel
+    source compiled once on the machine is loaded after (:mod:`torch_sparserl.toolchain.cubins`)."""
 
 
 @dataclass(frozen=True)
@@ -506,6 +512,7 @@ ENVIRONMENT: dict[str, Variable] = {v.name: v for v in (
     Variable("SPARSERL_JIT_CLASS_AFTER", "jit.class_after"),
     Variable("SPARSERL_CACHE_DIR", "cache.dir"),
     Variable("SPARSERL_CACHE_MAX_MB", "cache.max_mb"),
+    Variable("SPARSERL_CACHE_CUBINS", "cache.cubins"),
     Variable("SPARSERL_FAST_PATH", "fast_path.enabled"),
     Variable("SPARSERL_POLICY_DEVICE", "specializer.policy_device"),
     Variable("SPARSERL_EVAL_BURST_REPS", "specializer.eval_burst_reps"),

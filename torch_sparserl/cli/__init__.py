@@ -352,6 +352,11 @@ def info(args) -> int:
     print(f"kernel cache: {folder}, " + (f"{len(sizes)} entries, {sum(sizes) / 2**20:.2f} MB" if sizes is not None
                                          else "not created yet")
           + f" (at most {config.read('cache.max_mb'):g} MB)")
+    from ..toolchain import cubins
+
+    built, size = cubins.count()
+    print(f"cubin cache: {configured_cache_dir() / cubins.FOLDER}, " + (
+        f"{built} kernels, {size / 2**20:.2f} MB" if config.read("cache.cubins") else "off (SPARSERL_CACHE_CUBINS=0)"))
     return 0
 
 
@@ -499,6 +504,10 @@ def cache_command(args) -> int:
     cache = _cache(args)
     if args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.root}")
+        if not args.dir:  # the cubins live in the user's own cache folder only
+            from ..toolchain import cubins
+
+            print(f"removed {cubins.clear()} built kernels from {cache.root.parent / cubins.FOLDER}")
         return 0
     if args.action == "prune":
         limit = int(args.max_mb * (1 << 20)) if args.max_mb is not None else None

@@ -99,7 +99,8 @@ def check(code: int, what: str) -> None:
         raise LaunchError(f"CUDA driver: {what} failed with {_error_name(code)} ({code})")
 
 
-def include_dirs() -> list[str]:
+@functools.cache
+def include_dirs() -> tuple[str, ...]:
     dirs = []
     home = cuda_home()
     if home and (home / "include").exists():
@@ -111,7 +112,7 @@ def include_dirs() -> list[str]:
             dirs += sorted({str(Path(p).parent) for p in glob.glob(os.path.join(root, "cu*", "include", "cuda_fp16.h"))})
     except ImportError:
         pass
-    return dirs
+    return tuple(dirs)
 
 
 NVRTC_ERROR_INVALID_OPTION = 5
@@ -121,6 +122,12 @@ NVRTC_ERROR_INVALID_OPTION = 5
 # on the machine, and the evaluator then asks nvcc. Dropped for the process if this NVRTC
 # refuses the option.
 _PTXAS_REPORT = ["--ptxas-options=-v"]
+
+
+def nvrtc_options(arch: str) -> list[str]:
+    """The options :func:`nvrtc_compile` passes for ``arch`` now."""
+    return [f"-I{d}" for d in include_dirs()] + [
+        f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space", *_PTXAS_REPORT]
 
 
 def nvrtc_compile(source: str, arch: str, name: str = "kernel.cu") -> tuple[bytes, str]:
@@ -134,8 +141,7 @@ def nvrtc_compile(source: str, arch: str, name: str = "kernel.cu") -> tuple[byte
         raise CompileError(f"NVRTC: nvrtcCreateProgram failed ({code})")
     try:
         report = _PTXAS_REPORT
-        options = [f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space", *report]
-        options = [f"-I{d}" for d in include_dirs()] + options
+        options = nvrtc_options(arch)
         array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
         result = lib.nvrtcCompileProgram(prog, len(options), array)
         if result == NVRTC_ERROR_INVALID_OPTION and report:

@@ -7,7 +7,7 @@ import time
 import torch
 
 from ..abi import KERNEL_NAME, KernelSpec
-from . import driver
+from . import cubins, driver
 from .kernel import Kernel
 
 
@@ -17,10 +17,15 @@ def device_arch(device: torch.device | int | None = None) -> str:
 
 
 def compile(source: str, arch: str | None = None) -> tuple[bytes, str, float]:  # noqa: A001
-    """Compile ``source`` to a cubin; return (cubin, log, seconds). Raises CompileError."""
+    """Compile ``source`` to a cubin; return (cubin, log, seconds). Raises CompileError. A build
+    made before on this machine is read from the cubin cache (:mod:`.cubins`) instead."""
     start = time.perf_counter()
-    cubin, log = driver.nvrtc_compile(source, arch or device_arch())
-    return cubin, log, time.perf_counter() - start
+    arch = arch or device_arch()
+    found = cubins.lookup(source, arch, driver.nvrtc_options(arch))
+    if found is None:
+        found = driver.nvrtc_compile(source, arch)
+        cubins.store(source, arch, driver.nvrtc_options(arch), *found)
+    return *found, time.perf_counter() - start
 
 
 def load(spec: KernelSpec, arch: str | None = None) -> Kernel:
