@@ -147,3 +147,34 @@ def test_a_scaled_budget_screens_every_candidate_up_to_its_cap(cora, monkeypatch
     assert scaled.budget_s == pytest.approx(1.25 * 2.0 * scaled.candidates)
     capped = tune(cora, op="spmv", sandbox=Paced(wrong_every=0), budget_s=5.0, top_k=1, max_budget_s=11.0)
     assert capped.budget_exhausted and capped.screened == 6 and capped.budget_s == 11.0
+
+
+def test_the_candidates_are_compiled_a_chunk_at_a_time_before_their_screens(cora):
+    """A sandbox that can prebuild gets each chunk of PREBUILD_CHUNK candidates, in the
+    screening order, before the first of them is screened, and no candidate twice."""
+    import torch_sparserl.specialize.autotune as autotune
+
+    class Prebuilding(FakeSandbox):
+        def __init__(self):
+            super().__init__(wrong_every=0)
+            self.events = []
+
+        def prebuild(self, specs, workers=4):
+            self.events.append(("build", [s.key for s in specs], workers))
+            return {}
+
+        def evaluate(self, spec, *args):
+            self.events.append(("screen", spec.key))
+            return super().evaluate(spec, *args)
+
+    box = Prebuilding()
+    result = tune(cora, op="spmm", n=32, sandbox=box, top_k=1)
+    chunk = autotune.PREBUILD_CHUNK
+    builds = [e for e in box.events if e[0] == "build"]
+    built = [k for e in builds for k in e[1]]
+    screens = [e[1] for e in box.events if e[0] == "screen"][:result.screened]
+    assert built == screens and len(builds) == -(-result.candidates // chunk) > 1
+    assert all(e[2] == chunk and 0 < len(e[1]) <= chunk for e in builds)
+    screen_at = [i for i, e in enumerate(box.events) if e[0] == "screen"][:result.screened]
+    for j, at in enumerate(screen_at):  # each screen comes after its chunk's build
+        assert box.events.index(builds[j // chunk]) < at
