@@ -31,6 +31,10 @@ from .encoder import PatternEncoder, PatternInput, collate
 from .tokenizer import EOS, BOS, PAD, load_tokenizer, special_ids
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.json"
+# Completions scored per forward pass. On a GPU a pass costs its launches, so a request's kernel
+# space (tens of kernels) goes in one or two; the (batch, length, vocabulary) float32 logits
+# bound the batch (32 kernels of 150 tokens: about 160 MB, on a GPU the user's job shares).
+SCORE_BATCH = {"cuda": 32, "cpu": 8}
 
 
 @dataclass
@@ -206,18 +210,21 @@ class KernelPolicy(nn.Module):
         return [e.ids + [eos] for e in self.tokenizer.encode_batch(completions)]
 
     def score(self, inp: PatternInput, op: str, dtype: str, n: int, completions: list[str], *,
-              batch: int = 8) -> list[float]:
+              batch: int | None = None) -> list[float]:
         """The log-probability of writing each completion (and then ``<eos>``) for this pattern."""
         return self.score_ids(inp, op, dtype, n, self.completion_ids(completions), batch=batch)
 
     @torch.no_grad()
     def score_ids(self, inp: PatternInput, op: str, dtype: str, n: int, ids: list[list[int]], *,
-                  batch: int = 8) -> list[float]:
+                  batch: int | None = None) -> list[float]:
         """:meth:`score` of completions given as token ids (:meth:`completion_ids`).
 
         The pattern prefix and the request are run once; the completions are run after that
-        cached state, ``batch`` at a time and right-padded (causal attention keeps padding out
-        of every real token's view, so no mask is needed)."""
+        cached state, ``batch`` at a time (None: :data:`SCORE_BATCH` for the policy's device)
+        and right-padded (causal attention keeps padding out of every real token's view, so no
+        mask is needed)."""
+        if batch is None:
+            batch = SCORE_BATCH["cuda" if self.device.type == "cuda" else "cpu"]
         if batch < 1:
             raise ValueError(f"policy.score: batch must be >= 1 (got {batch})")
         if not ids:
@@ -248,8 +255,8 @@ class KernelPolicy(nn.Module):
                 picked = torch.cat([picked, later], dim=1)
             valid = torch.arange(t, device=self.device)[None, :] < torch.tensor([len(r) for r in rows],
                                                                                 device=self.device)[:, None]
-            scores += (picked * valid).sum(1).tolist()
-        return scores
+            scores.append((picked * valid).sum(1))
+        return torch.cat(scores).tolist()  # one wait for the device, not one per batch
 
     # ------------------------------------------------------------------ speculative sampling
     def _draft_index(self) -> dict:
