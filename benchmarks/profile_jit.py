@@ -4,7 +4,7 @@
 Runs ``policy_tune`` (the runtime's path: rank, compile together, screen, validate) in one
 sandbox on pubmed, ca-CondMat and rajat01 at SpMV, N=32 and N=256 and prints, per cell, the
 wall time, the problem / scoring / compile stages, the evaluations' summed sandbox time and
-each evaluation's "compiled" stage; before them, the sandbox's release after a decision; after
+each evaluation's stages in the worker and its round trip; before them, the sandbox's release after a decision; after
 them, a cProfile of the parent's side::
 
     SPARSERL_SHARED=../shared python benchmarks/profile_jit.py
@@ -56,6 +56,9 @@ def main() -> int:
                   {k: first.get(k) for k in ("problem_s", "generate_s", "prebuild_s")},
                   "sandbox", round(sum(r.timing.get("sandbox_s", 0) for r in result.table) * 1e3, 1),
                   "compiled", [r.timing["stages_s"].get("compiled") for r in result.table])
+            for r in result.table:  # the worker's stages, and the round trip around them
+                print(f"   {r.timing.get('stage')}: sandbox {r.timing.get('sandbox_s', 0) * 1e3:.1f} ms, in the worker "
+                      f"{(r.elapsed_s or 0) * 1e3:.1f} ms", {k: round(v * 1e3, 1) for k, v in r.timing["stages_s"].items()})
         pstats.Stats(profile).sort_stats("cumtime").print_stats(30)
     finally:
         box.close()

@@ -289,7 +289,12 @@ def _json_default(v):
 def _environment() -> dict:
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    from torch_sparserl import config
+    from torch_sparserl.toolchain import cubins
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
+           # the cubin cache as the run found it: off, or on with this many kernels built before
+           "cubin_cache": {"on": config.read("cache.cubins"), "kernels_at_start": cubins.count()[0]}}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
