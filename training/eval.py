@@ -61,7 +61,7 @@ def _eval_screen():
 
 
 def _sample_row(p, record) -> dict:
-    return {"family": p.family, "key": p.spec.key, "finished": p.sample.finished,
+    return {"family": p.family, "key": p.spec.key, "finished": p.sample.finished, "logprob": p.sample.logprob,
             "tokens": len(p.sample.tokens), "compiled": bool(record.compiled), "correct": record.correct,
             "error_kind": str(record.error_kind) if record.error_kind else None,
             "runtime_us": record.runtime_us, "cusparse_us": record.cusparse_us, "speedup": record.speedup}
