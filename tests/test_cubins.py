@@ -23,6 +23,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(root))
     monkeypatch.delenv("SPARSERL_CACHE_CUBINS", raising=False)
     monkeypatch.setattr(cubins, "nvrtc_version", lambda: "13.0")
+    monkeypatch.setattr(cubins, "_warned", False)
     paths.forget_checks()
     trust.forget_keys()
     yield root
@@ -203,4 +204,17 @@ def test_cache_clear_on_the_command_line_removes_the_cubins(cache):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "removed 1 built kernels" in out.stdout
+    assert cubins.count() == (0, 0)
+
+
+def test_a_new_key_refuses_every_entry_with_one_warning(cache, caplog):
+    sources = [SOURCE + f"// {i}\n" for i in range(3)]
+    for source in sources:
+        cubins.store(source, ARCH, OPTIONS, b"cubin", "")
+    (cache / trust.KEY_NAME).unlink()
+    trust.forget_keys()
+    caplog.set_level("DEBUG", logger="torch_sparserl.toolchain.cubins")
+    assert all(cubins.lookup(s, ARCH, OPTIONS) is None for s in sources)
+    refusals = [r for r in caplog.records if "refusing" in r.getMessage()]
+    assert [r.levelname for r in refusals] == ["WARNING", "DEBUG", "DEBUG"]
     assert cubins.count() == (0, 0)

@@ -54,6 +54,7 @@ STALE_TEMP_S = 3600.0
 _NAME = re.compile(r"^[0-9a-f]{64}\.cubin$")
 _PURPOSE = b"cubin"
 _DIGEST_HEX = 64
+_warned = False  # a refusal was logged as a warning in this process
 
 
 class Rejected(ValueError):
@@ -142,7 +143,11 @@ def lookup(source: str, arch: str, options: list[str]) -> tuple[bytes, str] | No
     except FileNotFoundError:
         return None
     except (OSError, trust.UnsafeFile, Rejected, struct.error) as exc:
-        log.warning("cubins: refusing %s (%s); it is removed and the kernel compiled again", path, exc)
+        global _warned
+        # A new key refuses every entry at once: one warning, the rest at debug level.
+        log.log(logging.DEBUG if _warned else logging.WARNING, "cubins: refusing %s (%s); it is removed and the "
+                "kernel compiled again%s", path, exc, "" if _warned else " (further refusals: debug level)")
+        _warned = True
         _remove(path)
         return None
     try:
