@@ -473,55 +473,44 @@ _SKIPPED = frozenset({"inline", "__forceinline__", "__noinline__"})
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*([A-Za-z_]*)(.*)$")
 _DEFINE = re.compile(r"^[ \t]+([A-Za-z][A-Za-z0-9_]*)(\([A-Za-z0-9_, \t.]*\))?(.*)$")
 _PRAGMA = re.compile(r"^[ \t]+unroll(?:[ \t]+\(?[ \t]*[A-Za-z0-9_]+[ \t]*\)?)?[ \t]*$")
-_CPP_TOKEN = re.compile(r"""
-    (?P<ws>\s+)
-  | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
-  | (?P<number>\.?[0-9](?:[eEpP][+-]|[A-Za-z0-9_.'])*)
-  | (?P<char>'(?:[^'\\\n]|\\[^\n])+')
-  | (?P<string>"(?:[^"\\\n]|\\[^\n])*")
-  | (?P<digraph><%|%>|<:|:>|%:)
-  | (?P<punct>::|->|\+\+|--|<<=|>>=|<<|>>|<=|>=|==|!=|&&|\|\||[-+*/%&|^!~=<>?:;,.(){}\[\]])
-  | (?P<other>.)""", re.X | re.S)
+# One C++ token after optional whitespace, in one of four groups, tried in this order: allowed
+# (a name, number, character or string literal), a digraph, a punctuator, anything else.
+_CPP_TOKEN_GROUPS = re.compile(r"""\s*(?:
+    ([A-Za-z_][A-Za-z0-9_]*|\.?[0-9](?:[eEpP][+-]|[A-Za-z0-9_.'])*|'(?:[^'\\\n]|\\[^\n])+'|"(?:[^"\\\n]|\\[^\n])*")
+  | (<%|%>|<:|:>|%:)
+  | (::|->|\+\+|--|<<=|>>=|<<|>>|<=|>=|==|!=|&&|\|\||[-+*/%&|^!~=<>?:;,.(){}\[\]])
+  | (\S))""", re.X | re.S)
 _PAIRS = {")": "(", "]": "[", "}": "{"}
+
+
+# A comment, an unterminated /*, or a string or character literal (to its closing quote, the
+# end of its line, or the end of the text; a backslash takes the character after it).
+_COMMENT_OR_LITERAL = re.compile(r"""//[^\n]*|/\*.*?\*/|/\*|"(?:[^"\\\n]|\\[\s\S]?)*["\n]?|'(?:[^'\\\n]|\\[\s\S]?)*['\n]?""",
+                                 re.S)
+
+
+def _blank_comment(m: re.Match) -> str:
+    text = m.group()
+    if text.startswith("//"):
+        return " "
+    if text == "/*":  # the alternative taken only where no */ follows
+        raise PlanError("source: unterminated /* comment")
+    if text.startswith("/*"):
+        return " " + "\n" * text.count("\n")
+    return text
 
 
 def _strip_comments(text: str) -> str:
     """Comments replaced by a space (newlines kept); strings and characters left as they are."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            i = n if j < 0 else j
-            out.append(" ")
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            if j < 0:
-                raise PlanError("source: unterminated /* comment")
-            out.append(" " + "\n" * text.count("\n", i, j))
-            i = j + 2
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i:j + 1])
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+    return _COMMENT_OR_LITERAL.sub(_blank_comment, text)
 
 
 def _tokens(text: str, where: str) -> list[str]:
-    tokens = []
-    for m in _CPP_TOKEN.finditer(text):
-        kind, value = m.lastgroup, m.group()
-        if kind == "ws":
-            continue
-        if kind in ("digraph", "other"):
-            raise PlanError(f"source: {where}: {value!r} is not allowed in a kernel")
-        tokens.append(value)
-    return tokens
+    found = _CPP_TOKEN_GROUPS.findall(text)
+    for _, digraph, _, other in found:
+        if digraph or other:
+            raise PlanError(f"source: {where}: {digraph or other!r} is not allowed in a kernel")
+    return [allowed or punct for allowed, _, punct, _ in found]
 
 
 class _DeviceScan:
