@@ -1,13 +1,14 @@
 """The build stage: ABI sources → launchable kernels.
 
 Pipeline stage 5 of 14: an ABI source becomes a launchable kernel: NVRTC, torch's extension
-builder, offline nvcc; where built files live (:mod:`.paths`) and which may be loaded
-(:mod:`.trust`).
+builder, offline nvcc; where built files live (:mod:`.paths`), which may be loaded
+(:mod:`.trust`), and NVRTC's builds kept across processes (:mod:`.cubins`).
 May import: config, dtypes, data, pattern, kernels, abi.
 
 Three builders, one source format (``csrc/README.md``):
 
-* :mod:`.nvrtc` — NVRTC, tens of milliseconds: screening, autotuning, RL rollouts.
+* :mod:`.nvrtc` — NVRTC, tens of milliseconds (a source built before on the machine: read
+  from :mod:`.cubins`): screening, autotuning, RL rollouts.
 * :mod:`.inline` — torch's extension builder, lean and batched: installed kernels.
 * :mod:`.nvcc` — offline ``nvcc`` to cubin/PTX for ``sm_90``: the compile tier with no GPU.
 """
