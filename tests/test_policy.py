@@ -16,6 +16,7 @@ from torch_sparserl.specialize.policy import corpus
 from torch_sparserl.specialize.policy.encoder import (N_FEATURES, PatternEncoder, PatternInput, collate, feature_vector,
                                                       sample_coordinates, sinusoidal)
 from torch_sparserl.specialize.policy.model import KernelPolicy, PolicyConfig, Sample, build
+from torch_sparserl.specialize.policy import model as model_module
 from torch_sparserl.specialize.policy.propose import to_proposal
 from torch_sparserl.specialize.policy.tokenizer import EOS, special_ids, train_tokenizer
 
@@ -177,11 +178,33 @@ def test_scoring_completions_equals_their_summed_token_logprobs(small_tokenizer)
     with torch.no_grad():
         expected = [float(lp.sum()) for lp in policy.completion_logprobs(
             [inp] * len(texts), [req] * len(texts), [policy.encode(t) + [eos] for t in texts])]
-    for batch in (1, 3, 16):
+    for batch in (1, 3, 16, None):
         assert policy.score(inp, "spmm", "f32", 32, texts, batch=batch) == pytest.approx(expected, abs=1e-3)
+    budget = model_module.SCORE_LOGIT_BYTES
+    try:  # a budget that holds one completion per pass
+        model_module.SCORE_LOGIT_BYTES = {"cuda": 1, "cpu": 1}
+        assert policy.score(inp, "spmm", "f32", 32, texts) == pytest.approx(expected, abs=1e-3)
+    finally:
+        model_module.SCORE_LOGIT_BYTES = budget
     assert policy.score(inp, "spmm", "f32", 32, []) == []
     with pytest.raises(ValueError, match="batch must be >= 1"):
         policy.score(inp, "spmm", "f32", 32, texts, batch=0)
+
+
+def test_score_batches_group_by_length_within_the_logit_budget():
+    lengths = [300, 5, 120, 7, 300, 60, 1]
+    vocab = 100
+    for budget, rows in ((10**9, None), (300 * vocab * 4 * 2, None), (1, None), (10**9, 2)):
+        groups = model_module.score_batches(lengths, budget, vocab, rows)
+        flat = [i for g in groups for i in g]
+        assert sorted(flat) == list(range(len(lengths)))  # each once
+        assert [lengths[i] for i in flat] == sorted(lengths)  # shortest first
+        for g in groups:
+            assert len(g) == 1 or len(g) * max(lengths[i] for i in g) * vocab * 4 <= budget
+            assert rows is None or len(g) <= rows
+    assert model_module.score_batches(lengths, 10**9, vocab) == [[6, 1, 3, 5, 2, 0, 4]]
+    assert len(model_module.score_batches(lengths, 1, vocab)) == len(lengths)
+    assert model_module.score_batches([], 1, vocab) == []
 
 
 def test_loading_a_broken_checkpoint_names_the_problem(tmp_path):

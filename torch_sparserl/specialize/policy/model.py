@@ -31,10 +31,27 @@ from .encoder import PatternEncoder, PatternInput, collate
 from .tokenizer import EOS, BOS, PAD, load_tokenizer, special_ids
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.json"
-# Completions scored per forward pass. On a GPU a pass costs its launches, so a request's kernel
-# space (tens of kernels) goes in one or two; the (batch, length, vocabulary) float32 logits
-# bound the batch (32 kernels of 150 tokens: about 160 MB, on a GPU the user's job shares).
-SCORE_BATCH = {"cuda": 32, "cpu": 8}
+# The float32 logits one scoring pass may hold, (batch, length, vocabulary): the batch is as
+# many completions of about the same length as fit. On a GPU a pass costs its launches, so a
+# request's kernel space (tens of kernels) goes in a few; the budget keeps the pass's memory
+# (the logits and their logsumexp's temporaries, about 3x this) small beside the user's job.
+SCORE_LOGIT_BYTES = {"cuda": 128 << 20, "cpu": 64 << 20}
+
+
+def score_batches(lengths: list[int], logit_bytes: int, vocab: int, rows: int | None = None) -> list[list[int]]:
+    """Indices of completions grouped for scoring: shortest first, each group as many as keep
+    ``group size x its longest length x vocab`` float32 logits within ``logit_bytes`` (and at
+    most ``rows``), at least one."""
+    groups, current = [], []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        full = rows is not None and len(current) == rows
+        if current and (full or (len(current) + 1) * lengths[i] * vocab * 4 > logit_bytes):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
 
 
 @dataclass
@@ -220,15 +237,16 @@ class KernelPolicy(nn.Module):
         """:meth:`score` of completions given as token ids (:meth:`completion_ids`).
 
         The pattern prefix and the request are run once; the completions are run after that
-        cached state, ``batch`` at a time (None: :data:`SCORE_BATCH` for the policy's device)
-        and right-padded (causal attention keeps padding out of every real token's view, so no
-        mask is needed)."""
-        if batch is None:
-            batch = SCORE_BATCH["cuda" if self.device.type == "cuda" else "cpu"]
-        if batch < 1:
+        cached state in groups of about equal length (:func:`score_batches`: at most ``batch``
+        each, and no more float32 logits than :data:`SCORE_LOGIT_BYTES` for the policy's
+        device), right-padded (causal attention keeps padding out of every real token's view, so
+        no mask is needed). The scores come back in the order of ``ids``."""
+        if batch is not None and batch < 1:
             raise ValueError(f"policy.score: batch must be >= 1 (got {batch})")
         if not ids:
             return []
+        budget = SCORE_LOGIT_BYTES["cuda" if self.device.type == "cuda" else "cpu"]
+        groups = score_batches([len(row) for row in ids], budget, self.config.vocab_size, batch)
         request = self.request_ids(op, dtype, n)
         prefix = self.prefix([inp])
         req = torch.tensor(request, device=self.device).unsqueeze(0)
@@ -236,8 +254,8 @@ class KernelPolicy(nn.Module):
         first_logp = torch.log_softmax(first.logits[0, -1].float(), dim=-1)
         pad = self.ids[PAD]
         scores = []
-        for start in range(0, len(ids), batch):
-            rows = ids[start:start + batch]
+        for group in groups:
+            rows = [ids[i] for i in group]
             b, t = len(rows), max(map(len, rows))
             tok = torch.full((b, t), pad, dtype=torch.long)
             for i, row in enumerate(rows):
@@ -256,7 +274,11 @@ class KernelPolicy(nn.Module):
             valid = torch.arange(t, device=self.device)[None, :] < torch.tensor([len(r) for r in rows],
                                                                                 device=self.device)[:, None]
             scores.append((picked * valid).sum(1))
-        return torch.cat(scores).tolist()  # one wait for the device, not one per batch
+        values = torch.cat(scores).tolist()  # one wait for the device, not one per group
+        out = [0.0] * len(ids)
+        for i, value in zip((i for group in groups for i in group), values):
+            out[i] = value
+        return out
 
     # ------------------------------------------------------------------ speculative sampling
     def _draft_index(self) -> dict:
