@@ -191,6 +191,35 @@ def test_scoring_completions_equals_their_summed_token_logprobs(small_tokenizer)
         policy.score(inp, "spmm", "f32", 32, texts, batch=0)
 
 
+def test_completion_ids_tokenize_each_text_once_and_stay_bounded(small_tokenizer, monkeypatch):
+    tok, _ = small_tokenizer
+    policy = build(tok, hidden=32, layers=2, heads=2, intermediate=64, samples=8, pe_dim=8)
+    eos = special_ids(tok)[EOS]
+    texts = [corpus.completion_text(corpus.render_compact(f, p, "spmm", "f32", 32), "spmm", "f32", 32)
+             for f, p in families.space("spmm", "f32", 32)[:4]]
+    expected = [tok.encode(t).ids + [eos] for t in texts]
+    assert policy.completion_ids(texts + texts[:1]) == expected + expected[:1]
+
+    class Counting:  # the tokenizer, its batches recorded
+        def __init__(self, inner):
+            self.inner, self.batches = inner, []
+
+        def encode_batch(self, batch):
+            self.batches.append(list(batch))
+            return self.inner.encode_batch(batch)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    policy.tokenizer = counting = Counting(policy.tokenizer)
+    first = policy.completion_ids(texts)
+    first[0].append(-1)  # a caller's list is its own
+    assert policy.completion_ids(texts) == expected and counting.batches == []
+    monkeypatch.setattr(model_module, "COMPLETION_MEMO", 2)
+    assert policy.completion_ids(texts[:3] + ["", " x"]) == expected[:3] + [[eos], tok.encode(" x").ids + [eos]]
+    assert list(policy._completion_memo) == ["", " x"] and counting.batches == [["", " x"]]
+
+
 def test_score_batches_group_by_length_within_the_logit_budget():
     lengths = [300, 5, 120, 7, 300, 60, 1]
     vocab = 100

@@ -17,9 +17,11 @@ nor depends on its version.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", 
 # request's kernel space (tens of kernels) goes in a few; the budget keeps the pass's memory
 # (the logits and their logsumexp's temporaries, about 3x this) small beside the user's job.
 SCORE_LOGIT_BYTES = {"cuda": 128 << 20, "cpu": 64 << 20}
+COMPLETION_MEMO = 4096  # tokenized completion texts a policy keeps (the kernel space has hundreds)
 
 
 def score_batches(lengths: list[int], logit_bytes: int, vocab: int, rows: int | None = None) -> list[list[int]]:
@@ -109,6 +112,10 @@ class KernelPolicy(nn.Module):
         self.lm = _decoder(config, self.ids)
         self.encoder = PatternEncoder(config.hidden, config.pe_dim, config.coords)
         self.meta: dict = {}
+        # completion text -> its ids with <eos>: the kernel space's texts come back for every
+        # pattern of a request, so each is tokenized once (the most recent COMPLETION_MEMO kept)
+        self._completion_memo: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self._memo_lock = threading.Lock()
 
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, text: str) -> list[int]:
@@ -222,9 +229,23 @@ class KernelPolicy(nn.Module):
         return samples
 
     def completion_ids(self, completions: list[str]) -> list[list[int]]:
-        """Each completion's token ids, ``<eos>`` appended: what :meth:`score_ids` scores."""
+        """Each completion's token ids, ``<eos>`` appended: what :meth:`score_ids` scores
+        (texts seen before are not tokenized again)."""
         eos = self.ids[EOS]
-        return [e.ids + [eos] for e in self.tokenizer.encode_batch(completions)]
+        memo = self._completion_memo
+        with self._memo_lock:
+            missing = [t for t in dict.fromkeys(completions) if t not in memo]
+        encoded = {t: (*e.ids, eos) for t, e in zip(missing, self.tokenizer.encode_batch(missing))} if missing else {}
+        with self._memo_lock:
+            out = []
+            for text in completions:
+                ids = encoded.get(text) or memo.get(text) or (*self.tokenizer.encode(text).ids, eos)
+                memo[text] = ids
+                memo.move_to_end(text)
+                out.append(list(ids))
+            while len(memo) > COMPLETION_MEMO:
+                memo.popitem(last=False)
+        return out
 
     def score(self, inp: PatternInput, op: str, dtype: str, n: int, completions: list[str], *,
               batch: int | None = None) -> list[float]:
