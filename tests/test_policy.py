@@ -1,6 +1,7 @@
 """The learned policy on the CPU: encoder, tokenizer, compact sources, checkpoints, the
 shipped policy's candidates compiled with nvcc, and the runtime's choice of specializer."""
 
+import copy
 import math
 import os
 import re
@@ -218,6 +219,8 @@ def test_completion_ids_tokenize_each_text_once_and_stay_bounded(small_tokenizer
     monkeypatch.setattr(model_module, "COMPLETION_MEMO", 2)
     assert policy.completion_ids(texts[:3] + ["", " x"]) == expected[:3] + [[eos], tok.encode(" x").ids + [eos]]
     assert list(policy._completion_memo) == ["", " x"] and counting.batches == [["", " x"]]
+    policy.tokenizer = counting.inner
+    assert copy.deepcopy(policy).completion_ids([" x"]) == [tok.encode(" x").ids + [eos]]  # still copyable
 
 
 def test_score_batches_group_by_length_within_the_logit_budget():

@@ -39,6 +39,7 @@ CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", 
 # (the logits and their logsumexp's temporaries, about 3x this) small beside the user's job.
 SCORE_LOGIT_BYTES = {"cuda": 128 << 20, "cpu": 64 << 20}
 COMPLETION_MEMO = 4096  # tokenized completion texts a policy keeps (the kernel space has hundreds)
+_MEMO_LOCK = threading.Lock()  # of every policy's memo (module-level: a policy stays copyable)
 
 
 def score_batches(lengths: list[int], logit_bytes: int, vocab: int, rows: int | None = None) -> list[list[int]]:
@@ -115,7 +116,6 @@ class KernelPolicy(nn.Module):
         # completion text -> its ids with <eos>: the kernel space's texts come back for every
         # pattern of a request, so each is tokenized once (the most recent COMPLETION_MEMO kept)
         self._completion_memo: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
-        self._memo_lock = threading.Lock()
 
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, text: str) -> list[int]:
@@ -233,10 +233,10 @@ class KernelPolicy(nn.Module):
         (texts seen before are not tokenized again)."""
         eos = self.ids[EOS]
         memo = self._completion_memo
-        with self._memo_lock:
+        with _MEMO_LOCK:
             missing = [t for t in dict.fromkeys(completions) if t not in memo]
         encoded = {t: (*e.ids, eos) for t, e in zip(missing, self.tokenizer.encode_batch(missing))} if missing else {}
-        with self._memo_lock:
+        with _MEMO_LOCK:
             out = []
             for text in completions:
                 ids = encoded.get(text) or memo.get(text) or (*self.tokenizer.encode(text).ids, eos)
