@@ -4,8 +4,8 @@
 Runs ``policy_tune`` (the runtime's path: rank, compile together, screen, validate) in one
 sandbox on pubmed, ca-CondMat and rajat01 at SpMV, N=32 and N=256 and prints, per cell, the
 wall time, the problem / scoring / compile stages, the evaluations' summed sandbox time and
-each evaluation's stages in the worker and its round trip; before them, the sandbox's release after a decision; after
-them, a cProfile of the parent's side::
+each evaluation's stages in the worker and its round trip; before them, the sandbox's release
+after a decision; after them, a cProfile of the parent's side::
 
     SPARSERL_SHARED=../shared python benchmarks/profile_jit.py
 

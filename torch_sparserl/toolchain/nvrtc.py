@@ -24,6 +24,7 @@ def compile(source: str, arch: str | None = None) -> tuple[bytes, str, float]:  
     found = cubins.lookup(source, arch, driver.nvrtc_options(arch))
     if found is None:
         found = driver.nvrtc_compile(source, arch)
+        # the options asked again: a build NVRTC refused the ptxas report for ran without it
         cubins.store(source, arch, driver.nvrtc_options(arch), *found)
     return *found, time.perf_counter() - start
 

@@ -235,14 +235,12 @@ class KernelPolicy(nn.Module):
         memo = self._completion_memo
         with _MEMO_LOCK:
             missing = [t for t in dict.fromkeys(completions) if t not in memo]
-        encoded = {t: (*e.ids, eos) for t, e in zip(missing, self.tokenizer.encode_batch(missing))} if missing else {}
-        with _MEMO_LOCK:
+            for text, encoding in zip(missing, self.tokenizer.encode_batch(missing) if missing else ()):
+                memo[text] = (*encoding.ids, eos)
             out = []
             for text in completions:
-                ids = encoded.get(text) or memo.get(text) or (*self.tokenizer.encode(text).ids, eos)
-                memo[text] = ids
                 memo.move_to_end(text)
-                out.append(list(ids))
+                out.append(list(memo[text]))
             while len(memo) > COMPLETION_MEMO:
                 memo.popitem(last=False)
         return out
