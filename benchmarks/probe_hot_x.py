@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("probe_hot_x launches GPU kernels: no CUDA device here")
     from bench_kernels import known_matrices
+    from torch_sparserl.evaluate.config import DEFAULT_FLUSH_BYTES
+    from torch_sparserl.evaluate.harness import _flush_buffer, _time
     from torch_sparserl.toolchain import driver
     from torch_sparserl.toolchain.nvrtc import device_arch
 
@@ -134,21 +136,10 @@ def main(argv=None) -> int:
             modules[block, chunk, stream] = driver.Module(image, "spmv_hot")
         return modules[block, chunk, stream]
 
-    flush = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    flush = _flush_buffer(DEFAULT_FLUSH_BYTES, torch.device("cuda"))
 
-    def median_us(fn):
-        for _ in range(3):
-            fn()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(args.reps)]
-        for start, end in events:
-            flush.zero_()
-            torch.cuda._sleep(200_000)  # the GPU stays busy while the host enqueues the launch
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1000 for s, e in events)
+    def median_us(fn):  # the harness's timing: L2 flushed and the GPU kept busy before each run
+        return statistics.median(_time([fn], args.reps, 3, flush)[0])
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": sys.argv, "matrices": []}
