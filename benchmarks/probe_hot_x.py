@@ -29,23 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SOURCE = r'''
-#define FULL 0xffffffffu
-#if STREAM
-#define LDI(p) __ldcs(p)
-#define LDF(p) __ldcs(p)
-#else
-#define LDI(p) __ldg(p)
-#define LDF(p) __ldg(p)
-#endif
-extern "C" __global__ void __launch_bounds__(BLOCK) spmv_hot(
-  const int* __restrict__ rowptr, const int* __restrict__ colx, const float* __restrict__ val,
-  const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ part_row,
-  const int* __restrict__ hot, int H, int rows, int nnz, int parts)
-{
-  extern __shared__ float xs[];
-  for (int i = threadIdx.x; i < H; i += BLOCK) xs[i] = __ldg(x + __ldg(hot + i));
-  __syncthreads();
+# The nnz_split SpMV loop over a persistent grid's warps (chunks of CHUNK nonzeros, a segmented
+# warp scan, atomics at chunk edges); LOAD_X(c) is x's value for the column entry c.
+NNZ_SPLIT_LOOP = r'''
   const int lane = threadIdx.x & 31;
   const int wpb = BLOCK / 32;
   for (int warp = blockIdx.x * wpb + (threadIdx.x >> 5); warp < parts; warp += gridDim.x * wpb) {
@@ -63,8 +49,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) spmv_hot(
         while (a < b) { const int m = (a + b + 1) >> 1; if (__ldg(rowptr + m) <= k) a = m; else b = m - 1; }
         row = a;
         const int c = LDI(colx + k);
-        const float xv = c < 0 ? xs[~c] : __ldg(x + c);
-        prod = LDF(val + k) * xv;
+        prod = LDF(val + k) * LOAD_X(c);
       }
       const int row0 = __shfl_sync(FULL, row, 0);
       if (carry_row >= 0) {
@@ -95,8 +80,27 @@ extern "C" __global__ void __launch_bounds__(BLOCK) spmv_hot(
       if (owned) y[carry_row] = carry; else atomicAdd(y + carry_row, carry);
     }
   }
-}
 '''
+
+SOURCE = r'''
+#define FULL 0xffffffffu
+#if STREAM
+#define LDI(p) __ldcs(p)
+#define LDF(p) __ldcs(p)
+#else
+#define LDI(p) __ldg(p)
+#define LDF(p) __ldg(p)
+#endif
+extern "C" __global__ void __launch_bounds__(BLOCK) spmv_hot(
+  const int* __restrict__ rowptr, const int* __restrict__ colx, const float* __restrict__ val,
+  const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ part_row,
+  const int* __restrict__ hot, int H, int rows, int nnz, int parts)
+{
+  extern __shared__ float xs[];
+  for (int i = threadIdx.x; i < H; i += BLOCK) xs[i] = __ldg(x + __ldg(hot + i));
+  __syncthreads();
+#define LOAD_X(c) ((c) < 0 ? xs[~(c)] : __ldg(x + (c)))
+''' + NNZ_SPLIT_LOOP + '}\n'
 
 # (H, block, blocks per SM, stream); blocks per SM 0: one block per chunk group, not persistent
 VARIANTS = [(0, 256, 0, 0), (0, 256, 0, 1), (0, 512, 4, 0), (6144, 512, 4, 0), (12288, 512, 4, 0),
