@@ -235,6 +235,8 @@ class SizedKernel:
         if grid == 0:
             return y
         with self._lock:
+            # BoundKernel's pointer writes, repeated inline: a method shared by both classes cost
+            # this path 0.11-0.15 us (5%) more per call (CPU microbenchmark, a no-op launch)
             slots, ints = self._slots, self._ints
             slots[0].value = rowptr.data_ptr()
             slots[1].value = col.data_ptr()
