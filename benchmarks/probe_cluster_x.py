@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from probe_hot_x import NNZ_SPLIT_LOOP  # noqa: E402
 from probe_hot_x import SOURCE as GLOBAL_SOURCE  # noqa: E402
+from probe_hot_x import nnz_split_parts, spmv_operands  # noqa: E402
 
 SOURCE_HEAD = r'''
 #define FULL 0xffffffffu
@@ -81,7 +82,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="write the timings as JSON here")
     args = parser.parse_args(argv)
 
-    import numpy as np
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
@@ -114,19 +114,9 @@ def main(argv=None) -> int:
     for entry in entries:
         A = entry.load().tocsr()
         rows, cols = A.shape
-        rowptr = torch.from_numpy(A.indptr.astype(np.int32)).cuda()
-        col = torch.from_numpy(A.indices.astype(np.int32)).cuda()
+        rowptr, col, val, x, ref, scale, cusparse = spmv_operands(A, median_us)
         nnz = col.numel()
-        val, x = torch.randn(nnz, device="cuda"), torch.randn(cols, device="cuda")
-        ref = torch.sparse_csr_tensor(rowptr.long(), col.long(), val.double(), A.shape) @ x.double()
-        scale = max(1.0, float(ref.abs().max()))
-        base = torch.empty(rows, device="cuda")
-        csr = torch.sparse_csr_tensor(rowptr, col, val, A.shape)
-        cusparse = median_us(lambda: torch.addmv(base, csr, x, beta=0, alpha=1, out=base))
-        parts = math.ceil(nnz / args.chunk)
-        starts = torch.arange(parts, device="cuda", dtype=torch.int32) * args.chunk
-        part_row = torch.cat([torch.searchsorted(rowptr, starts, right=True).int() - 1,
-                              torch.tensor([rows], device="cuda", dtype=torch.int32)])
+        part_row, parts = nnz_split_parts(rowptr, col, A.shape, args.chunk)
         y = torch.zeros(rows, device="cuda")
         record = {"matrix": entry.name, "rows": rows, "cols": cols, "nnz": nnz, "cusparse_us": cusparse, "variants": []}
         print(f"{entry.name}: rows={rows} cols={cols} nnz={nnz} cuSPARSE {cusparse:.1f} us", flush=True)

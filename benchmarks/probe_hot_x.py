@@ -108,6 +108,32 @@ VARIANTS = [(0, 256, 0, 0), (0, 256, 0, 1), (0, 512, 4, 0), (6144, 512, 4, 0), (
             (49152, 1024, 1, 0), (49152, 1024, 1, 1)]
 
 
+def nnz_split_parts(rowptr, col, shape, chunk: int):
+    """(part_row[parts + 1], parts): the split=nnz(chunk) partition as the runtime prepares it."""
+    from torch_sparserl.abi.prepare import prepare
+    from torch_sparserl.specialize.families import render
+
+    plan = render("nnz_split", {"chunk": chunk}, op="spmv", dtype="f32", n=1).plan
+    prepared = prepare(plan, rowptr, col, shape, 1)
+    return prepared.aux, prepared.parts
+
+
+def spmv_operands(A, median_us):
+    """A's pattern and random operands on the GPU, the float64 product, the scale errors are
+    relative to, and cuSPARSE's median µs (``torch.addmv``) on them."""
+    import numpy as np
+    import torch
+
+    rowptr = torch.from_numpy(A.indptr.astype(np.int32)).cuda()
+    col = torch.from_numpy(A.indices.astype(np.int32)).cuda()
+    val, x = torch.randn(col.numel(), device="cuda"), torch.randn(A.shape[1], device="cuda")
+    ref = torch.sparse_csr_tensor(rowptr.long(), col.long(), val.double(), A.shape) @ x.double()
+    csr = torch.sparse_csr_tensor(rowptr, col, val, A.shape)
+    out = torch.empty(A.shape[0], device="cuda")
+    cusparse = median_us(lambda: torch.addmv(out, csr, x, beta=0, alpha=1, out=out))
+    return rowptr, col, val, x, ref, max(1.0, float(ref.abs().max())), cusparse
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("matrices", help="comma-separated names known to bench_kernels.py")
@@ -116,7 +142,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="write the timings as JSON here")
     args = parser.parse_args(argv)
 
-    import numpy as np
     import torch
 
     if not torch.cuda.is_available():
@@ -150,22 +175,13 @@ def main(argv=None) -> int:
     for name in args.matrices.split(","):
         A = entries[name].load().tocsr()
         rows, cols = A.shape
-        rowptr = torch.from_numpy(A.indptr.astype(np.int32)).cuda()
-        col = torch.from_numpy(A.indices.astype(np.int32)).cuda()
+        rowptr, col, val, x, ref, scale, cusparse = spmv_operands(A, median_us)
         nnz = col.numel()
-        val, x = torch.randn(nnz, device="cuda"), torch.randn(cols, device="cuda")
-        ref = torch.sparse_csr_tensor(rowptr.long(), col.long(), val.double(), A.shape) @ x.double()
-        csr = torch.sparse_csr_tensor(rowptr, col, val, A.shape)
-        base = torch.empty(rows, device="cuda")
-        cusparse = median_us(lambda: torch.addmv(base, csr, x, beta=0, alpha=1, out=base))
         order = torch.argsort(torch.bincount(col.long(), minlength=cols), descending=True)
         entry = {"matrix": name, "rows": rows, "nnz": nnz, "cusparse_us": cusparse, "variants": []}
         print(f"{name}: rows={rows} nnz={nnz} cuSPARSE {cusparse:.1f} us", flush=True)
         for chunk in map(int, args.chunks.split(",")):
-            parts = math.ceil(nnz / chunk)
-            starts = torch.arange(parts, device="cuda", dtype=torch.int32) * chunk
-            part_row = torch.cat([torch.searchsorted(rowptr, starts, right=True).int() - 1,
-                                  torch.tensor([rows], device="cuda", dtype=torch.int32)])
+            part_row, parts = nnz_split_parts(rowptr, col, A.shape, chunk)
             for hot_n, block, per_sm, stream in VARIANTS:
                 hot_n = min(hot_n, cols)
                 hot = torch.sort(order[:hot_n]).values.int().contiguous()
@@ -187,7 +203,7 @@ def main(argv=None) -> int:
 
                 run()
                 torch.cuda.synchronize()
-                error = float((y.double() - ref).abs().max() / max(1.0, float(ref.abs().max())))
+                error = float((y.double() - ref).abs().max()) / scale
                 us = median_us(run)
                 entry["variants"].append({"chunk": chunk, "H": hot_n, "block": block, "blocks_per_sm": per_sm,
                                           "stream": stream, "hot_fraction": round(float((picked >= 0).float().mean()), 3),
