@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -129,6 +131,11 @@ HOSTILE = {
     "digraph include": '%:include <cstdlib>',
     "line splice": '// \\\nint pwn() { return 0; }',
     "C++ attribute": '[[gnu::constructor]] int pwn() { return 0; }',
+    "line comment ended by a lone CR": '// note\rint pwn() { return 0; }',
+    "line comment ended by CR LF": '// note\r\nint pwn() { return 0; }',
+    "form feed": '__device__ int f() {\f return 0; }',
+    "NUL": '__device__ int f() { return 0; }\x00int pwn() { return 0; }',
+    "Unicode line separator": '// note\u2028int pwn() { return 0; }',
 }
 
 
@@ -141,6 +148,16 @@ def test_an_entry_with_host_code_is_rejected_even_when_signed(private_cache, cod
     fresh = KernelCache()
     assert fresh.get(KEY) is None and not path.exists()
     assert "fails the ABI check" in caplog.text
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_nvcc_ends_a_line_comment_at_a_lone_carriage_return(tmp_path):
+    """Why a lone CR is refused: the compiler reads the code after it as code, where a scan that
+    ends lines at \\n alone would read it as the rest of a comment."""
+    source = tmp_path / "k.cu"
+    source.write_bytes(b"// note\rint pwn() { return 0; }\n")
+    done = subprocess.run(["nvcc", "-E", str(source)], capture_output=True, timeout=120)
+    assert done.returncode == 0 and b"int pwn" in done.stdout
 
 
 def test_every_shipped_family_renders_device_code_only():

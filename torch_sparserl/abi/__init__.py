@@ -481,6 +481,10 @@ _CPP_TOKEN_GROUPS = re.compile(r"""\s*(?:
   | (::|->|\+\+|--|<<=|>>=|<<|>>|<=|>=|==|!=|&&|\|\||[-+*/%&|^!~=<>?:;,.(){}\[\]])
   | (\S))""", re.X | re.S)
 _PAIRS = {")": "(", "]": "[", "}": "{"}
+# Characters a kernel never needs and a compiler may read otherwise than this scan does: every
+# C0 control but tab and newline (\r ends a line for gcc and nvcc), DEL, and Unicode's line and
+# paragraph separators.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f\u2028\u2029\x85]")
 
 
 # A comment, an unterminated /*, or a string or character literal (to its closing quote, the
@@ -662,6 +666,11 @@ def _device_only_verdict(source: str) -> str | None:
 
 
 def _scan_device_only(source: str) -> None:
+    control = _CONTROL.search(source)
+    if control is not None:  # a lone \r ends a // comment for the compiler, not for this scan
+        line = source.count("\n", 0, control.start()) + 1
+        raise PlanError(f"source: not device code only: control character {control.group()!r} on line {line} "
+                        "(a kernel's lines end in \\n; only tabs and newlines are allowed)")
     if "\\" in source or "??" in source:  # line splices (in comments too), universal character names, trigraphs
         raise PlanError("source: not device code only: backslashes and '??' are not allowed in a kernel")
     scan = _DeviceScan()
