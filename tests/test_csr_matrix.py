@@ -245,11 +245,47 @@ def test_host_indices_bound_for_another_device_are_checked_on_the_host(monkeypat
     M = sp.random(20, 10, density=0.3, format="csr", random_state=np.random.default_rng(0))
     with torch.inference_mode():
         A = ts.csr(M, device="meta")
-    assert checked == [("cpu", "cpu")] and A.crow.device.type == "meta"
-    assert not A.crow.is_inference() and patterns.owned(A.crow) and patterns.owned(A.col)
-    assert patterns.validated(A.crow, A.col, 10) is not None
+    assert checked == [("cpu", "cpu")] and A._crow.device.type == "meta"
+    assert not A._crow.is_inference() and patterns.owned(A._crow) and patterns.owned(A._col)
+    assert patterns.validated(A._crow, A._col, 10) is not None
     crow, col = torch.tensor([0, 2, 1]), torch.tensor([0, 1])
     with pytest.raises(ValueError, match=r"torch_sparserl.csr: crow\[-1\] must equal nnz = len\(col\) = 2 \(got 1\)"):
         ts.csr((crow, col, torch.ones(2)), (2, 3), device="meta")
     with pytest.raises(ValueError, match=r"col must be < ncols = 3"):
         ts.csr((torch.tensor([0, 1, 2]), torch.tensor([0, 3]), torch.ones(2)), (2, 3), device="meta")
+
+
+def test_to_sparse_csr_gives_torchs_csr_tensor_of_the_matrix(device):
+    M = make_pattern("random", seed=6)
+    w = torch.from_numpy(M.data).to(device).requires_grad_()
+    A = ts.csr((torch.from_numpy(M.indptr), torch.from_numpy(M.indices), w), M.shape, device=device)
+    S = A.to_sparse_csr()
+    assert S.layout == torch.sparse_csr and tuple(S.shape) == M.shape and S.device.type == device.type
+    torch.testing.assert_close(S.to_dense().cpu(), torch.from_numpy(M.toarray()), rtol=0, atol=0)
+    S.crow_indices().data.zero_()  # the caller's copy: the matrix is untouched
+    torch.testing.assert_close(A.to_dense().cpu(), torch.from_numpy(M.toarray()), rtol=0, atol=0)
+    S = A.to_sparse_csr()
+    S.to_dense().sum().backward()  # the gradient reaches the values
+    torch.testing.assert_close(w.grad.cpu(), torch.ones(M.nnz, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"CSRMatrix.to_sparse_csr: dense_dim must be None or 0 \(got 1\)"):
+        A.to_sparse_csr(dense_dim=1)
+
+
+def test_building_and_using_a_matrix_passes_on_no_warning_of_torchs():
+    """torch notes once per process that its sparse CSR support is in beta: an internal step of
+    the library is no reason to show the user that (a new process, so the note is not spent)."""
+    code = """
+import warnings, numpy as np, scipy.sparse as sp, torch, torch_sparserl as ts
+M = sp.random(30, 20, density=0.2, format="csr", random_state=np.random.default_rng(0))
+coo = torch.sparse_coo_tensor(np.stack([M.tocoo().row, M.tocoo().col]), M.tocoo().data, M.shape)
+warnings.simplefilter("error")
+for data in (coo, coo.to_dense(), M):
+    A = ts.csr(data)
+    A @ torch.randn(20, 3, dtype=torch.float64)
+    A.to_sparse_csr()
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -373,7 +373,7 @@ def test_ts_csr_takes_the_short_path_for_host_triples_bound_for_cuda(monkeypatch
         rt.set_active(previous)
         young.close()
     calls.pop()
-    assert [A.crow, A.col, A.val] == answer["out"] and patterns.validated(A.crow, A.col, 3) is not None
+    assert [A._crow, A._col, A.val] == answer["out"] and patterns.validated(A._crow, A._col, 3) is not None
     no_gpu = (RuntimeError, AssertionError)  # the general path's .to("cuda") on this CPU-only torch
     for kwargs, parts in (({"dtype": torch.float64}, (crow, col, val)), ({"index_dtype": torch.int64}, (crow, col, val)),
                           ({}, (crow, col, val.clone().requires_grad_())), ({}, (crow.numpy(), col, val))):

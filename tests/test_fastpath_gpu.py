@@ -422,6 +422,7 @@ def test_an_eager_product_of_a_matrix_is_served_in_cxx_after_the_first(runtime, 
 
 def test_the_eager_door_declines_what_python_must_see(runtime, poison_uninitialized):
     M, A = _csr()
+    A = ts.CSRMatrix(A.crow, A.col, A.val, tuple(A.shape))  # on indices the caller holds, and writes below
     dense = torch.from_numpy(M.toarray()).float().cuda()
     X = _operand("spmm", A, KERNEL_N, seed=1)
     A @ X  # recorded
@@ -843,8 +844,8 @@ def test_host_arrays_travel_checked_in_one_pass(poison_uninitialized, monkeypatc
     col = torch.tensor(M.indices, dtype=index_dtype).pin_memory()
     val = torch.tensor(M.data, dtype=torch.float32).pin_memory()
     A = ts.csr((crow, col, val), M.shape, device="cuda")
-    assert python_checks == [] and A.crow._base is None and A.col._base is None
-    assert patterns.validated(A.crow, A.col, M.shape[1]) is not None
+    assert python_checks == [] and A._crow._base is None and A._col._base is None
+    assert patterns.validated(A._crow, A._col, M.shape[1]) is not None
     crow.zero_()  # the caller's arrays, rewritten
     col.fill_(M.shape[1] + 5)
     val.fill_(float("nan"))
@@ -907,7 +908,7 @@ def test_a_staged_young_pattern_is_served_by_cusparse_in_cxx(tmp_path, monkeypat
         assert_close_to_reference(transposed(), want_t, torch.float32)  # the second: Python's
         assert (fastpath.COUNTS - before).tolist() == [0, 5, 5]
         B = ts.csr((crow, col, val), M.shape, device="cuda")
-        B.col.add_(0)  # a write: no longer the pattern C++ staged
+        B._col.add_(0)  # a write to the staged indices themselves (no caller reaches them: defence in depth)
         assert_close_to_reference(B @ X, _want("spmm", B.crow, B.col, B.val, ncols, X), torch.float32)
         assert asked == ["spmm"] and (fastpath.COUNTS - before).tolist() == [0, 5, 5]
     finally:

@@ -100,7 +100,7 @@ def test_csr_under_inference_mode_builds_ordinary_tensors(device):
     with torch.inference_mode():
         crow, col, val = _parts(S, device)
         A = ts.csr((crow, col, val), (20, 20))
-    assert not (A.crow.is_inference() or A.col.is_inference() or A.val.is_inference())
+    assert not (A._crow.is_inference() or A._col.is_inference() or A.val.is_inference())
     _check_matrix(A, S.toarray(), device)
 
 

@@ -64,7 +64,7 @@ def torch_csr(A) -> torch.Tensor:
     """The same matrix as a ``torch.sparse_csr`` tensor sharing A's parts."""
     from ..kernels.vendor import as_torch_csr
 
-    return as_torch_csr(patterns.lookup(A.crow, A.col, A.shape[1]), A.crow, A.col, A.val)
+    return as_torch_csr(patterns.lookup(A._crow, A._col, A.shape[1]), A._crow, A._col, A.val)
 
 
 def product(M, op: str, n: int, dtype: torch.dtype = torch.float32, *, runtime: rt.Runtime | None = None,
@@ -87,13 +87,13 @@ def product(M, op: str, n: int, dtype: torch.dtype = torch.float32, *, runtime: 
 
     reference = torch.from_numpy(np.asarray(M.astype(np.float64) @ X.double().cpu().numpy()))
     ok, why = close_to_reference(Y.reshape(M.shape[0], -1).cpu(), reference, dtype)
-    entry = patterns.lookup(A.crow, A.col, M.shape[1])
+    entry = patterns.lookup(A._crow, A._col, M.shape[1])
     state = runtime.state(op, entry, n, dtype)
     raw = torch_csr(A)
     op_fn = getattr(torch.ops.sparserl, op)
     times = compare_us({
         "sparserl": lambda: A @ operand,
-        "sparserl_op": lambda: op_fn(A.crow, A.col, A.val, M.shape[1], operand),
+        "sparserl_op": lambda: op_fn(A._crow, A._col, A.val, M.shape[1], operand),
         "torch_sparse": (lambda: torch.sparse.mm(raw, operand)) if op == "spmm" else (lambda: torch.mv(raw, operand)),
     }, rounds=rounds)
     record = None
@@ -131,7 +131,7 @@ def dispatch_overhead(M, n: int = 32, *, runtime: rt.Runtime | None = None) -> d
     A = ts.csr(M, dtype=torch.float32, index_dtype=torch.int32, device="cuda")
     X = torch.randn(M.shape[1], n, device="cuda")
     A @ X
-    entry = patterns.lookup(A.crow, A.col, M.shape[1])
+    entry = patterns.lookup(A._crow, A._col, M.shape[1])
     state = runtime.state("spmm", entry, n, torch.float32)
     if not isinstance(state, rt.Installed):
         return {"installed": False, "decision": runtime.explain("spmm", entry, n, torch.float32)}
@@ -140,11 +140,11 @@ def dispatch_overhead(M, n: int = 32, *, runtime: rt.Runtime | None = None) -> d
     stream = torch.cuda.current_stream().cuda_stream
     raw = torch_csr(A)
     layers = {
-        "raw_launch": lambda: bound(A.crow, A.col, A.val, X, Y, stream),
-        "installed": lambda: state.launch(A.crow, A.col, A.val, X),
-        "runtime_call": lambda: runtime.call("spmm", entry, A.crow, A.col, A.val, X),
+        "raw_launch": lambda: bound(A._crow, A._col, A.val, X, Y, stream),
+        "installed": lambda: state.launch(A._crow, A._col, A.val, X),
+        "runtime_call": lambda: runtime.call("spmm", entry, A._crow, A._col, A.val, X),
         "direct": lambda: A @ X,
-        "operator": lambda: torch.ops.sparserl.spmm(A.crow, A.col, A.val, M.shape[1], X),
+        "operator": lambda: torch.ops.sparserl.spmm(A._crow, A._col, A.val, M.shape[1], X),
         "torch_sparse": lambda: torch.sparse.mm(raw, X),
     }
     result = {}

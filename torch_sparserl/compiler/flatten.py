@@ -29,9 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..tensor.csr_matrix import CSRMatrix
-
-PARTS = ("crow", "col", "val")
+from ..tensor.csr_matrix import PARTS, CSRMatrix
 
 
 def from_parts(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, size: Sequence[int]) -> CSRMatrix:

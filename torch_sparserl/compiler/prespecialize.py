@@ -8,8 +8,8 @@ those products (``A @ X``, ``X @ A``, ``torch.mm``, ``torch.sparse.mm``, ``torch
 ``torch.mv``, ...) and, when the dense operand requires grad, the product its backward will
 run on the transposed pattern, and those of the matrix with other values
 (``A.with_values(w) @ X``). Code that calls the operators on the matrix's index tensors
-itself (the PyG adapter's attention layers: ``sparserl::spmm_heads`` on ``A.crow``,
-``A.col``) hands Dynamo those tensors as inputs instead: the operators' nodes on them are
+itself (the PyG adapter's attention layers: ``sparserl::spmm_heads`` on ``A._crow``,
+``A._col``) hands Dynamo those tensors as inputs instead: the operators' nodes on them are
 read too, a heads product as the product on its block-diagonal form
 (:meth:`~torch_sparserl.pattern.Pattern.with_heads`). :func:`prespecialize_graph` hands them
 to the runtime, so specialization starts while the graph is being compiled (in a background thread, or before
@@ -174,7 +174,7 @@ def specialize(A, op: str = "spmm", n: int = 1, *, transposed: bool = False, run
         raise ValueError(f"specialize: op='spmv' has n=1 (got n={n})")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"specialize: n must be a positive int (got {n!r})")
-    return _on_pattern(runtime or rt.active(), A.crow, A.col, A.shape[1], op, n, transposed, A.dtype, val=A.val)
+    return _on_pattern(runtime or rt.active(), A._crow, A._col, A.shape[1], op, n, transposed, A.dtype, val=A.val)
 
 
 def _on_pattern(runtime: rt.Runtime, crow, col, ncols: int, op: str, n: int, transposed: bool, dtype,
@@ -227,7 +227,7 @@ def _start(runtime: rt.Runtime, item: Planned, example_inputs):
         if item.col_index is not None:  # an operator's node on index tensors
             return _on_pattern(runtime, value, example_inputs[item.col_index], item.ncols, item.op, item.n,
                                item.transposed, item.dtype, item.heads)
-        return _on_pattern(runtime, value.crow, value.col, value.shape[1], item.op, item.n, item.transposed,
+        return _on_pattern(runtime, value._crow, value._col, value.shape[1], item.op, item.n, item.transposed,
                            item.dtype or value.dtype)
     except rt.SpecializationError:
         raise

@@ -182,7 +182,7 @@ class Pattern:
                  "validated", "fingerprint", "_row_indices", "_transpose", "_diagonal",
                  "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "is_transpose",
                  "_frozen", "_owned", "_freeze_lock", "transient", "transposed_products", "created",
-                 "__weakref__")
+                 "_aliases", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
         # key: the id of crow in the cache (lookup), whose entry goes when crow dies
@@ -214,6 +214,9 @@ class Pattern:
         self.transient = False  # not cached: inference-tensor indices, validated on every call (lookup)
         self.transposed_products = 0  # asked before the transpose was computed (ops: _transposed_once)
         self.created = time.monotonic()  # the runtime's admission by age (jit.admit_age_s)
+        # copies of the library's own indices handed to a caller (expose()): keys of this pattern,
+        # each (crow ref, col ref, their versions at exposure, the own indices they stand for)
+        self._aliases: list[tuple] = []
 
     @property
     def overfull(self) -> bool:
@@ -230,7 +233,28 @@ class Pattern:
         if self._crow_ref() is crow and self._col_ref() is col:
             return self._versions == (_version(crow), _version(col))
         frozen = self._frozen
-        return frozen is not None and frozen[0] is crow and frozen[1] is col
+        if frozen is not None and frozen[0] is crow and frozen[1] is col:
+            return True
+        for crow_ref, col_ref, at_exposure, _ in self._aliases:
+            if crow_ref() is crow and col_ref() is col:
+                return at_exposure == (_version(crow), _version(col))
+        return False
+
+    def expose(self, crow: torch.Tensor, col: torch.Tensor) -> None:
+        """Make ``crow`` and ``col``, copies of this pattern's own indices that the library hands
+        to a caller (``CSRMatrix.crow`` / ``.col``), keys of this pattern: a lookup of them finds
+        it while no write torch counts has changed them, so that the runtime's records and the
+        operators treat them as the matrix. Products still read the pattern's own indices, never
+        the copies: a write torch does not count (``.data``, NumPy) changes no result, and a
+        write it counts makes the copies a pattern of their own, validated again."""
+        if not self._owned:
+            raise ValueError("Pattern.expose: only for a pattern on the library's own indices")
+        own_indices = (self._crow_ref(), self._col_ref())
+        key = id(crow)
+        ref = weakref.ref(crow, functools.partial(_forget_alias, key, weakref.ref(self)))
+        with _CACHE_LOCK:
+            self._aliases.append((ref, weakref.ref(col), (_version(crow), _version(col)), own_indices))
+            _CACHE[key] = self
 
     def validate(self, op: str, crow: torch.Tensor, col: torch.Tensor) -> None:
         """Check the index data once (monotone rows, columns in range), on the copy that every
@@ -255,8 +279,10 @@ class Pattern:
         frozen = self._frozen
         if frozen is not None:
             return frozen
-        if self.transient or self._owned:
+        if self.transient:
             return crow, col
+        if self._owned:  # read through the references: the caller may hold exposed copies (expose())
+            return self._crow_ref(), self._col_ref()
         with self._freeze_lock:
             if self._frozen is None:
                 copies = run_kept(col.device, lambda: (private_copy(crow), private_copy(col)))
@@ -502,6 +528,16 @@ def _forget(key: int, ref: weakref.ref, cache: dict[int, Pattern] = _CACHE) -> N
     if entry is not None and entry._crow_ref is ref:
         cache.pop(key, None)
         _drop_frozen_key(entry, cache)
+
+
+def _forget_alias(key: int, entry_ref: weakref.ref, ref: weakref.ref, cache: dict[int, Pattern] = _CACHE) -> None:
+    # an exposed copy died (Pattern.expose): its key and record go; no lock, as in _forget
+    entry = entry_ref()
+    if entry is None:
+        return
+    entry._aliases = [alias for alias in entry._aliases if alias[0] is not ref]
+    if cache.get(key) is entry:
+        cache.pop(key, None)
 
 
 def _drop_frozen_key(entry: Pattern, cache: dict[int, Pattern] = _CACHE) -> None:

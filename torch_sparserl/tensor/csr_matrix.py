@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import numbers
 import operator
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,6 +31,9 @@ from ..jit import runtime as rt
 from ..pattern.validation import check_csr_meta, check_csr_values, require
 
 _ops = torch.ops.sparserl
+
+PARTS = ("_crow", "_col", "val")
+"""A matrix's inner tensors (:meth:`CSRMatrix.__tensor_flatten__`), by attribute name."""
 _SOURCE_HASH = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=8).hexdigest()
 
 
@@ -43,8 +47,12 @@ class CSRMatrix(Tensor):
     ``NotImplementedError`` naming it; use ``A.to_dense()`` for those.
     """
 
-    crow: Tensor
-    col: Tensor
+    # The indices every product reads. They are the library's own (validated once, never written
+    # by it) and never handed out: ``crow`` / ``col`` give copies (:meth:`_exposed`), so that no
+    # write a caller makes to a tensor it can reach, however it is made (in place, through
+    # ``.data``, through NumPy), changes what a kernel reads.
+    _crow: Tensor
+    _col: Tensor
     val: Tensor
 
     @staticmethod
@@ -61,19 +69,19 @@ class CSRMatrix(Tensor):
     def _wrap(cls, crow: Tensor, col: Tensor, val: Tensor, size: Sequence[int]) -> "CSRMatrix":
         """The wrapper itself, with no autograd link (see :class:`_FromParts`)."""
         matrix = Tensor._make_wrapper_subclass(cls, size, dtype=val.dtype, device=val.device)
-        matrix.crow = crow
-        matrix.col = col
+        matrix._crow = crow
+        matrix._col = col
         matrix.val = val
         return matrix
 
     # -- tracing -------------------------------------------------------------------
 
     def __tensor_flatten__(self):
-        return ["crow", "col", "val"], None
+        return list(PARTS), None
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        return CSRMatrix._wrap(inner_tensors["crow"], inner_tensors["col"], inner_tensors["val"], outer_size)
+        return CSRMatrix._wrap(*(inner_tensors[name] for name in PARTS), outer_size)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -112,7 +120,7 @@ class CSRMatrix(Tensor):
             dim = other.dim()
             if (ncols is not None and serve is not None and (dim == 1 or dim == 2)
                     and not torch.compiler.is_compiling()):
-                out = serve(2 - dim, self.crow, self.col, self.val, ncols, other)  # op 1: spmv, 0: spmm
+                out = serve(2 - dim, self._crow, self._col, self.val, ncols, other)  # op 1: spmv, 0: spmm
                 return out if out is not None else _python_product("spmv" if dim == 1 else "spmm", self, other)
             out = _hot_product(self, other)
             if out is not None:
@@ -131,23 +139,65 @@ class CSRMatrix(Tensor):
     # -- conveniences --------------------------------------------------------------
 
     @property
+    def crow(self) -> Tensor:
+        """The row pointers, shape ``(nrows + 1,)``. Writing to them does not change the matrix
+        (:meth:`_exposed`): build a new one with :func:`torch_sparserl.csr`."""
+        return self._exposed("_crow")
+
+    @property
+    def col(self) -> Tensor:
+        """The column index of each nonzero, shape ``(nnz,)``; as :attr:`crow`."""
+        return self._exposed("_col")
+
+    @crow.setter
+    def crow(self, value):
+        _refuse_index_write("crow")
+
+    @col.setter
+    def col(self, value):
+        _refuse_index_write("col")
+
+    def _exposed(self, name: str) -> Tensor:
+        """The index part ``name`` as the caller may have it. The library's own indices (those
+        :func:`csr` copied, derived forms such as ``A.t()``'s) are handed out as copies, made on
+        first use and kept on the matrix: keys of the same pattern (:meth:`Pattern.expose`), so
+        the runtime's records and the operators still know them as this matrix, while every
+        product reads the originals. A caller's own tensors (``CSRMatrix(crow, col, ...)``) are
+        theirs already: the pattern keeps a private copy of what it validated. While
+        torch.compile traces, the part itself: a traced graph writes through neither ``.data``
+        nor NumPy."""
+        inner = self.__dict__[name]
+        if torch.compiler.is_compiling() or is_fake(inner):
+            return inner
+        exposed = self.__dict__.get("_exposed_parts")
+        if exposed is None:
+            crow, col = self._crow, self._col
+            if not (patterns.owned(crow) and patterns.owned(col)):
+                return inner
+            with torch.inference_mode(False), torch.no_grad():
+                exposed = {"_crow": crow.clone(), "_col": col.clone()}
+            patterns.lookup(crow, col, self.shape[1]).expose(exposed["_crow"], exposed["_col"])
+            self.__dict__["_exposed_parts"] = exposed
+        return exposed[name]
+
+    @property
     def nnz(self) -> int:
-        return self.col.shape[0]
+        return self._col.shape[0]
 
     def with_values(self, val: Tensor) -> "CSRMatrix":
         """The same pattern with new values (for example attention weights each step)."""
         if val.shape != self.val.shape:
             raise ValueError(f"CSRMatrix.with_values: val must have shape {tuple(self.val.shape)} "
                              f"(got {tuple(val.shape)})")
-        return CSRMatrix(self.crow, self.col, val, self.shape)
+        return CSRMatrix(self._crow, self._col, val, self.shape)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"CSRMatrix(shape={tuple(self.shape)}, nnz={self.nnz}, dtype={self.dtype}, "
-                f"index_dtype={self.crow.dtype}, device={self.device}"
+                f"index_dtype={self._crow.dtype}, device={self.device}"
                 + (", requires_grad=True" if self.val.requires_grad else "") + ")")
 
     def __reduce_ex__(self, protocol):
-        return (CSRMatrix, (self.crow, self.col, self.val, tuple(self.shape)))
+        return (CSRMatrix, (self._crow, self._col, self.val, tuple(self.shape)))
 
     def _stable_hash_for_caching(self) -> str:
         # AOTAutograd's cache key. What is traced depends on this module's code (the
@@ -155,7 +205,7 @@ class CSRMatrix(Tensor):
         # of the parts, so they are in the key, with dtypes, devices and requires_grad (as
         # torch's default hash of a wrapper subclass has them).
         parts = tuple((name, tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device), t.requires_grad)
-                      for name, t in (("crow", self.crow), ("col", self.col), ("val", self.val)))
+                      for name, t in (("crow", self._crow), ("col", self._col), ("val", self.val)))
         payload = repr((_SOURCE_HASH, tuple(self.shape), self.requires_grad, parts))
         return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
 
@@ -187,6 +237,12 @@ class _FromParts(torch.autograd.Function):
 # ------------------------------------------------------------------ torch functions
 
 
+def _refuse_index_write(name: str) -> None:
+    raise AttributeError(
+        f"CSRMatrix.{name}: the indices of a matrix cannot be replaced (its pattern was validated once "
+        f"and its kernels were chosen for it); build a new matrix: torch_sparserl.csr((crow, col, val), shape)")
+
+
 def _fail_operand(op: str, name: str, t: Any, want: str) -> None:
     got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
     raise ValueError(f"{op}: {name} must be {want} (got {got})")
@@ -197,7 +253,7 @@ class _Values(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, A):
-        ctx.parts = (A.crow, A.col, tuple(A.shape))
+        ctx.parts = (A._crow, A._col, tuple(A.shape))
         return A.val.view_as(A.val)
 
     @staticmethod
@@ -249,7 +305,7 @@ def _python_product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
     if ops.direct_ok(val, X):
         runtime = rt.active_or_none()
         served = runtime.stats["installed_calls"] if runtime is not None else None
-        out = ops.direct(op, A.crow, A.col, val, A.shape[1], X)
+        out = ops.direct(op, A._crow, A._col, val, A.shape[1], X)
         runtime = runtime or rt.active_or_none()  # the first product of a process creates it
         if op in _FAST_OPS and runtime is not None:
             if _recordable(X):
@@ -258,8 +314,8 @@ def _python_product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
                 _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
         return out
     if ops.eager_ok(val, X):
-        return ops.eager_product(op, A.crow, A.col, val, A.shape[1], X)
-    return getattr(_ops, op)(A.crow, A.col, val, A.shape[1], X)
+        return ops.eager_product(op, A._crow, A._col, val, A.shape[1], X)
+    return getattr(_ops, op)(A._crow, A._col, val, A.shape[1], X)
 
 
 _FAST_OPS = {name: index for index, name in enumerate(fastpath.OPS)}  # what the C++ registry serves
@@ -280,7 +336,7 @@ def _served_in_cpp(A: CSRMatrix, X: Tensor, op: str | None) -> Tensor | None:
     index = _FAST_OPS.get(op)
     if serve is None or index is None or torch.compiler.is_compiling():
         return None
-    return serve(index, A.crow, A.col, A.val, ncols, X)
+    return serve(index, A._crow, A._col, A.val, ncols, X)
 
 
 def _recordable(X: Tensor) -> bool:
@@ -295,7 +351,7 @@ def _record_in_cpp(A: CSRMatrix, runtime: rt.Runtime, op: str, val: Tensor, X: T
     product for autograd."""
     if val is not A.val or A.requires_grad:
         return  # autocast cast the values, or autograd must see the product
-    fastpath.record(runtime, op, A.crow, A.col, val, A.shape[1], X)
+    fastpath.record(runtime, op, A._crow, A._col, val, A.shape[1], X)
     A.__dict__["_eager_ncols"] = A.shape[1]
 
 
@@ -308,13 +364,13 @@ def _remember_installed(A: CSRMatrix, runtime: rt.Runtime, op: str, X: Tensor) -
     if A.requires_grad:
         return
     n = X.shape[1] if op == "spmm" else 1
-    entry = patterns.lookup(A.crow, A.col, A.shape[1])
+    entry = patterns.lookup(A._crow, A._col, A.shape[1])
     decision = runtime.decision(op, entry, n, A.val.dtype)
     if isinstance(decision.state, rt.Installed) and not entry.transient:
         hot = A.__dict__.setdefault("_hot", {})
         # the pattern is kept too: the record lives as long as it does
-        hot[(X.dim(), n)] = (runtime, decision, entry, patterns.versions(A.crow, A.col),
-                             entry.indices(A.crow, A.col), X.device, A.val.dtype, A.shape[1])
+        hot[(X.dim(), n)] = (runtime, decision, entry, patterns.versions(A._crow, A._col),
+                             entry.indices(A._crow, A._col), X.device, A.val.dtype, A.shape[1])
 
 
 def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
@@ -339,7 +395,7 @@ def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
     val = A.val
     if (runtime is not rt.active_or_none() or state.__class__ is not rt.Installed or X.dtype != dtype or val.dtype != dtype or X.device != device
             or X.shape[0] != ncols or val.shape[0] != col.shape[0]
-            or patterns.versions(A.crow, A.col) != versions or not ops.direct_ok(val, X)
+            or patterns.versions(A._crow, A._col) != versions or not ops.direct_ok(val, X)
             or torch.is_autocast_enabled(device.type)):
         return None
     return runtime.launch(state.launch, crow, col, val, X)  # the indices the pattern validated
@@ -419,8 +475,8 @@ def _addmv(input, mat, vec, *, beta=1, alpha=1, out=None):
 
 @torch._dynamo.disable
 def _transpose_parts(A: CSRMatrix):
-    entry = patterns.lookup(A.crow, A.col, A.shape[1])
-    _, crow_t, col_t, perm = entry.transpose(A.crow, A.col)
+    entry = patterns.lookup(A._crow, A._col, A.shape[1])
+    _, crow_t, col_t, perm = entry.transpose(A._crow, A._col)
     return crow_t, col_t, perm
 
 
@@ -431,7 +487,7 @@ _T_UNDER_COMPILE = (
 
 
 def _t(A: CSRMatrix) -> CSRMatrix:
-    if is_fake(A.col):  # torch.compile is tracing: refuse with the reason (a graph break, not a crash)
+    if is_fake(A._col):  # torch.compile is tracing: refuse with the reason (a graph break, not a crash)
         raise torch._dynamo.exc.Unsupported(_T_UNDER_COMPILE)
     crow_t, col_t, perm = _transpose_parts(A)
     return CSRMatrix(crow_t, col_t, values_of(A).index_select(0, perm), (A.shape[1], A.shape[0]))
@@ -446,11 +502,11 @@ def _transpose(A: CSRMatrix, dim0: int, dim1: int) -> CSRMatrix:
 def _indices(op: str, A: CSRMatrix) -> tuple[Tensor, Tensor]:
     """A's indices as its pattern validated them (:meth:`Pattern.indices`) in eager code, so
     that every use of a matrix reads the same checked indices; its parts while tracing."""
-    if torch.compiler.is_compiling() or is_fake(A.col):
-        return A.crow, A.col
-    entry = patterns.lookup(A.crow, A.col, A.shape[1])
-    entry.validate(op, A.crow, A.col)
-    return entry.indices(A.crow, A.col)
+    if torch.compiler.is_compiling() or is_fake(A._col):
+        return A._crow, A._col
+    entry = patterns.lookup(A._crow, A._col, A.shape[1])
+    entry.validate(op, A._crow, A._col)
+    return entry.indices(A._crow, A._col)
 
 
 def _to_dense(A: CSRMatrix, dtype=None, *, masked_grad=None) -> Tensor:
@@ -461,13 +517,26 @@ def _to_dense(A: CSRMatrix, dtype=None, *, masked_grad=None) -> Tensor:
     return dense if dtype is None else dense.to(dtype)
 
 
+def _to_sparse_csr(A: CSRMatrix, dense_dim=None) -> Tensor:
+    """torch's ``sparse_csr`` tensor of the matrix: on new copies of its validated indices (never
+    the ones its products read, nor the copies ``A.crow`` / ``A.col`` hand out, which the caller
+    may have written since: torch trusts them unchecked), and its values as they are (a gradient
+    flows back to them)."""
+    if dense_dim not in (None, 0):
+        raise ValueError(f"CSRMatrix.to_sparse_csr: dense_dim must be None or 0 (got {dense_dim})")
+    crow, col = (t.clone() for t in _indices("CSRMatrix.to_sparse_csr", A))  # validated once
+    with warnings.catch_warnings():  # torch's note that CSR support is in beta: the caller asked for it
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(crow, col, values_of(A), tuple(A.shape), check_invariants=False)
+
+
 def _moved(A: CSRMatrix, *, device=None, dtype=None, non_blocking=False, copy=False) -> CSRMatrix:
     if dtype is not None and dtype not in VALUE_DTYPES:
         raise TypeError(f"CSRMatrix.to: values must stay floating point, one of {VALUE_DTYPES} (got {dtype})")
     if not copy and (device is None or torch.device(device) == A.device) and dtype in (None, A.dtype):
         return A
-    crow = A.crow.to(device=device, non_blocking=non_blocking, copy=copy)
-    col = A.col.to(device=device, non_blocking=non_blocking, copy=copy)
+    crow = A._crow.to(device=device, non_blocking=non_blocking, copy=copy)
+    col = A._col.to(device=device, non_blocking=non_blocking, copy=copy)
     _own_copies(A, crow, col)
     val = values_of(A).to(device=device, dtype=dtype, non_blocking=non_blocking, copy=copy)
     return CSRMatrix(crow, col, val, A.shape)
@@ -475,8 +544,8 @@ def _moved(A: CSRMatrix, *, device=None, dtype=None, non_blocking=False, copy=Fa
 
 def _own_copies(A: CSRMatrix, crow: Tensor, col: Tensor) -> None:
     """The copies of a library-owned matrix's indices (moves, clones) are the library's too."""
-    if patterns.owned(A.crow) and patterns.owned(A.col):
-        patterns.own(*(t for t, old in ((crow, A.crow), (col, A.col)) if t is not old))
+    if patterns.owned(A._crow) and patterns.owned(A._col):
+        patterns.own(*(t for t, old in ((crow, A._crow), (col, A._col)) if t is not old))
 
 
 def _to(A: CSRMatrix, *args, **kwargs) -> CSRMatrix:
@@ -527,6 +596,7 @@ _FUNCTIONS = {
     torch.transpose: _transpose,
     Tensor.transpose: _transpose,
     Tensor.to_dense: _to_dense,
+    Tensor.to_sparse_csr: _to_sparse_csr,  # the same method object as torch._C.TensorBase.to_sparse_csr
     Tensor.to: _to,
     Tensor.cuda: lambda A, device=None, non_blocking=False, **_: _moved(
         A, device=torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"),
@@ -536,14 +606,14 @@ _FUNCTIONS = {
     Tensor.float: lambda A, **_: _moved(A, dtype=torch.float32),
     Tensor.half: lambda A, **_: _moved(A, dtype=torch.float16),
     Tensor.bfloat16: lambda A, **_: _moved(A, dtype=torch.bfloat16),
-    Tensor.detach: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val, A.shape),
-    Tensor.clone: lambda A, **_: CSRMatrix(A.crow.clone(), A.col.clone(), values_of(A).clone(), A.shape),
+    Tensor.detach: lambda A: CSRMatrix._wrap(A._crow, A._col, A.val, A.shape),
+    Tensor.clone: lambda A, **_: CSRMatrix(A._crow.clone(), A._col.clone(), values_of(A).clone(), A.shape),
     Tensor.requires_grad_: _requires_grad_,
     Tensor.requires_grad.__set__: _set_requires_grad,
     Tensor.values: values_of,
     Tensor.crow_indices: lambda A: A.crow,
     Tensor.col_indices: lambda A: A.col,
-    Tensor._nnz: lambda A: A.col.shape[0],
+    Tensor._nnz: lambda A: A._col.shape[0],
     Tensor.__mul__: _scalar_op("mul", torch.mul),
     Tensor.__rmul__: _scalar_op("mul", torch.mul),
     torch.mul: _scalar_op("mul", torch.mul),
@@ -561,8 +631,8 @@ _FUNCTIONS = {
 
 def _aten_to_copy(A, *, dtype=None, layout=None, device=None, pin_memory=None,
                   non_blocking=False, memory_format=None):
-    moved = [t.to(device=device, non_blocking=non_blocking, copy=True) for t in (A.crow, A.col)]
-    if not is_fake(A.col):
+    moved = [t.to(device=device, non_blocking=non_blocking, copy=True) for t in (A._crow, A._col)]
+    if not is_fake(A._col):
         _own_copies(A, *moved)
     val = A.val.to(device=device, dtype=dtype, non_blocking=non_blocking, copy=True)
     return CSRMatrix._wrap(*moved, val, A.shape)
@@ -572,9 +642,9 @@ def _aten_add(a, b, *, alpha=1):
     """The sum of two gradients of one matrix (autograd accumulates them when the matrix's
     values feed several products): same pattern, values added."""
     if (isinstance(a, CSRMatrix) and isinstance(b, CSRMatrix) and a.shape == b.shape
-            and (a.crow is b.crow and a.col is b.col
-                 or a.col.shape == b.col.shape and torch.equal(a.crow, b.crow) and torch.equal(a.col, b.col))):
-        return CSRMatrix._wrap(a.crow, a.col, torch.add(a.val, b.val, alpha=alpha), a.shape)
+            and (a._crow is b._crow and a._col is b._col
+                 or a._col.shape == b._col.shape and torch.equal(a._crow, b._crow) and torch.equal(a._col, b._col))):
+        return CSRMatrix._wrap(a._crow, a._col, torch.add(a.val, b.val, alpha=alpha), a.shape)
     raise NotImplementedError("CSRMatrix: adding is supported only for two matrices of the same pattern "
                               f"(got {type(a).__name__} and {type(b).__name__}); use A.to_dense() for anything else")
 
@@ -582,9 +652,9 @@ def _aten_add(a, b, *, alpha=1):
 _aten = torch.ops.aten
 _ATEN = {
     _aten.add.Tensor: _aten_add,
-    _aten.detach.default: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val.detach(), A.shape),
-    _aten.alias.default: lambda A: CSRMatrix._wrap(A.crow, A.col, A.val, A.shape),
-    _aten.clone.default: lambda A, **_: CSRMatrix._wrap(A.crow.clone(), A.col.clone(), A.val.clone(), A.shape),
+    _aten.detach.default: lambda A: CSRMatrix._wrap(A._crow, A._col, A.val.detach(), A.shape),
+    _aten.alias.default: lambda A: CSRMatrix._wrap(A._crow, A._col, A.val, A.shape),
+    _aten.clone.default: lambda A, **_: CSRMatrix._wrap(A._crow.clone(), A._col.clone(), A.val.clone(), A.shape),
     _aten._to_copy.default: _aten_to_copy,
 }
 
@@ -690,12 +760,40 @@ def _as_index_dtype(op: str, name: str, t: Tensor, dtype: torch.dtype) -> Tensor
     return t.to(dtype)
 
 
+def _check_coo_indices(A: Tensor) -> None:
+    """The indices of a COO tensor, checked before torch reads them: a tensor built with
+    ``check_invariants=False`` may hold any, and torch's ``coalesce`` trusts them."""
+    op = "torch_sparserl.csr"
+    indices = A._indices()
+    for axis, name in ((0, "row"), (1, "column")):
+        line = indices[axis]
+        bad = (line < 0) | (line >= A.shape[axis])
+        if line.numel() and bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            raise ValueError(f"{op}: the COO tensor's {name} indices must be in [0, {A.shape[axis]}) "
+                             f"(got {int(line[at])} at entry {at})")
+
+
+def _check_csc_indices(A: Tensor) -> None:
+    """The indices of a CSC tensor, checked before torch converts them (a tensor built with
+    ``check_invariants=False`` may hold any): as the CSR matrix of its transpose."""
+    op = "torch_sparserl.csr (a CSC tensor, checked as its transpose: crow = ccol_indices(), col = row_indices())"
+    check_csr_values(op, A.ccol_indices(), A.row_indices(), A.shape[0])
+
+
 def _from_torch_sparse(A: Tensor):
     if A.layout != torch.sparse_csr:
         if A.layout in (torch.sparse_coo, torch.sparse_csc, torch.strided):
             if A.dim() != 2:
                 raise ValueError(f"torch_sparserl.csr: expected a 2-D matrix (got shape {tuple(A.shape)})")
-            A = (A.coalesce() if A.layout == torch.sparse_coo else A).to_sparse_csr()
+            if A.layout == torch.sparse_coo:
+                _check_coo_indices(A)
+                A = A.coalesce()
+            elif A.layout == torch.sparse_csc:
+                _check_csc_indices(A)
+            with warnings.catch_warnings():  # torch's note that CSR support is in beta: internal here
+                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+                A = A.to_sparse_csr()
         else:
             raise TypeError(f"torch_sparserl.csr: cannot convert layout {A.layout}; "
                             "expected sparse_csr, sparse_coo, sparse_csc or a dense 2-D tensor")
@@ -739,7 +837,7 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         if staged is not None:
             return staged
     if isinstance(data, CSRMatrix):
-        crow, col, val, size = data.crow, data.col, values_of(data), tuple(data.shape)
+        crow, col, val, size = data._crow, data._col, values_of(data), tuple(data.shape)
     elif isinstance(data, Tensor):
         crow, col, val, size = _from_torch_sparse(data)
     elif hasattr(data, "tocsr") and hasattr(data, "indptr") or type(data).__module__.startswith("scipy.sparse"):
