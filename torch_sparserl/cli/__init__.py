@@ -551,8 +551,8 @@ def _run(args) -> int:
     else (a bug) one line and status 1; ``SPARSERL_DEBUG=1`` raises either with its traceback."""
     command = f"sparserl {args.command}"
     try:
-        debug = config.read("log.debug")
-    except ValueError as exc:  # SPARSERL_DEBUG itself cannot be read
+        debug = config.from_environment(warn=False).log.debug  # every variable checked: none is read half way
+    except ValueError as exc:  # a variable cannot be read, or is out of its range
         print(f"{command}: {exc}", file=sys.stderr)
         return 2
     try:
