@@ -538,6 +538,29 @@ def test_the_longest_idle_time_arms_the_worker_s_timer_and_longer_is_refused(tmp
             RuntimeSettings.from_env({"SPARSERL_JIT_IDLE_S": str(idle_s)})
 
 
+def test_a_background_decision_whose_cache_cannot_be_made_falls_back(tmp_path, monkeypatch, caplog):
+    """The cache is made on the first decision, reading its settings then: one refused there
+    (SPARSERL_CACHE_MAX_MB set after the runtime was) is a fallback that says why, not a
+    decision left "specializing in the background" for good."""
+    fakes = Fakes()
+    runtime = Runtime(RuntimeSettings(mode="background", admit_age_s=0), specializer=fakes.specializer,
+                      installer=fakes.installer, devices=("cpu",))
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSERL_CACHE_MAX_MB", "1e308")
+    A = make_pattern("cora (real)")
+    crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
+    X = torch.randn(A.shape[1], 8)
+    try:
+        assert call(runtime, A, crow, col, val, X) is None  # cuSPARSE meanwhile
+        runtime.wait(10)
+        entry = patterns.lookup(crow, col, A.shape[1])
+        said = runtime.explain("spmm", entry, 8, torch.float32)
+        assert said.startswith("cuSPARSE: decision failed: ValueError: SPARSERL_CACHE_MAX_MB: expected"), said
+        assert "SPARSERL_CACHE_MAX_MB" in caplog.text and fakes.specialized == []
+    finally:
+        runtime.close()
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_the_specializers_prebuild_runs_before_the_install_and_may_fail(tmp_path, fails):
     """A specializer with ``prebuild`` (the real ones: the library built in the sandbox's
