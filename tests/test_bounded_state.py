@@ -131,7 +131,7 @@ def test_cache_prune_command(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["cache", "prune", "--max-mb", "-1", "--dir", str(tmp_path)])
     assert refused.value.code == 2
-    assert "expected a number of megabytes >= 0 (got '-1')" in capsys.readouterr().err
+    assert "expected a number of megabytes >= 0 and <= 1048576 (got '-1')" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the runtime

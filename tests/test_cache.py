@@ -336,3 +336,41 @@ def test_a_symlinked_prune_lock_is_not_followed(tmp_path):
     made = KernelCache(tmp_path / "d")
     made.put(entry())
     assert (os.stat(tmp_path / "d" / "prune.lock").st_mode & 0o777) == 0o600  # the lock: private
+
+
+def _churn(folder: str, seconds: float) -> None:
+    """Write and prune in a loop: entries appear and vanish under a listing."""
+    cache = KernelCache(folder)
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline:
+        for j in range(5):
+            cache.put(_padded(i + j, 9))
+        cache.prune(0)
+        i += 5
+
+
+@pytest.mark.slow
+def test_listing_while_another_process_writes_and_prunes(tmp_path, capsys, monkeypatch):
+    from torch_sparserl.cli import main
+
+    monkeypatch.delenv("SPARSERL_DEBUG", raising=False)
+    folder = tmp_path / "c"
+    KernelCache(folder).put(entry())
+    ctx = multiprocessing.get_context("spawn")
+    process = ctx.Process(target=_churn, args=(str(folder), 60.0))
+    process.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(KernelCache(folder).entries()) < 3 and time.monotonic() < deadline:  # the churn has begun
+            time.sleep(0.05)
+        codes = []
+        for _ in range(40):
+            codes.append(main(["cache", "list", "--dir", str(folder)]))
+            codes.append(main(["explain", "cora", "--dir", str(folder)]))
+        err = capsys.readouterr().err
+        assert process.is_alive(), "the churn ended before the listings did"
+        assert codes == [0] * len(codes), err
+    finally:
+        process.terminate()
+        process.join(30)
