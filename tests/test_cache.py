@@ -262,3 +262,115 @@ def test_the_cache_reads_a_broken_entry_as_a_miss(tmp_path, how, caplog):
     finally:
         signal.alarm(0)
     assert len([r for r in caplog.records if r.levelno >= 30]) == 1
+
+
+# ------------------------------------------------------------------ processes sharing a folder (issue 50)
+
+def _padded(i: int, process: int) -> CacheEntry:
+    """An entry of a couple of kB (its reason padded), distinct per process and index."""
+    key = SpecializationKey(pattern=f"w{process}-{i}", op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
+    return entry(key=key, reason="fastest " + "x" * 2000)
+
+
+def _write_many(folder: str, process: int, count: int, max_bytes: int, barrier) -> None:
+    import os
+
+    os.environ["SPARSERL_CACHE_DIR"] = folder  # the key too: made by whichever process comes first
+    cache = KernelCache(os.path.join(folder, "kernels"), max_bytes=max_bytes)
+    barrier.wait()
+    for i in range(count):
+        cache.put(_padded(i, process))
+
+
+@pytest.mark.slow
+def test_the_cap_holds_for_processes_writing_to_one_folder(tmp_path, monkeypatch):
+    """Each write measures what the folder holds, under the prune lock: four processes writing
+    six times the cap at once leave at most the cap (they left 3.64x when each counted its own)."""
+    size = KernelCache(tmp_path / "probe").put(_padded(0, 0)).stat().st_size
+    cap = 40 * size
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(4)
+        with ctx.Pool(4) as pool:
+            pool.starmap(_write_many, [(str(tmp_path / "shared"), p, 60, cap, barrier) for p in range(4)])
+    from torch_sparserl.toolchain import paths, trust
+
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "shared"))  # the workers' key, to check their entries
+    paths.forget_checks()
+    trust.forget_keys()
+    try:
+        cache = KernelCache(tmp_path / "shared" / "kernels", max_bytes=cap)
+        listing = cache.listing()
+    finally:
+        paths.forget_checks()
+        trust.forget_keys()
+    assert 0 < cache.disk_bytes() <= cap
+    assert len(cache.entries()) >= int(cap * 0.8) // size - 1  # pruned to 80%, not emptied
+    assert listing and all(entry is not None for _, entry, _ in listing)  # every entry left whole and signed
+
+
+def test_a_write_prunes_what_other_processes_wrote(tmp_path):
+    """The same without processes: a second cache object (another process's) writing to the
+    folder after the first one filled it prunes the first one's entries too."""
+    size = KernelCache(tmp_path / "probe").put(_padded(0, 0)).stat().st_size
+    cap = 10 * size
+    first, second = KernelCache(tmp_path / "c", max_bytes=cap), KernelCache(tmp_path / "c", max_bytes=cap)
+    for i in range(20):  # taking turns: each wrote 10, the cap's worth; together twice the cap
+        (first if i % 2 else second).put(_padded(i, i % 2))
+        assert first.disk_bytes() <= cap
+    assert first.stats["evicted"] > 0 and second.stats["evicted"] > 0
+
+
+def test_a_symlinked_prune_lock_is_not_followed(tmp_path):
+    import os
+
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    size = KernelCache(tmp_path / "probe").put(_padded(0, 0)).stat().st_size
+    cache = KernelCache(tmp_path / "c", max_bytes=3 * size)
+    (tmp_path / "c" / "prune.lock").symlink_to(target)
+    for i in range(6):
+        cache.put(_padded(i, 0))
+    assert target.read_text() == "keep me" and cache.disk_bytes() <= 3 * size  # pruned, unlocked
+    assert os.path.islink(tmp_path / "c" / "prune.lock")
+    made = KernelCache(tmp_path / "d")
+    made.put(entry())
+    assert (os.stat(tmp_path / "d" / "prune.lock").st_mode & 0o777) == 0o600  # the lock: private
+
+
+def _churn(folder: str, seconds: float) -> None:
+    """Write and prune in a loop: entries appear and vanish under a listing."""
+    cache = KernelCache(folder)
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline:
+        for j in range(5):
+            cache.put(_padded(i + j, 9))
+        cache.prune(0)
+        i += 5
+
+
+@pytest.mark.slow
+def test_listing_while_another_process_writes_and_prunes(tmp_path, capsys, monkeypatch):
+    from torch_sparserl.cli import main
+
+    monkeypatch.delenv("SPARSERL_DEBUG", raising=False)
+    folder = tmp_path / "c"
+    KernelCache(folder).put(entry())
+    ctx = multiprocessing.get_context("spawn")
+    process = ctx.Process(target=_churn, args=(str(folder), 60.0))
+    process.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(KernelCache(folder).entries()) < 3 and time.monotonic() < deadline:  # the churn has begun
+            time.sleep(0.05)
+        codes = []
+        for _ in range(40):
+            codes.append(main(["cache", "list", "--dir", str(folder)]))
+            codes.append(main(["explain", "cora", "--dir", str(folder)]))
+        err = capsys.readouterr().err
+        assert process.is_alive(), "the churn ended before the listings did"
+        assert codes == [0] * len(codes), err
+    finally:
+        process.terminate()
+        process.join(30)

@@ -279,3 +279,141 @@ def test_the_installed_command_prints_one_line(bad):
 def test_the_help_names_sparserl_debug(capsys):
     code, out, err = _run(["--help"], capsys)
     assert code == 0 and "SPARSERL_DEBUG=1" in out
+
+
+# ---------------------------------------------------------------- the cache commands (issue 50)
+def _signed_entries(folder, count=3):
+    """``count`` real entries, signed, in the cache folder ``folder``."""
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
+    from torch_sparserl.pattern.fingerprint import SpecializationKey
+
+    source = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\n'
+              'extern "C" __global__ void sparserl_kernel(const int* rowptr) {}\n')
+    cache = KernelCache(folder)
+    return cache, [cache.put(CacheEntry(SpecializationKey(pattern=f"p{i}", op="spmm", n=32, dtype="f32",
+                                                          arch="sm_90", policy="autotune"), source, reason="fastest"))
+                   for i in range(count)]
+
+
+@pytest.mark.parametrize("value", ["1e308", "inf", "-inf", "nan", "-1", "1048577", "1e999", "lots"])
+def test_a_bad_prune_limit_is_one_line(tmp_path, capsys, value):
+    code, out, err = _run(["cache", "prune", f"--max-mb={value}", "--dir", str(tmp_path)], capsys)
+    _assert_one_line(code, err, "cache")
+    assert f"--max-mb: expected a number of megabytes >= 0 and <= 1048576 (got {value!r})" in err
+
+
+def test_cache_info_without_a_key_says_what_to_pass(tmp_path, capsys):
+    code, out, err = _run(["cache", "info", "--dir", str(tmp_path)], capsys)
+    _assert_one_line(code, err, "cache")
+    assert "expected the KEY of an entry" in err and "sparserl cache list" in err and "None" not in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["cache", "list", "abc"], "list: expected no KEY (only `cache info KEY` takes one) (got 'abc')"),
+    (["cache", "clear", "abc"], "clear: expected no KEY"),
+    (["cache", "clear", "--max-mb", "3"], "clear: expected no --max-mb (only `cache prune` takes it) (got 3)"),
+])
+def test_a_cache_argument_the_action_does_not_take_is_refused(tmp_path, capsys, argv, expected):
+    code, out, err = _run(argv + ["--dir", str(tmp_path)], capsys)
+    _assert_one_line(code, err, "cache")
+    assert expected in err
+
+
+def test_cache_info_refuses_a_symlinked_entry_as_the_cache_does(tmp_path, capsys):
+    cache, (path, *_) = _signed_entries(tmp_path / "kernels", 1)
+    elsewhere = tmp_path / "elsewhere.json"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)
+    assert cache.listing()[0][1] is None  # the library's own reading refuses it
+    code, out, err = _run(["cache", "info", path.stem[:8], "--dir", str(tmp_path / "kernels")], capsys)
+    _assert_one_line(code, err, "cache")
+    assert "a symbolic link, which the cache refuses to read" in err and out == "", (out, err)
+    code, out, err = _run(["cache", "info", path.stem[:8], "--dir", str(tmp_path / "kernels")], capsys)
+    assert path.is_symlink() and elsewhere.exists()  # info reads; it removes nothing
+
+
+def _vanishing(monkeypatch, cache_class, how_many=1):
+    """The next listings of any cache's entries lose an entry just after they are listed, as when
+    another process's prune removes it then."""
+    real = cache_class.entries
+    left = [how_many]
+
+    def entries(self):
+        found = real(self)
+        if left[0] and found:
+            left[0] -= 1
+            os.unlink(found[0])
+        return found
+
+    monkeypatch.setattr(cache_class, "entries", entries)
+
+
+@pytest.mark.parametrize("argv", [["cache", "list"], ["explain", "cora"]], ids=" ".join)
+def test_an_entry_removed_while_listing_is_left_out(tmp_path, monkeypatch, capsys, argv):
+    from torch_sparserl.jit.cache import KernelCache
+
+    cache, paths = _signed_entries(tmp_path, 3)
+    _vanishing(monkeypatch, KernelCache)
+    code, out, err = _run(argv + ["--dir", str(tmp_path)], capsys)
+    assert code == 0 and err == "", (out, err)
+    if argv[0] == "cache":
+        assert out.startswith("2 entries in") and sum(path.stem in out for path in paths) == 2, out
+
+
+def test_cache_info_of_an_entry_removed_meanwhile_is_one_line(tmp_path, monkeypatch, capsys):
+    from torch_sparserl.jit.cache import KernelCache
+
+    cache, (path,) = _signed_entries(tmp_path, 1)
+    _vanishing(monkeypatch, KernelCache)
+    code, out, err = _run(["cache", "info", path.stem[:8], "--dir", str(tmp_path)], capsys)
+    _assert_one_line(code, err, "cache")
+    assert "removed meanwhile" in err
+
+
+def _read_only(monkeypatch, folder):
+    """``folder`` read-only: its files cannot be removed (chmod does not stop root, so removal
+    itself is refused, as a read-only mount refuses it)."""
+    real = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if str(path).startswith(str(folder)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    return real
+
+
+@pytest.mark.parametrize("argv", [["cache", "clear"], ["cache", "prune", "--max-mb", "0"]], ids=" ".join)
+def test_a_read_only_cache_says_why_nothing_was_removed(tmp_path, monkeypatch, capsys, argv):
+    cache, paths = _signed_entries(tmp_path, 3)
+    _read_only(monkeypatch, tmp_path)
+    code, out, err = _run(argv + ["--dir", str(tmp_path)], capsys)
+    _assert_one_line(code, err, "cache")
+    assert "3 could not be removed (Permission denied" in err, err
+    assert err.rstrip().endswith("; 0 removed" if argv[1] == "clear" else "MB kept (limit 0 MB)"), err
+    assert all(path.exists() for path in paths)
+
+
+def test_cache_clear_says_which_built_kernels_it_could_not_remove(tmp_path, monkeypatch, capsys):
+    from torch_sparserl.toolchain import cubins, paths, trust
+
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
+    paths.forget_checks()
+    trust.forget_keys()
+    try:
+        _signed_entries(tmp_path / "cache" / "kernels", 1)
+        built = tmp_path / "cache" / cubins.FOLDER / f"{'a' * 64}.cubin"
+        built.parent.mkdir(mode=0o700)
+        built.write_bytes(b"cubin")
+        writable = _read_only(monkeypatch, built.parent)
+        code, out, err = _run(["cache", "clear"], capsys)
+        _assert_one_line(code, err, "cache")
+        assert "removed 1 entries" in out and "1 could not be removed" in err and "0 built kernels removed" in err
+        assert built.exists()
+        monkeypatch.setattr(os, "unlink", writable)
+        code, out, err = _run(["cache", "clear"], capsys)
+        assert code == 0 and "removed 1 built kernels" in out and not built.exists(), (out, err)
+    finally:
+        paths.forget_checks()
+        trust.forget_keys()

@@ -4,6 +4,7 @@ place, its values and its errors; unknown names refused or warned about; the doc
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 import subprocess
@@ -70,6 +71,51 @@ BAD = {
 }
 
 
+# Text that no variable takes: not finite, past any range, not a number, not a word it knows.
+NEVER = ["inf", "-inf", "Infinity", "nan", "NaN", "1e308", "-1e308", "1e999", "banana", "12abc", "1,5", "0x10",
+         "1 2", "\u221e"]
+# Every number's range, as the docs state it: (low, high, low excluded). Whole numbers: ints.
+RANGES = {
+    "SPARSERL_JIT_MARGIN": (1.0, 100.0, False),
+    "SPARSERL_JIT_BUDGET_S": (0.0, 3600.0, True),
+    "SPARSERL_JIT_K": (1, 64, False),
+    "SPARSERL_JIT_IDLE_S": (0.0, 86400.0, False),
+    "SPARSERL_JIT_ADMIT_CALLS": (1, 1_000_000, False),
+    "SPARSERL_JIT_ADMIT_AGE_S": (0.0, 3600.0, False),
+    "SPARSERL_JIT_QUEUE": (1, 4096, False),
+    "SPARSERL_JIT_CLASS_AFTER": (0, 1_000_000, False),
+    "SPARSERL_CACHE_MAX_MB": (0.1, 1048576.0, False),
+    "SPARSERL_EVAL_BURST_REPS": (0, 100_000, False),
+}
+NUMERIC = sorted(RANGES)
+
+
+def _outside(name: str) -> list[str]:
+    """The values just outside the variable's range, as text: below its low bound (the bound
+    itself where it is excluded), past its high one, and a tiny positive number where that is below."""
+    low, high, excluded = RANGES[name]
+    if isinstance(low, int):
+        below, above = [str(low - 1)], [str(high + 1)]
+    else:
+        below = [repr(low) if excluded else repr(math.nextafter(low, -math.inf))]
+        above = [repr(math.nextafter(high, math.inf))]
+    tiny = ["1e-300"] if low >= 1e-300 or isinstance(low, int) else []
+    return below + above + tiny + ["-1"]
+
+
+def _inside(name: str) -> list[tuple[str, object]]:
+    """The variable's bounds that it takes, as (text, value)."""
+    low, high, excluded = RANGES[name]
+    return ([] if excluded else [(str(low), low)]) + [(str(high), high)]
+
+
+for _name in ENVIRONMENT:
+    if _name != "SPARSERL_CACHE_DIR":
+        BAD[_name] = list(dict.fromkeys(BAD[_name] + NEVER + (_outside(_name) if _name in RANGES else [])))
+    if _name in RANGES:
+        GOOD[_name] = GOOD[_name] + _inside(_name)
+
+
 def _field(cfg: config.Config, path: str):
     group, name = path.split(".")
     return getattr(getattr(cfg, group), name)
@@ -98,10 +144,86 @@ def test_a_bad_value_is_named_with_what_was_expected(name, text):
 
 
 def test_the_messages_read_as_documented():
-    with pytest.raises(ValueError, match=re.escape("SPARSERL_JIT_MARGIN: expected a number >= 1 (got 'abc')")):
+    with pytest.raises(ValueError, match=re.escape("SPARSERL_JIT_MARGIN: expected a number >= 1 and <= 100 "
+                                                   "(got 'abc')")):
         config.from_environment({"SPARSERL_JIT_MARGIN": "abc"}, warn=False)
-    with pytest.raises(ValueError, match=re.escape("SPARSERL_JIT_K: expected an integer in 1..64 (got '0')")):
+    with pytest.raises(ValueError, match=re.escape("SPARSERL_JIT_K: expected a whole number >= 1 and <= 64 "
+                                                   "(got '0')")):
         rt.RuntimeSettings.from_env({"SPARSERL_JIT_K": "0"})
+    with pytest.raises(ValueError, match=re.escape("SPARSERL_CACHE_MAX_MB: expected a number of megabytes >= 0.1 "
+                                                   "and <= 1048576 (got 'inf')")):
+        config.read("cache.max_mb", {"SPARSERL_CACHE_MAX_MB": "inf"})
+
+
+def test_every_number_has_a_finite_range():
+    kinds = {f"{group}.{f.name}": f.metadata["kind"] for group, cls in config.GROUPS.items() for f in fields(cls)
+             if "kind" in f.metadata}
+    numeric = {path for path, kind in kinds.items() if kind.read is float or kind.low is not None}
+    assert numeric == {ENVIRONMENT[name].path for name in NUMERIC}
+    for name in NUMERIC:
+        kind = ENVIRONMENT[name].kind
+        assert (kind.low, kind.high, kind.above) == RANGES[name], name
+        assert kind.check(kind.high) and not kind.check(math.inf) and not kind.check(math.nan), name
+
+
+NOT_NUMBERS = [math.inf, -math.inf, math.nan, 1e308, -1e308, 10 ** 400, True, "5", None]
+
+
+@pytest.mark.parametrize("variable", NUMERIC)
+def test_a_number_set_in_code_is_checked_as_its_variable_is(variable):
+    """The same range for a field given in code (configure, the groups' constructors) as for
+    its variable; the ValueError names the group and the field."""
+    group, name = ENVIRONMENT[variable].path.split(".")
+    cls = config.GROUPS[group]
+    whole = isinstance(RANGES[variable][0], int)
+    outside = [(int if whole else float)(text) for text in _outside(variable) if not (whole and text == "1e-300")]
+    for value in NOT_NUMBERS + outside + ([1.5] if whole else []):
+        with pytest.raises(ValueError) as refused:
+            cls(**{name: value})
+        assert str(refused.value) == f"{cls.__name__}: {name} must be {ENVIRONMENT[variable].kind.expected} " \
+                                     f"(got {value!r})"
+    for _, value in _inside(variable):
+        assert getattr(cls(**{name: value}), name) == value
+
+
+@pytest.mark.parametrize("changes", [dict(idle_s=math.inf), dict(idle_s=1e10), dict(budget_s=math.nan),
+                                     dict(margin=1e308), dict(queue=10 ** 6), dict(admit_age_s=-1.0)])
+def test_configure_refuses_a_number_out_of_range_and_keeps_the_runtime(changes):
+    before = rt.active()
+    [(name, value)] = changes.items()
+    message = re.escape(f"JitOptions: {name} must be ") + ".*" + re.escape(f"(got {value!r})")
+    with pytest.raises(ValueError, match=message):
+        rt.configure(**changes)
+    assert rt.active() is before
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_a_command_refuses_a_bad_variable_before_it_starts(name, tmp_path, monkeypatch, capsys):
+    """Every variable is read when a command starts: one line naming it, status 2, whether or
+    not the command would have used it (``SPARSERL_CACHE_MAX_MB=inf sparserl cache list`` was an
+    OverflowError)."""
+    monkeypatch.delenv("SPARSERL_DEBUG", raising=False)
+    monkeypatch.setenv(name, "inf")
+    assert main(["cache", "list", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"sparserl cache: {name}: expected {ENVIRONMENT[name].kind.expected} (got 'inf')"]
+
+
+@pytest.mark.slow
+def test_a_bad_log_variable_is_one_line_of_the_command_and_refused_by_the_runtime(tmp_path):
+    """SPARSERL_LOG is read when the package is imported: a bad value there is no traceback
+    before the command can say it in one line, and the runtime still refuses it."""
+    env = {k: v for k, v in os.environ.items() if k != "SPARSERL_DEBUG"}
+    env.update(SPARSERL_LOG="banana", PYTHONPATH=str(PACKAGE.parent))
+    done = subprocess.run([sys.executable, "-m", "torch_sparserl", "cache", "list", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    expected = ENVIRONMENT["SPARSERL_LOG"].kind.expected
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"sparserl cache: SPARSERL_LOG: expected {expected} (got 'banana')"], done.stderr
+    code = ("import torch_sparserl\nfrom torch_sparserl.jit import runtime as rt\ntry:\n    rt.active()\n"
+            "except ValueError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout == f"SPARSERL_LOG: expected {expected} (got 'banana')\n", done.stderr
 
 
 @pytest.mark.parametrize("name", sorted(ENVIRONMENT))
@@ -276,6 +398,24 @@ def test_only_config_reads_sparserl_variables():
 def test_the_docstring_table_lists_every_variable():
     rows = dict(re.findall(r"^``(SPARSERL_\w+)``\s+``([\w.]+)``", config.__doc__, flags=re.M))
     assert rows == {name: variable.path for name, variable in ENVIRONMENT.items()}
+
+
+def _bounds(name: str) -> list[str]:
+    """The variable's bounds as the docs write them: 0.1, 100, 1048576."""
+    return [str(int(bound)) if float(bound).is_integer() else repr(bound) for bound in RANGES[name][:2]]
+
+
+def test_the_docs_state_every_range():
+    """The docstring's table and the README say each number's bounds."""
+    values = dict(re.findall(r"^``(SPARSERL_\w+)``\s+``[\w.]+``\s+(.*)$", config.__doc__, flags=re.M))
+    readme = (PACKAGE.parent / "README.md").read_text()
+    for name in NUMERIC:
+        for bound in _bounds(name):
+            assert re.search(rf"(?<![\d.]){re.escape(bound)}(?![\d.])", values[name]), (name, bound, values[name])
+        readme_lines = [line for line in readme.splitlines() if f"`{name}`" in line and "|" in line] or \
+            [line for line in readme.splitlines() if f"`{name}" in line]
+        assert any(all(re.search(rf"(?<![\d.]){re.escape(b)}(?![\d.])", line) for b in _bounds(name))
+                   for line in readme_lines), (name, readme_lines)
 
 
 def test_every_variable_names_a_field():

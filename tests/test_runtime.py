@@ -277,7 +277,7 @@ def test_settings_from_the_environment():
                                          "SPARSERL_JIT_MARGIN": "1.2", "SPARSERL_JIT_STRICT": "yes"})
     assert settings == RuntimeSettings(mode="sync", budget_s=5.0, margin=1.2, strict=True)
     assert RuntimeSettings.from_env({}) == RuntimeSettings()
-    with pytest.raises(ValueError, match=r"SPARSERL_JIT_BUDGET_S: expected a number of seconds > 0 \(got 'soon'\)"):
+    with pytest.raises(ValueError, match=r"SPARSERL_JIT_BUDGET_S: expected a number of seconds > 0 and <= 3600 \(got 'soon'\)"):
         RuntimeSettings.from_env({"SPARSERL_JIT_BUDGET_S": "soon"})
     with pytest.raises(ValueError, match=r"SPARSERL_JIT_STRICT: expected a boolean .* \(got 'maybe'\)"):
         RuntimeSettings.from_env({"SPARSERL_JIT_STRICT": "maybe"})
@@ -516,6 +516,50 @@ def test_idle_zero_keeps_the_worker(tmp_path):
     with pytest.raises(ValueError, match="idle_s must be a number of seconds >= 0"):
         RuntimeSettings(idle_s=-1)
     assert RuntimeSettings.from_env({"SPARSERL_JIT_IDLE_S": "2.5"}).idle_s == 2.5
+
+
+def test_the_longest_idle_time_arms_the_worker_s_timer_and_longer_is_refused(tmp_path, monkeypatch):
+    """A timer of 1e10 s was accepted and raised OverflowError in a thread after each
+    specialization; the range stops at a day, which a timer takes."""
+    from torch_sparserl import config
+
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    runtime, specializer, A, crow, col, val = _idle_runtime(tmp_path, idle_s=config.MAX_JIT_IDLE_S)
+    try:
+        call(runtime, A, crow, col, val, torch.randn(A.shape[1], 4))
+        time.sleep(0.2)
+        assert runtime._idle_timer is not None and runtime._idle_timer.is_alive() and not failures
+    finally:
+        runtime.close()
+    for idle_s in (1e10, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"idle_s must be a number of seconds >= 0 and <= 86400"):
+            RuntimeSettings(idle_s=idle_s)
+        with pytest.raises(ValueError, match=r"SPARSERL_JIT_IDLE_S: expected a number of seconds >= 0 and <= 86400"):
+            RuntimeSettings.from_env({"SPARSERL_JIT_IDLE_S": str(idle_s)})
+
+
+def test_a_background_decision_whose_cache_cannot_be_made_falls_back(tmp_path, monkeypatch, caplog):
+    """The cache is made on the first decision, reading its settings then: one refused there
+    (SPARSERL_CACHE_MAX_MB set after the runtime was) is a fallback that says why, not a
+    decision left "specializing in the background" for good."""
+    fakes = Fakes()
+    runtime = Runtime(RuntimeSettings(mode="background", admit_age_s=0), specializer=fakes.specializer,
+                      installer=fakes.installer, devices=("cpu",))
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSERL_CACHE_MAX_MB", "1e308")
+    A = make_pattern("cora (real)")
+    crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
+    X = torch.randn(A.shape[1], 8)
+    try:
+        assert call(runtime, A, crow, col, val, X) is None  # cuSPARSE meanwhile
+        runtime.wait(10)
+        entry = patterns.lookup(crow, col, A.shape[1])
+        said = runtime.explain("spmm", entry, 8, torch.float32)
+        assert said.startswith("cuSPARSE: decision failed: ValueError: SPARSERL_CACHE_MAX_MB: expected"), said
+        assert "SPARSERL_CACHE_MAX_MB" in caplog.text and fakes.specialized == []
+    finally:
+        runtime.close()
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -12,39 +12,46 @@ variable that names them, read here and nowhere else (:func:`from_environment`, 
     ├── specializer: SpecializerOptions  how the specializer's worker decides (experiment switches)
     └── log: LogOptions            logs and the CLI's tracebacks
 
-Environment variables (an empty value is the same as none; a value that cannot be read is an
-error naming the variable, what it expects and what it got):
+Environment variables (an empty value is the same as none; a value that cannot be read or is
+out of its range is an error naming the variable, what it expects and what it got; numbers are
+finite: ``nan`` and ``inf`` are refused like any other word). The same ranges hold for the fields
+set in code (``runtime.configure(idle_s=...)``, ``CacheOptions(max_mb=...)``), where the
+ValueError names the field:
 
 ============================  ==========================  ===========================================
 variable                      field                       values (default)
 ============================  ==========================  ===========================================
 ``SPARSERL_JIT``              ``jit.mode``                ``background``, ``sync``, ``off`` (background)
 ``SPARSERL_JIT_STRICT``       ``jit.strict``              a boolean: 1/0, true/false, yes/no, on/off (0)
-``SPARSERL_JIT_MARGIN``       ``jit.margin``              a number >= 1 (1.05)
-``SPARSERL_JIT_BUDGET_S``     ``jit.budget_s``            seconds > 0 (20)
+``SPARSERL_JIT_MARGIN``       ``jit.margin``              a number from 1 to 100 (1.05)
+``SPARSERL_JIT_BUDGET_S``     ``jit.budget_s``            seconds > 0, at most 3600 (20)
 ``SPARSERL_JIT_POLICY``       ``jit.policy``              ``learned``, ``autotune`` (learned)
-``SPARSERL_JIT_K``            ``jit.k``                   a whole number in 1..64 (4)
-``SPARSERL_JIT_IDLE_S``       ``jit.idle_s``              seconds >= 0; 0 keeps the worker (30)
-``SPARSERL_JIT_ADMIT_CALLS``  ``jit.admit_calls``         a whole number >= 1 (1)
-``SPARSERL_JIT_ADMIT_AGE_S``  ``jit.admit_age_s``         seconds >= 0; 0: no wait (0.1)
-``SPARSERL_JIT_QUEUE``        ``jit.queue``               a whole number >= 1 (4)
-``SPARSERL_JIT_CLASS_AFTER``  ``jit.class_after``         a whole number >= 0; 0: no class kernels (0)
+``SPARSERL_JIT_K``            ``jit.k``                   a whole number from 1 to 64 (4)
+``SPARSERL_JIT_IDLE_S``       ``jit.idle_s``              seconds from 0 to 86400; 0 keeps the worker (30)
+``SPARSERL_JIT_ADMIT_CALLS``  ``jit.admit_calls``         a whole number from 1 to 1000000 (1)
+``SPARSERL_JIT_ADMIT_AGE_S``  ``jit.admit_age_s``         seconds from 0 to 3600; 0: no wait (0.1)
+``SPARSERL_JIT_QUEUE``        ``jit.queue``               a whole number from 1 to 4096 (4)
+``SPARSERL_JIT_CLASS_AFTER``  ``jit.class_after``         a whole number from 0 to 1000000; 0: no class
+                                                          kernels (0)
 ``SPARSERL_CACHE_DIR``        ``cache.dir``               a folder (``$XDG_CACHE_HOME/torch_sparserl``,
                                                           else ``~/.cache/torch_sparserl``)
-``SPARSERL_CACHE_MAX_MB``     ``cache.max_mb``            megabytes > 0 (256)
+``SPARSERL_CACHE_MAX_MB``     ``cache.max_mb``            megabytes from 0.1 to 1048576 (256)
 ``SPARSERL_CACHE_CUBINS``     ``cache.cubins``            a boolean (1)
 ``SPARSERL_FAST_PATH``        ``fast_path.enabled``       a boolean (1)
 ``SPARSERL_POLICY_DEVICE``    ``specializer.policy_device``  ``cuda``, ``cpu`` (cuda where there is one)
-``SPARSERL_EVAL_BURST_REPS``  ``specializer.eval_burst_reps``  a whole number >= 0; 0: no bursts (0)
+``SPARSERL_EVAL_BURST_REPS``  ``specializer.eval_burst_reps``  a whole number from 0 to 100000; 0: no
+                                                          bursts (0)
 ``SPARSERL_LOG``              ``log.level``               ``debug``, ``info``, ``warning``, ``error``,
                                                           ``critical`` (logging's own setting)
 ``SPARSERL_DEBUG``            ``log.debug``               a boolean (0)
 ============================  ==========================  ===========================================
 
 When they are read: ``SPARSERL_LOG`` and ``SPARSERL_EVAL_BURST_REPS`` once, when the package
-(resp. the autotuner) is imported; the ``SPARSERL_JIT*`` variables when the process's runtime is
-created (on its first use, or by ``configure``, which starts from the current runtime's
-settings); the others each time they are needed. The sandbox's worker process inherits the
+(resp. the autotuner) is imported; every variable when the process's runtime is created (on
+its first use, or by ``configure``, which starts from the current runtime's settings), which
+keeps the ``SPARSERL_JIT*`` ones, and by every ``sparserl`` command before it starts; the
+others again each time they are needed. A ``SPARSERL_LOG`` that cannot be read leaves logging
+as it is at import, and is refused at the runtime's creation (an import does not raise for it). The sandbox's worker process inherits the
 environment, so a variable set before the worker starts reaches it too.
 
 A ``SPARSERL_*`` variable that is none of these (``SPARSERL_JTI=off``) is not silently ignored:
@@ -69,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -126,6 +134,20 @@ POLICY_DEVICES = ("cuda", "cpu")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_K = 64
 
+# The ranges of the numeric settings. The upper bounds are far past any use (a value beyond is
+# a typo or an attempt at "never", which each setting has a way to say) and keep every value
+# something the code can compute with: a timer of 1e10 s overflows, a cap of 1e308 MB is no int.
+MAX_JIT_MARGIN = 100.0  # a kernel 100x faster than cuSPARSE or none
+MAX_JIT_BUDGET_S = 3600.0  # per key; a search takes seconds
+MAX_JIT_IDLE_S = 86400.0  # a day; 0 keeps the worker for good
+MAX_JIT_ADMIT_CALLS = 1_000_000  # calls before a decision; SPARSERL_JIT=off is "never"
+MAX_JIT_ADMIT_AGE_S = 3600.0
+MAX_JIT_QUEUE = 4096  # decisions waiting; each holds a pattern's indices
+MAX_JIT_CLASS_AFTER = 1_000_000  # young patterns of a class; 0 is "never"
+MIN_CACHE_MAX_MB = 0.1  # a few entries (tens of kB each); below, every write would empty the cache
+MAX_CACHE_MAX_MB = float(1 << 20)  # 1 TiB
+MAX_EVAL_BURST_REPS = 100_000
+
 PREFIX = "SPARSERL_"
 OTHER_VARIABLES = ("SPARSERL_SHARED",)  # benchmarks/: the folder of the real matrices
 OTHER_PREFIXES = ("SPARSERL_TEST_",)  # the test suite's own
@@ -146,6 +168,9 @@ class Kind:
     check: Callable[[Any], bool]
     read: Callable[[str], Any]
     type_error: bool = False  # a value of the wrong type raises TypeError (ValueError otherwise)
+    low: float | None = None  # a number's range (said in ``expected``): from low (excluded with
+    high: float | None = None  # ``above``) to high
+    above: bool = False
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -185,12 +210,24 @@ def _choose(text: str, choices: tuple[str, ...]) -> str:
     return word
 
 
-def number(expected: str, ok: Callable[[float], bool]) -> Kind:
-    return Kind(expected, lambda v: _is_number(v) and ok(v), float)
+def _bound(value: float) -> str:
+    """A bound as people write it: 1048576, not 1.04858e+06; 0.1, not 0.1000000000000000055."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def whole(expected: str, ok: Callable[[int], bool]) -> Kind:
-    return Kind(expected, lambda v: _is_whole(v) and ok(v), lambda text: int(text.strip()))
+def number(noun: str, lo: float, hi: float, *, above: bool = False) -> Kind:
+    """A finite number from ``lo`` (excluded with ``above``) to ``hi``: NaN, infinities and
+    values past the bounds are refused, read or given in code."""
+    low = (lambda v: v > lo) if above else (lambda v: v >= lo)
+    return Kind(f"{noun} {'>' if above else '>='} {_bound(lo)} and <= {_bound(hi)}",
+                lambda v: _is_number(v) and (isinstance(v, int) or math.isfinite(v)) and low(v) and v <= hi, float,
+                low=lo, high=hi, above=above)
+
+
+def whole(noun: str, lo: int, hi: int) -> Kind:
+    """A whole number from ``lo`` to ``hi``."""
+    return Kind(f"{noun} >= {lo} and <= {hi}", lambda v: _is_whole(v) and lo <= v <= hi,
+                lambda text: int(text.strip()), low=lo, high=hi)
 
 
 FOLDER = Kind("a folder path", lambda v: v is None or isinstance(v, (str, os.PathLike)), Path)
@@ -249,10 +286,10 @@ class JitOptions(_Group):
     backend's routing of raw sparse products unless the model's options say otherwise. A
     decision that cuSPARSE is faster is not a failure."""
 
-    margin: float = setting(DEFAULT_JIT_MARGIN, number("a number >= 1", lambda v: v >= 1.0))
+    margin: float = setting(DEFAULT_JIT_MARGIN, number("a number", 1.0, MAX_JIT_MARGIN))
     """Install a kernel only when it is at least this much faster than cuSPARSE."""
 
-    budget_s: float = setting(DEFAULT_JIT_BUDGET_S, number("a number of seconds > 0", lambda v: v > 0))
+    budget_s: float = setting(DEFAULT_JIT_BUDGET_S, number("a number of seconds", 0.0, MAX_JIT_BUDGET_S, above=True))
     """Autotuning budget per key, in seconds."""
 
     policy: str = setting(DEFAULT_JIT_POLICY, one_of(POLICIES))
@@ -260,32 +297,32 @@ class JitOptions(_Group):
     autotuner when no checkpoint loads) or ``autotune`` (the family grid under the budget).
     Part of the cache key, with the checkpoint's hash."""
 
-    k: int = setting(DEFAULT_JIT_K, whole(f"an integer in 1..{MAX_K}", lambda v: 1 <= v <= MAX_K))
+    k: int = setting(DEFAULT_JIT_K, whole("a whole number", 1, MAX_K))
     """Candidates the learned policy proposes per key (its K likeliest kernels)."""
 
-    idle_s: float = setting(DEFAULT_JIT_IDLE_S, number("a number of seconds >= 0", lambda v: v >= 0))
+    idle_s: float = setting(DEFAULT_JIT_IDLE_S, number("a number of seconds", 0.0, MAX_JIT_IDLE_S))
     """Seconds without a specialization after which the specializer's worker process (the
     sandbox, with the policy on the GPU) is stopped, giving back its GPU memory and context;
     the next specialization starts it again, in the background. 0: keep it for the runtime's life."""
 
-    admit_calls: int = setting(DEFAULT_JIT_ADMIT_CALLS, whole("a whole number >= 1", lambda v: v >= 1))
+    admit_calls: int = setting(DEFAULT_JIT_ADMIT_CALLS, whole("a whole number", 1, MAX_JIT_ADMIT_CALLS))
     """The call of a product (pattern, op, N, dtype) on which its decision starts: the calls
     before are cuSPARSE's, and cost no fingerprint, cache lookup nor search, so that a pattern
     used once or twice (a mini-batch's sampled subgraph) never pays for a decision. 1: on its
     first call. Compile-time decisions (``prespecialize``) do not wait."""
 
-    admit_age_s: float = setting(DEFAULT_JIT_ADMIT_AGE_S, number("a number of seconds >= 0", lambda v: v >= 0))
+    admit_age_s: float = setting(DEFAULT_JIT_ADMIT_AGE_S, number("a number of seconds", 0.0, MAX_JIT_ADMIT_AGE_S))
     """In background mode, the age a pattern must reach (seconds since it was first seen) before
     its products are decided: calls before are cuSPARSE's and leave no decision record, no C++
     entry and nothing queued, so that a pattern that lives for one training step (a sampled
     subgraph) costs no more than its products. Sync mode and compile-time decisions do not wait."""
 
-    queue: int = setting(DEFAULT_JIT_QUEUE, whole("a whole number >= 1", lambda v: v >= 1))
+    queue: int = setting(DEFAULT_JIT_QUEUE, whole("a whole number", 1, MAX_JIT_QUEUE))
     """Decisions that may wait for the background thread. When that many wait, a new product
     is not queued: cuSPARSE serves it, and a later call asks again. Compile-time decisions are
     always queued (a graph recorded for CUDA graphs waits for them)."""
 
-    class_after: int = setting(DEFAULT_JIT_CLASS_AFTER, whole("a whole number >= 0", lambda v: v >= 0))
+    class_after: int = setting(DEFAULT_JIT_CLASS_AFTER, whole("a whole number", 0, MAX_JIT_CLASS_AFTER))
     """In background mode, the young patterns (see ``admit_age_s``) of one class after which the
     class is decided: one kernel, searched on one of its patterns and checked on two more, then
     serves every young pattern of the class (:mod:`torch_sparserl.jit.classes`). 0: young
@@ -395,7 +432,7 @@ class CacheOptions(_Group):
     """The folder of the cache (decisions, built libraries and cubins), private to the user.
     None: ``$XDG_CACHE_HOME/torch_sparserl``, else ``~/.cache/torch_sparserl``."""
 
-    max_mb: float = setting(DEFAULT_CACHE_MAX_MB, number("a number of megabytes > 0", lambda v: v > 0))
+    max_mb: float = setting(DEFAULT_CACHE_MAX_MB, number("a number of megabytes", MIN_CACHE_MAX_MB, MAX_CACHE_MAX_MB))
     """The most the decisions on disk may take: a write past it removes the least recently
     used ones (``sparserl cache prune`` does it on demand)."""
 
@@ -424,7 +461,7 @@ class SpecializerOptions(_Group):
     the kernels were decided later that way, and the loop was no faster)."""
 
     eval_burst_reps: int = setting(DEFAULT_EVAL_BURST_REPS,
-                                   whole("a whole number of timed runs >= 0", lambda v: v >= 0))
+                                   whole("a whole number of timed runs", 0, MAX_EVAL_BURST_REPS))
     """Time the runtime's candidate evaluations in bursts of this many runs with 1 ms gaps, so
     that a training loop's kernels can run between them. 0: timing loops back to back (the
     bursts made decisions slower without fewer stalls). Read when the autotuner is imported."""
@@ -591,7 +628,14 @@ logger = logging.getLogger("torch_sparserl")
 # The backend's options under their former name: ``torch_sparserl.Settings`` (and ``Settings``
 # of the former module ``settings``, now an alias of this one).
 Settings = BackendOptions
-_level = read("log.level")
+try:
+    _level = read("log.level")
+except ValueError:
+    # Not raised from ``import torch_sparserl``, where it would be a traceback before the
+    # ``sparserl`` command could say it in one line: the settings are read whole, and this one
+    # refused, when the runtime is created (the first product, ``configure``) and by every
+    # command. Logging is left as it is meanwhile.
+    _level = None
 if _level is not None:
     logging.basicConfig()
     logger.setLevel(_level.upper())

@@ -93,7 +93,12 @@ def _seconds(text: str) -> float:
 
 
 def _megabytes(text: str) -> float:
-    return _finite(text, "a number of megabytes >= 0", zero=True)
+    """--max-mb: from 0 (remove every entry) to the largest cap SPARSERL_CACHE_MAX_MB takes."""
+    expected = f"a number of megabytes >= 0 and <= {config.MAX_CACHE_MAX_MB:.0f}"
+    value = _finite(text, expected, zero=True)
+    if value > config.MAX_CACHE_MAX_MB:
+        raise argparse.ArgumentTypeError(f"expected {expected} (got {text!r})")
+    return value
 
 
 def _device(text: str) -> str:
@@ -163,10 +168,22 @@ def _entry(cache, path: Path) -> Path:
 
 
 def _listing(cache):
-    """``cache.listing()``, every entry checked first (:func:`_entry`)."""
+    """``cache.listing()``, every entry checked first (:func:`_entry`). An entry removed between
+    the folder's listing and its reading (by another process's write, prune or clear) is left
+    out, as it would be had the listing come a moment later."""
     for path in cache.entries():
-        _entry(cache, path)
+        try:
+            _entry(cache, path)
+        except FileNotFoundError:
+            continue
     return cache.listing()  # lists an entry it cannot read (corrupt, nested too deeply) with why
+
+
+def _removal_failed(cache, failures, done: str) -> CommandError:
+    """The error of a clear or prune that left entries it could not remove (a read-only folder)."""
+    _, exc = failures[0]  # the first says why (the same for all, in a read-only folder)
+    return CommandError(f"expected to remove entries from {cache.root}, but {len(failures)} could not be removed "
+                        f"({_describe(exc)}); {done}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -502,22 +519,37 @@ def explain_command(args) -> int:
 
 def cache_command(args) -> int:
     cache = _cache(args)
+    if args.key is not None and args.action != "info":
+        raise CommandError(f"{args.action}: expected no KEY (only `cache info KEY` takes one) (got {args.key!r})")
+    if args.max_mb is not None and args.action != "prune":
+        raise CommandError(f"{args.action}: expected no --max-mb (only `cache prune` takes it) (got {args.max_mb:g})")
+    failures = []
     if args.action == "clear":
-        print(f"removed {cache.clear()} entries from {cache.root}")
+        removed = cache.clear(failures)
+        if failures:
+            raise _removal_failed(cache, failures, f"{removed} removed")
+        print(f"removed {removed} entries from {cache.root}")
         if not args.dir:  # the cubins live in the user's own cache folder only
             from ..toolchain import cubins
 
-            print(f"removed {cubins.clear()} built kernels from {cache.root.parent / cubins.FOLDER}")
+            removed = cubins.clear(failures)
+            if failures:
+                raise _removal_failed(cache, failures, f"{removed} built kernels removed from "
+                                      f"{cache.root.parent / cubins.FOLDER}")
+            print(f"removed {removed} built kernels from {cache.root.parent / cubins.FOLDER}")
         return 0
     if args.action == "prune":
         limit = int(args.max_mb * (1 << 20)) if args.max_mb is not None else None
-        removed, freed, kept = cache.prune(limit)
-        print(f"removed {removed} least recently used entries ({freed / 2**20:.2f} MB) from {cache.root}; "
-              f"{kept / 2**20:.2f} MB kept (limit {(limit if limit is not None else cache.max_bytes) / 2**20:g} MB)")
+        removed, freed, kept = cache.prune(limit, failures)
+        done = (f"removed {removed} least recently used entries ({freed / 2**20:.2f} MB) from {cache.root}; "
+                f"{kept / 2**20:.2f} MB kept (limit {(limit if limit is not None else cache.max_bytes) / 2**20:g} MB)")
+        if failures:
+            raise _removal_failed(cache, failures, done)
+        print(done)
         return 0
     if args.action == "list":
         listing = _listing(cache)
-        size = sum(path.lstat().st_size for path in cache.entries())
+        size = cache.disk_bytes()
         print(f"{len(listing)} entries in {cache.root} ({size / 2**20:.2f} MB of at most {cache.max_bytes / 2**20:g} MB)")
         for path, entry, problem in listing:
             if entry is None:
@@ -528,15 +560,35 @@ def cache_command(args) -> int:
             print(f"{path.stem}  {key.op} n={key.n} {key.dtype} {key.arch} "
                   f"pattern={key.pattern[:12]}  -> {what}  ({entry.reason})")
         return 0
-    matches = [path for path in cache.entries() if path.stem.startswith(args.key or "")]
+    if args.key is None:
+        raise CommandError("info: expected the KEY of an entry, its digest or a prefix of it "
+                           "(`sparserl cache list` shows them)")
+    matches = [path for path in cache.entries() if path.stem.startswith(args.key)]
     if len(matches) != 1:
         raise CommandError(f"info: expected one entry starting with {args.key!r}, found {len(matches)}")
-    try:
-        document = json.loads(_entry(cache, matches[0]).read_text())
-    except (ValueError, RecursionError) as exc:
-        raise CommandError(f"info: expected JSON in {matches[0]} (got {_describe(exc)})") from exc
+    document = _entry_document(matches[0])
     print(json.dumps(document, indent=1))
     return 0
+
+
+def _entry_document(path: Path):
+    """The JSON of the entry at ``path``, read as the cache reads entries: a regular file of
+    bounded size, never through a symbolic link, never blocking."""
+    from ..jit.cache import MAX_ENTRY_BYTES
+    from ..toolchain.trust import UnsafeFile, read_regular
+
+    try:
+        raw = read_regular(path, MAX_ENTRY_BYTES)
+    except FileNotFoundError as exc:
+        raise CommandError(f"info: expected the entry {path.name} (got nothing: removed meanwhile, by a prune, a "
+                           "clear or a write that found it unusable)") from exc
+    except UnsafeFile as exc:
+        raise CommandError(f"info: expected a regular file of at most {MAX_ENTRY_BYTES} bytes at {path} (got "
+                           f"{exc}, which the cache refuses to read; `sparserl cache clear` removes it)") from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CommandError(f"info: expected JSON in {path} (got {_describe(exc)})") from exc
 
 
 class _Parser(argparse.ArgumentParser):
@@ -551,8 +603,8 @@ def _run(args) -> int:
     else (a bug) one line and status 1; ``SPARSERL_DEBUG=1`` raises either with its traceback."""
     command = f"sparserl {args.command}"
     try:
-        debug = config.read("log.debug")
-    except ValueError as exc:  # SPARSERL_DEBUG itself cannot be read
+        debug = config.from_environment(warn=False).log.debug  # every variable checked: none is read half way
+    except ValueError as exc:  # a variable cannot be read, or is out of its range
         print(f"{command}: {exc}", file=sys.stderr)
         return 2
     try:

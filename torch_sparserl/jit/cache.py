@@ -22,9 +22,13 @@ On disk (``<cache_dir>/kernels/<digest>.json``):
   others wait and read its entry. The OS releases the lock of a process that dies, so a
   killed builder cannot deadlock the rest. The locks are striped over 256 files by the key's
   first byte, so that their number stays bounded however many patterns pass;
-* bounded: a write that takes the entries past ``cache.max_mb`` removes the least recently
-  used ones (a read from disk counts as a use), and :meth:`KernelCache.prune` does it on
-  demand (``sparserl cache prune``). Memory keeps the most recent :data:`MEMORY_ENTRIES`.
+* bounded, across the processes sharing the folder: after each write, under an exclusive
+  ``flock`` of ``prune.lock``, the entries on disk are measured, and when they pass
+  ``cache.max_mb`` the least recently used ones are removed (a read from disk counts as a use);
+  :meth:`KernelCache.prune` does it on demand (``sparserl cache prune``). What the folder holds
+  is measured, not what this process wrote, so writers together stay under the cap, each
+  write's entry at most past it until its prune. Memory keeps the most recent
+  :data:`MEMORY_ENTRIES`.
 
 A cache never raises for its folder: where the folder cannot be created, read or written
 (a file in its place, no permission, a refused folder, no key), it logs one warning and
@@ -48,6 +52,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import config
 from ..pattern.fingerprint import SpecializationKey
 from ..toolchain import trust
 from ..toolchain.paths import configured_cache_dir, private_cache_dir
@@ -62,6 +67,8 @@ MEMORY_ENTRIES = 4096  # decisions kept in memory (a few kB each), most recently
 PRUNE_TO = 0.8  # a write past the cap removes entries until they take this fraction of it
 ENTRY_NAME = re.compile(r"^[0-9a-f]{16,64}\.json$")  # an entry's file name
 _KEY_LOCK_NAME = re.compile(r"^[0-9a-f]{16,64}\.lock$")  # one lock per key: earlier versions' scheme
+PRUNE_LOCK = "prune.lock"  # serializes the measure-and-remove of every process sharing the folder
+MAX_BYTES = int(config.MAX_CACHE_MAX_MB) << 20  # the largest cap, in bytes
 _PURPOSE = b"cache-entry"
 
 
@@ -101,18 +108,21 @@ class _Rejected(ValueError):
     """An entry on disk that must not be used."""
 
 
+def _byte_count(what: str, value, low: int) -> int:
+    """``value`` if it is a whole number of bytes from ``low`` to :data:`MAX_BYTES`; else a
+    ValueError naming ``what``."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_BYTES):
+        raise ValueError(f"{what} must be a whole number of bytes >= {low} and <= {MAX_BYTES} (got {value!r})")
+    return value
+
+
 class KernelCache:
     def __init__(self, root: Path | str | None = None, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
                  max_bytes: int | None = None):
         self.lock_timeout_s = lock_timeout_s
         if max_bytes is None:
-            from .. import config
-
-            max_bytes = int(config.read("cache.max_mb") * (1 << 20))
-        if max_bytes <= 0:
-            raise ValueError(f"KernelCache: max_bytes must be positive (got {max_bytes})")
-        self.max_bytes = max_bytes
-        self._disk_bytes: int | None = None  # the entries' total size, once counted (put keeps it)
+            max_bytes = int(config.read("cache.max_mb") * (1 << 20))  # in range: read() checks it
+        self.max_bytes = _byte_count("KernelCache: max_bytes", max_bytes, 1)
         self._memory: collections.OrderedDict[str, CacheEntry] = collections.OrderedDict()
         self._memory_lock = threading.Lock()
         self.stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "rejected": 0, "builds": 0, "evicted": 0}
@@ -258,7 +268,6 @@ class KernelCache:
                 json.dump(document, handle, sort_keys=True)
                 handle.flush()
                 os.fsync(handle.fileno())
-            size = os.path.getsize(tmp)
             os.replace(tmp, path)  # atomic: readers see the old entry or the new one
         except BaseException as exc:
             try:
@@ -269,17 +278,36 @@ class KernelCache:
                 raise
             self._disable(f"cannot write {path.name} ({type(exc).__name__}: {exc})")
             return path
-        self._grew(size)
+        self._grew()
         return path
 
-    def _grew(self, size: int) -> None:
-        """After a write of ``size`` bytes: prune when the entries pass the cap."""
-        if self._disk_bytes is None:
-            self._disk_bytes = sum(size for _, size, _ in self._usage())
-        else:
-            self._disk_bytes += size
-        if self._disk_bytes > self.max_bytes:
-            self.prune(int(self.max_bytes * PRUNE_TO))
+    def _grew(self) -> None:
+        """After a write: prune when the entries on disk, every process's, pass the cap. They
+        are measured each time (a listing and a stat per entry: milliseconds, against the
+        seconds of the specialization that wrote the entry); a count kept by this process would
+        miss what the others write."""
+        with self._prune_lock():
+            usage = self._usage()
+            if sum(size for _, size, _ in usage) > self.max_bytes:
+                self._remove_oldest(usage, int(self.max_bytes * PRUNE_TO), None)
+
+    @contextmanager
+    def _prune_lock(self):
+        """Held while one process measures the entries and removes some, so that two processes
+        past the cap at once do not both remove the oldest entries. Without it (the lock file
+        cannot be made: a read-only folder; it is a symbolic link, not followed) the pruning goes
+        on unserialized: the cap still holds, more may be removed than needed."""
+        try:
+            fd = trust.open_lock(self.root / PRUNE_LOCK)
+        except OSError as exc:
+            log.debug("cache: pruning %s without its lock: %s", self.root, exc)
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for the milliseconds of a prune; a dead holder's is freed
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def _usage(self) -> list[tuple[Path, int, float]]:
         """Every entry as ``(path, bytes, last use)``, least recently used first."""
@@ -367,9 +395,14 @@ class KernelCache:
                 out.append((path, None, str(exc)))
         return out
 
-    def clear(self) -> int:
+    def disk_bytes(self) -> int:
+        """What the entries on disk take now, in bytes."""
+        return sum(size for _, size, _ in self._usage())
+
+    def clear(self, failures: list[tuple[Path, OSError]] | None = None) -> int:
         """Remove the entries, and temporary files older than :data:`STALE_TEMP_S` (a write in
-        flight in another process keeps its file). Returns the entries removed."""
+        flight in another process keeps its file). Returns the entries removed; an entry that
+        cannot be removed (a read-only folder) stays, and goes to ``failures`` when given."""
         removed = 0
         now = time.time()
         for name in self._names():
@@ -380,24 +413,32 @@ class KernelCache:
                     removed += 1
                 elif name.startswith(".tmp-") and now - os.lstat(path).st_mtime > STALE_TEMP_S:
                     os.unlink(path)
-            except OSError as exc:  # gone meanwhile, a folder, no permission: left as it is
+            except FileNotFoundError:  # gone meanwhile: another process's clear or prune
+                pass
+            except OSError as exc:  # a folder, no permission: left as it is
                 log.debug("cache: cannot remove %s: %s", path, exc)
+                if failures is not None and ENTRY_NAME.match(name):
+                    failures.append((path, exc))
         # Lock files stay: deleting one that a running process holds would let a second
         # process lock a fresh file of the same name and build the same key concurrently.
         with self._memory_lock:
             self._memory.clear()
-        self._disk_bytes = None
         return removed
 
-    def prune(self, max_bytes: int | None = None) -> tuple[int, int, int]:
+    def prune(self, max_bytes: int | None = None,
+              failures: list[tuple[Path, OSError]] | None = None) -> tuple[int, int, int]:
         """Remove the least recently used entries until the rest take at most ``max_bytes``
         (default: the cache's cap), with temporary files older than :data:`STALE_TEMP_S` and the
         one-lock-per-key files of earlier versions that no process holds. Returns ``(entries
-        removed, bytes freed, bytes kept)``. A removed entry is decided again when next asked."""
-        limit = self.max_bytes if max_bytes is None else max_bytes
-        if limit < 0:
-            raise ValueError(f"prune: max_bytes must be >= 0 (got {limit})")
-        usage = self._usage()
+        removed, bytes freed, bytes kept)``; an entry that cannot be removed stays, counted as
+        kept, and goes to ``failures`` when given. A removed entry is decided again when next asked."""
+        limit = self.max_bytes if max_bytes is None else _byte_count("prune: max_bytes", max_bytes, 0)
+        with self._prune_lock():
+            return self._remove_oldest(self._usage(), limit, failures)
+
+    def _remove_oldest(self, usage: list[tuple[Path, int, float]], limit: int,
+                       failures: list[tuple[Path, OSError]] | None) -> tuple[int, int, int]:
+        """:meth:`prune`'s work on the entries ``usage`` measured, under the prune lock."""
         kept = sum(size for _, size, _ in usage)
         removed = freed = 0
         for path, size, _ in usage:
@@ -405,10 +446,13 @@ class KernelCache:
                 break
             try:
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
+            except FileNotFoundError:  # another process removed it meanwhile: freed all the same
+                kept -= size
+                continue
             except OSError as exc:
                 log.debug("cache: cannot remove %s: %s", path, exc)
+                if failures is not None:
+                    failures.append((path, exc))
                 continue
             kept -= size
             freed += size
@@ -416,7 +460,6 @@ class KernelCache:
             with self._memory_lock:
                 self._memory.pop(path.stem, None)
         self.stats["evicted"] += removed
-        self._disk_bytes = kept
         self._sweep()
         if removed:
             log.info("cache: %s: removed the %d least recently used entries (%d kB); %d kB kept",

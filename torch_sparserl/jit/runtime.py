@@ -509,9 +509,15 @@ class Runtime:
         return out
 
     def _decide_counted(self, *args):
-        """:meth:`_decide` in the background thread, counted while it waits and runs (the queue's bound)."""
+        """:meth:`_decide` in the background thread, counted while it waits and runs (the queue's bound).
+        What it raises (the cache refusing a setting read when it is first made) falls back:
+        raised into the thread's future, nobody would see it, and the decision would stay
+        pending for good."""
         try:
             return self._decide(*args)
+        except Exception as exc:  # noqa: BLE001 - a decision that fails is cuSPARSE's, loudly
+            _, _, pattern, decision, *_ = args
+            return self._fallback(pattern, decision, None, f"decision failed: {type(exc).__name__}: {exc}", exc)
         finally:
             with self._lock:
                 self._decisions_in_flight -= 1

@@ -223,15 +223,23 @@ def _bound(root: Path) -> None:
         _remove(path)
 
 
-def clear() -> int:
-    """Remove every built kernel of the user's cache; returns how many."""
+def clear(failures: list[tuple[Path, OSError]] | None = None) -> int:
+    """Remove every built kernel of the user's cache; returns how many were removed. One that
+    cannot be removed (a read-only folder) stays, and goes to ``failures`` when given."""
     root = paths.private_cache_dir()
     if root is None or not (root / FOLDER).is_dir():
         return 0
-    entries = _entries(root / FOLDER)
-    for _, path in entries:
-        _remove(path)
-    return len(entries)
+    removed = 0
+    for _, path in _entries(root / FOLDER):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:  # another process's clear
+            pass
+        except OSError as exc:
+            if failures is not None:
+                failures.append((path, exc))
+    return removed
 
 
 def count() -> tuple[int, int]:
