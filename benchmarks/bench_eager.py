@@ -1,7 +1,8 @@
 """Eager products end to end: ``ts.csr(A) @ X`` against torch's own call on the same matrix.
 
 For every real matrix (../shared/matrices when present, else the shipped ones), each product
-(SpMV, SpMM at N = 32, 128, 256), float32 and int32 indices, and two runtimes — ``off`` (no
+(SpMV, SpMM at N = 32, 128, 256), each value dtype the products serve (float32, bfloat16,
+float16; int32 indices), and two runtimes — ``off`` (no
 kernel: cuSPARSE serves every call, the library's fallback path) and ``default`` (the default
 settings, in ``sync`` mode so that each decision lands before the timing) — one process measures:
 
@@ -22,6 +23,7 @@ settings, in ``sync`` mode so that each decision lands before the timing) — on
     python benchmarks/bench_eager.py --out benchmarks/results/                  # everything
     python benchmarks/bench_eager.py --out R.json --resume --max-time-s 400     # in chunks
     python benchmarks/bench_eager.py --matrices cora,pubmed --products 1,32 --out /tmp/e.json
+    python benchmarks/bench_eager.py --dtypes bfloat16 --products 64 --matrices cnr-2000 --out /tmp/b.json
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SCHEMA = "torch_sparserl.bench_eager/1"
 PRODUCTS = (1, 32, 128, 256)  # 1: SpMV
 MODES = ("off", "default")
+DTYPES = ("float32", "bfloat16", "float16")
 HOST_CALLS = 200  # under the GPU's launch queue: issuing is not held up by the device
 
 
@@ -75,7 +78,7 @@ def host_us(fn, calls: int = HOST_CALLS, repeats: int = 5) -> float:
     return best
 
 
-def measure_cell(M, name: str, n: int, mode: str) -> dict:
+def measure_cell(M, name: str, n: int, mode: str, dtype_name: str = "float32") -> dict:
     import numpy as np
     import torch
 
@@ -86,29 +89,33 @@ def measure_cell(M, name: str, n: int, mode: str) -> dict:
     from torch_sparserl.jit import fastpath
     from torch_sparserl.jit import runtime as rt
 
+    dtype = getattr(torch, dtype_name)
     runtime = rt.configure(mode="off" if mode == "off" else "sync")
-    A = ts.csr(M, dtype=torch.float32, index_dtype=torch.int32, device="cuda")
-    raw = torch.sparse_csr_tensor(A.crow, A.col, A.val, tuple(A.shape))
+    A = ts.csr(M, dtype=dtype, index_dtype=torch.int32, device="cuda")
+    raw = A.to_sparse_csr()
     generator = torch.Generator(device="cuda").manual_seed(n)
-    X = torch.randn(M.shape[1], max(n, 1), device="cuda", generator=generator)
+    X = torch.randn(M.shape[1], max(n, 1), device="cuda", generator=generator).to(dtype)
     operand = X[:, 0].contiguous() if n == 1 else X
     torch.cuda.synchronize()
     started = time.perf_counter()
     Y = A @ operand
     torch.cuda.synchronize()
     first_s = time.perf_counter() - started
-    reference = torch.from_numpy(np.asarray(M.astype(np.float64) @ X.double().cpu().numpy()))
-    ok, why = close_to_reference(Y.reshape(M.shape[0], -1).cpu(), reference[:, :max(n, 1)], torch.float32)
+    rounded = M.astype(np.float64)
+    rounded.data = A.val.double().cpu().numpy()  # the values as the dtype holds them (SciPy's order is A's)
+    reference = torch.from_numpy(np.asarray(rounded @ X.double().cpu().numpy()))
+    ok, why = close_to_reference(Y.reshape(M.shape[0], -1).cpu(), reference[:, :max(n, 1)], dtype)
     ours = lambda: A @ operand  # noqa: E731
     theirs = (lambda: torch.mv(raw, operand)) if n == 1 else (lambda: torch.sparse.mm(raw, operand))  # noqa: E731
     before = fastpath.COUNTS.clone()
     ours()
     served_by_cpp = bool((fastpath.COUNTS - before).sum())
     wall = compare_us({"sparserl": ours, "torch": theirs})
-    decision = runtime.explain("spmv" if n == 1 else "spmm", patterns.lookup(A.crow, A.col, M.shape[1]), n,
-                               torch.float32)
+    decision = runtime.explain("spmv" if n == 1 else "spmm", patterns.lookup(A._crow, A._col, M.shape[1]), n,
+                               dtype)
     host = _host_rounds(A, operand, n, ours, theirs, served_by_cpp, served_by_cpp and decision.startswith("installed"))
     cell = {"matrix": name, "rows": M.shape[0], "cols": M.shape[1], "nnz": int(M.nnz), "n": n, "mode": mode,
+            "dtype": dtype_name,
             "decision": decision, "served_by_cpp": served_by_cpp, "first_s": first_s,
             "correct": ok, "error": None if ok else why,
             "wall_us": wall["sparserl"], "torch_wall_us": wall["torch"],
@@ -130,7 +137,7 @@ def _host_rounds(A, operand, n: int, ours, theirs, served_by_cpp: bool, kernel_h
 
     lib = torch.ops.sparserl_fastpath
     index = fastpath.OPS.index("spmv" if n == 1 else "spmm")
-    args = (A.crow, A.col, A.val, A.shape[1], operand, index, HOST_CALLS)
+    args = (A._crow, A._col, A.val, A.shape[1], operand, index, HOST_CALLS)
     best = {"host_us": math.inf, "torch_host_us": math.inf, "cpp_us": None, "bare_launch_us": None}
     for _ in range(rounds):
         best["host_us"] = min(best["host_us"], host_us(ours, repeats=1))
@@ -152,27 +159,30 @@ def _geomean(values) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
+def _dtype(cell: dict) -> str:
+    return cell.get("dtype", "float32")  # cells of runs before the dtype was recorded: float32
+
+
 def summary(doc: dict) -> dict:
     out = {}
-    for mode in MODES:
-        for n in PRODUCTS:
-            cells = [c for c in doc["cells"] if c["mode"] == mode and c["n"] == n]
-            if not cells:
-                continue
-            bare = [c for c in cells if c.get("bare_launch_us") is not None]
-            over_bare = [c["host_us"] - c["bare_launch_us"] for c in bare]
-            cpp_over_bare = [c["cpp_us"] - c["bare_launch_us"] for c in bare if c.get("cpp_us") is not None]
-            out[f"{mode} {'spmv' if n == 1 else f'spmm n={n}'}"] = {
-                "cells": len(cells), "geomean": _geomean(c["speedup"] for c in cells),
-                "min": min(c["speedup"] for c in cells), "gpu_geomean": _geomean(c["gpu_speedup"] for c in cells),
-                "below_0.97": sum(c["speedup"] < 0.97 for c in cells),
-                "host_us_median": statistics.median(c["host_us"] for c in cells),
-                "torch_host_us_median": statistics.median(c["torch_host_us"] for c in cells),
-                "over_bare_us_max": max(over_bare, default=None),
-                "over_bare_us_median": statistics.median(over_bare) if over_bare else None,
-                "cpp_over_bare_us_median": statistics.median(cpp_over_bare) if cpp_over_bare else None,
-                "installed": sum(c["decision"].startswith("installed") for c in cells),
-                "correct": sum(c["correct"] for c in cells)}
+    for mode, dtype, n in ((m, d, n) for m in MODES for d in DTYPES for n in PRODUCTS):
+        cells = [c for c in doc["cells"] if c["mode"] == mode and c["n"] == n and _dtype(c) == dtype]
+        if not cells:
+            continue
+        bare = [c for c in cells if c.get("bare_launch_us") is not None]
+        over_bare = [c["host_us"] - c["bare_launch_us"] for c in bare]
+        cpp_over_bare = [c["cpp_us"] - c["bare_launch_us"] for c in bare if c.get("cpp_us") is not None]
+        out[f"{mode} {dtype} {'spmv' if n == 1 else f'spmm n={n}'}"] = {
+            "cells": len(cells), "geomean": _geomean(c["speedup"] for c in cells),
+            "min": min(c["speedup"] for c in cells), "gpu_geomean": _geomean(c["gpu_speedup"] for c in cells),
+            "below_0.97": sum(c["speedup"] < 0.97 for c in cells),
+            "host_us_median": statistics.median(c["host_us"] for c in cells),
+            "torch_host_us_median": statistics.median(c["torch_host_us"] for c in cells),
+            "over_bare_us_max": max(over_bare, default=None),
+            "over_bare_us_median": statistics.median(over_bare) if over_bare else None,
+            "cpp_over_bare_us_median": statistics.median(cpp_over_bare) if cpp_over_bare else None,
+            "installed": sum(c["decision"].startswith("installed") for c in cells),
+            "correct": sum(c["correct"] for c in cells)}
     return out
 
 
@@ -180,8 +190,8 @@ def markdown(doc: dict) -> str:
     env = doc["env"]
     lines = [f"# Eager products end to end: {env['gpu']}, torch {env['torch']}", "",
              "Speedup = torch's own call (`torch.sparse.mm` / `torch.mv` on the same CSR tensor) per call / "
-             "`ts.csr(A) @ X` per call, wall time with host cost, rounds interleaved in one process; float32, "
-             "int32 indices. `off`: no kernel, cuSPARSE serves every call (the fallback path); `default`: the "
+             "`ts.csr(A) @ X` per call, wall time with host cost, rounds interleaved in one process; int32 "
+             "indices. `off`: no kernel, cuSPARSE serves every call (the fallback path); `default`: the "
              "default settings in sync mode. GPU = profiler device time per call; host = CPU µs per call.", "",
              "Host over bare = host µs a C++ kernel hit took over bare launches of the same kernel (median, most); "
              "C++ over bare = the same for the hits looped in C++ alone (the rest is the Python door).",
@@ -196,10 +206,10 @@ def markdown(doc: dict) -> str:
                         else f"{s['over_bare_us_median']:.1f}, {s['over_bare_us_max']:.1f} µs") + " | "
                      + ("–" if s.get("cpp_over_bare_us_median") is None else f"{s['cpp_over_bare_us_median']:.1f} µs")
                      + f" | {s['installed']} | {s['correct']}/{s['cells']} |")
-    lines += ["", "| matrix | n | runtime | speedup | wall µs (torch) | GPU µs (torch) | host µs (torch) | served by |",
-              "|---|---:|---|---:|---:|---:|---:|---|"]
+    lines += ["", "| matrix | n | dtype | runtime | speedup | wall µs (torch) | GPU µs (torch) | host µs (torch) | "
+              "served by |", "|---|---:|---|---|---:|---:|---:|---:|---|"]
     for c in doc["cells"]:
-        lines.append(f"| {c['matrix']} | {c['n']} | {c['mode']} | {c['speedup']:.2f}× | {c['wall_us']:.1f} "
+        lines.append(f"| {c['matrix']} | {c['n']} | {_dtype(c)} | {c['mode']} | {c['speedup']:.2f}× | {c['wall_us']:.1f} "
                      f"({c['torch_wall_us']:.1f}) | {c['gpu_us']:.1f} ({c['torch_gpu_us']:.1f}) | {c['host_us']:.1f} "
                      f"({c['torch_host_us']:.1f}) | {c['decision'][:60]}" + (" (C++)" if c["served_by_cpp"] else "")
                      + " |")
@@ -209,10 +219,11 @@ def markdown(doc: dict) -> str:
 
 
 def svg(doc: dict) -> str:
-    """End-to-end speedup of every cell, one column per (product, runtime)."""
-    columns = [(mode, n) for n in PRODUCTS for mode in MODES]
+    """End-to-end speedup of every cell, one column per (dtype, product, runtime) that was run."""
+    ran = {(_dtype(c), c["n"], c["mode"]) for c in doc["cells"]}
+    columns = [(mode, n, d) for d in DTYPES for n in PRODUCTS for mode in MODES if (d, n, mode) in ran]
     colors = {"off": "#8c8c8c", "default": "#2b6cb0"}
-    values = {col: [c["speedup"] for c in doc["cells"] if (c["mode"], c["n"]) == col] for col in columns}
+    values = {col: [c["speedup"] for c in doc["cells"] if (c["mode"], c["n"], _dtype(c)) == col] for col in columns}
     hi = max([2.0] + [v for vs in values.values() for v in vs])
     left, top, plot_h, col_w = 50, 40, 260, 60
     width, height = left + len(columns) * col_w + 20, top + plot_h + 70
@@ -235,6 +246,8 @@ def svg(doc: dict) -> str:
         for v in values[col]:
             out.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3" fill="{colors[col[0]]}" fill-opacity="0.7"/>')
         label = f"{'spmv' if col[1] == 1 else f'n={col[1]}'} {col[0]}"
+        if col[2] != "float32":
+            label += f" {'bf16' if col[2] == 'bfloat16' else 'f16'}"
         out.append(f'<text x="{x:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{html.escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -247,6 +260,7 @@ def main(argv=None) -> int:
     parser.add_argument("--matrices", help="comma-separated names (default: every real matrix)")
     parser.add_argument("--products", default=",".join(map(str, PRODUCTS)), help="N per product; 1 is SpMV")
     parser.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"value dtypes, some of {','.join(DTYPES)}")
     parser.add_argument("--max-time-s", type=float, default=math.inf, help="stop starting cells after this")
     parser.add_argument("--no-spmv-preprocess", dest="preprocess", action="store_false",
                         help="C++'s cuSPARSE SpMV entries skip cusparseSpMV_preprocess (to measure what it is worth)")
@@ -254,6 +268,9 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         parser.error(f"--modes: expected some of {','.join(MODES)} (got {args.modes})")
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= set(DTYPES):
+        parser.error(f"--dtypes: expected some of {','.join(DTYPES)} (got {args.dtypes})")
 
     import torch
 
@@ -282,26 +299,25 @@ def main(argv=None) -> int:
     real = {name: entry for name, entry in known_matrices().items() if entry.group == "real"}
     names = args.matrices.split(",") if args.matrices else sorted(real)
     products = [int(n) for n in args.products.split(",")]
-    done = {(c["matrix"], c["n"], c["mode"]) for c in doc["cells"]}
+    done = {(c["matrix"], c["n"], c["mode"], _dtype(c)) for c in doc["cells"]}
     started = time.perf_counter()
     for name in names:
         M = (real[name].load() if name in real else load_matrix(name)).tocsr()
-        for n in products:
-            for mode in modes:
-                if (name, n, mode) in done:
-                    continue
-                if time.perf_counter() - started > args.max_time_s:
-                    print("bench_eager: time is up; resume with --resume", path)
-                    doc["summary"] = summary(doc)
-                    write_json_md(doc, path, markdown, svg)
-                    return 0
-                cell = measure_cell(M, name, n, mode)
-                doc["cells"].append(cell)
-                print(f"{name} n={n} {mode}: {cell['speedup']:.2f}x ({cell['wall_us']:.1f} vs "
-                      f"{cell['torch_wall_us']:.1f} us; host {cell['host_us']:.1f} vs {cell['torch_host_us']:.1f}) "
-                      f"{cell['decision'][:50]}", flush=True)
+        for dtype, n, mode in ((d, n, m) for d in dtypes for n in products for m in modes):
+            if (name, n, mode, dtype) in done:
+                continue
+            if time.perf_counter() - started > args.max_time_s:
+                print("bench_eager: time is up; resume with --resume", path)
                 doc["summary"] = summary(doc)
                 write_json_md(doc, path, markdown, svg)
+                return 0
+            cell = measure_cell(M, name, n, mode, dtype)
+            doc["cells"].append(cell)
+            print(f"{name} n={n} {dtype} {mode}: {cell['speedup']:.2f}x ({cell['wall_us']:.1f} vs "
+                  f"{cell['torch_wall_us']:.1f} us; host {cell['host_us']:.1f} vs {cell['torch_host_us']:.1f}) "
+                  f"{cell['decision'][:50]}", flush=True)
+            doc["summary"] = summary(doc)
+            write_json_md(doc, path, markdown, svg)
     return 0
 
 

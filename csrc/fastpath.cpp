@@ -373,6 +373,27 @@ VendorPlan::~VendorPlan() {
   if (y) api->destroy_dnvec(y);
 }
 
+// The cuSPARSE types of a product whose values and operand are `scalar`: the data type, and
+// the type it computes in, with alpha and beta of that type. The half types compute in float32,
+// so that their sums are float32 sums, rounded once (torch's own half products through cuSPARSE
+// sum in the half type); nothing for a type the vendor path does not take.
+struct VendorTypes {
+  cudaDataType data, compute;
+  const void* one;
+  const void* zero;
+};
+std::optional<VendorTypes> vendor_types(at::ScalarType scalar) {
+  static const float one32 = 1.0f, zero32 = 0.0f;
+  static const double one64 = 1.0, zero64 = 0.0;
+  switch (scalar) {
+    case at::kFloat: return VendorTypes{CUDA_R_32F, CUDA_R_32F, &one32, &zero32};
+    case at::kDouble: return VendorTypes{CUDA_R_64F, CUDA_R_64F, &one64, &zero64};
+    case at::kHalf: return VendorTypes{CUDA_R_16F, CUDA_R_32F, &one32, &zero32};
+    case at::kBFloat16: return VendorTypes{CUDA_R_16BF, CUDA_R_32F, &one32, &zero32};
+    default: return std::nullopt;
+  }
+}
+
 // Whether new vendor entries preprocess their SpMV (benchmarks turn it off to measure it).
 std::atomic<bool> spmv_preprocess_on{true};
 
@@ -384,10 +405,9 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
   const Cusparse* api = cusparse_api();
   if (api == nullptr || !e.plan || e.nnz == 0 || e.out_rows == 0 || e.vendor_cols == 0 || (matrix && e.n == 0))
     return std::nullopt;
-  cudaDataType dt;
-  if (val.scalar_type() == at::kFloat) dt = CUDA_R_32F;
-  else if (val.scalar_type() == at::kDouble) dt = CUDA_R_64F;
-  else return std::nullopt;
+  const std::optional<VendorTypes> types = vendor_types(val.scalar_type());
+  if (!types) return std::nullopt;
+  const cudaDataType dt = types->data, compute = types->compute;
   if (rowptr.scalar_type() != colidx.scalar_type() || !rowptr.is_contiguous() || !colidx.is_contiguous() ||
       !val.is_contiguous())
     return std::nullopt;
@@ -396,10 +416,8 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
   std::lock_guard<std::mutex> hold(p.lock);
   if (p.failed) return std::nullopt;
   at::Tensor out = matrix ? at::empty({e.out_rows, e.n}, X.options()) : at::empty({e.out_rows}, X.options());
-  const double one64 = 1.0, zero64 = 0.0;
-  const float one32 = 1.0f, zero32 = 0.0f;
-  const void* alpha = dt == CUDA_R_32F ? static_cast<const void*>(&one32) : static_cast<const void*>(&one64);
-  const void* beta = dt == CUDA_R_32F ? static_cast<const void*>(&zero32) : static_cast<const void*>(&zero64);
+  const void* alpha = types->one;
+  const void* beta = types->zero;
   cusparseHandle_t handle = at::cuda::getCurrentCUDASparseHandle();  // on the current stream
   bool ok = true;
   auto check = [&](cusparseStatus_t status) { ok = ok && status == CUSPARSE_STATUS_SUCCESS; };
@@ -418,7 +436,7 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
     }
     if (ok && !p.sized) {
       check(api->spmm_size(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A,
-                           p.X, beta, p.Y, dt, CUSPARSE_SPMM_ALG_DEFAULT, &p.buffer_bytes));
+                           p.X, beta, p.Y, compute, CUSPARSE_SPMM_ALG_DEFAULT, &p.buffer_bytes));
       p.sized = ok;
     }
   } else {
@@ -430,7 +448,7 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
       check(api->dnvec_set(p.y, out.data_ptr()));
     }
     if (ok && !p.sized) {
-      check(api->spmv_size(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, dt,
+      check(api->spmv_size(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, compute,
                            CUSPARSE_SPMV_ALG_DEFAULT, &p.buffer_bytes));
       p.sized = ok;
     }
@@ -446,7 +464,7 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
       spmv_preprocess_on.load() && !capturing()) {
     p.stream = stream;  // tried once, on this stream
     p.workspace = at::empty({static_cast<int64_t>(std::max<size_t>(p.buffer_bytes, 1))}, X.options().dtype(at::kByte));
-    p.preprocessed = api->spmv_preprocess(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, dt,
+    p.preprocessed = api->spmv_preprocess(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, compute,
                                           CUSPARSE_SPMV_ALG_DEFAULT, p.workspace.data_ptr()) == CUSPARSE_STATUS_SUCCESS;
     if (!p.preprocessed) p.workspace = at::Tensor();  // plain calls with a workspace of their own
   }
@@ -457,9 +475,9 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
                                                  X.options().dtype(at::kByte));
   if (matrix)
     check(api->spmm(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.X, beta,
-                    p.Y, dt, CUSPARSE_SPMM_ALG_DEFAULT, buffer.data_ptr()));
+                    p.Y, compute, CUSPARSE_SPMM_ALG_DEFAULT, buffer.data_ptr()));
   else
-    check(api->spmv(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, dt,
+    check(api->spmv(handle, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, p.A, p.x, beta, p.y, compute,
                     CUSPARSE_SPMV_ALG_DEFAULT, buffer.data_ptr()));
   if (!ok) {
     p.failed = true;
@@ -485,10 +503,9 @@ std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor
       val.scalar_type() != X_in.scalar_type() || !crow.is_contiguous() || !col.is_contiguous() ||
       !val.is_contiguous())
     return std::nullopt;
-  cudaDataType dt;
-  if (val.scalar_type() == at::kFloat) dt = CUDA_R_32F;
-  else if (val.scalar_type() == at::kDouble) dt = CUDA_R_64F;
-  else return std::nullopt;
+  const std::optional<VendorTypes> types = vendor_types(val.scalar_type());
+  if (!types) return std::nullopt;
+  const cudaDataType dt = types->data, compute = types->compute;
   if (crow.scalar_type() != at::kInt && crow.scalar_type() != at::kLong) return std::nullopt;
   const int64_t rows = crow.size(0) - 1, nnz = col.size(0), n = matrix ? X_in.size(1) : 1;
   const int64_t in_rows = transposed ? rows : ncols, out_rows = transposed ? ncols : rows;
@@ -500,10 +517,8 @@ std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor
   const at::Tensor X = X_in.contiguous();
   at::Tensor out = matrix ? at::empty({out_rows, n}, X.options()) : at::empty({out_rows}, X.options());
   const cusparseIndexType_t index = crow.scalar_type() == at::kInt ? CUSPARSE_INDEX_32I : CUSPARSE_INDEX_64I;
-  const double one64 = 1.0, zero64 = 0.0;
-  const float one32 = 1.0f, zero32 = 0.0f;
-  const void* alpha = dt == CUDA_R_32F ? static_cast<const void*>(&one32) : static_cast<const void*>(&one64);
-  const void* beta = dt == CUDA_R_32F ? static_cast<const void*>(&zero32) : static_cast<const void*>(&zero64);
+  const void* alpha = types->one;
+  const void* beta = types->zero;
   cusparseHandle_t handle = at::cuda::getCurrentCUDASparseHandle();  // on the current stream
   // descriptors of this call, destroyed on every way out
   struct Descriptors {
@@ -528,20 +543,20 @@ std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor
     if (ok) check(api->create_dnmat(&d.B, in_rows, n, n, X.data_ptr(), dt, CUSPARSE_ORDER_ROW));
     if (ok) check(api->create_dnmat(&d.C, out_rows, n, n, out.data_ptr(), dt, CUSPARSE_ORDER_ROW));
     if (ok)
-      check(api->spmm_size(handle, opA, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta, d.C, dt,
+      check(api->spmm_size(handle, opA, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta, d.C, compute,
                            CUSPARSE_SPMM_ALG_DEFAULT, &bytes));
   } else {
     if (ok) check(api->create_dnvec(&d.x, in_rows, X.data_ptr(), dt));
     if (ok) check(api->create_dnvec(&d.y, out_rows, out.data_ptr(), dt));
-    if (ok) check(api->spmv_size(handle, opA, alpha, d.A, d.x, beta, d.y, dt, CUSPARSE_SPMV_ALG_DEFAULT, &bytes));
+    if (ok) check(api->spmv_size(handle, opA, alpha, d.A, d.x, beta, d.y, compute, CUSPARSE_SPMV_ALG_DEFAULT, &bytes));
   }
   if (!ok) return std::nullopt;
   const at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, X.options().dtype(at::kByte));
   if (matrix)
-    check(api->spmm(handle, opA, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta, d.C, dt,
+    check(api->spmm(handle, opA, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta, d.C, compute,
                     CUSPARSE_SPMM_ALG_DEFAULT, buffer.data_ptr()));
   else
-    check(api->spmv(handle, opA, alpha, d.A, d.x, beta, d.y, dt, CUSPARSE_SPMV_ALG_DEFAULT, buffer.data_ptr()));
+    check(api->spmv(handle, opA, alpha, d.A, d.x, beta, d.y, compute, CUSPARSE_SPMV_ALG_DEFAULT, buffer.data_ptr()));
   if (!ok) return std::nullopt;
   return out;
 }
@@ -599,15 +614,18 @@ at::Tensor serve(Entry& e, const at::Tensor& crow, const at::Tensor& col, const 
 #if SPARSERL_CUSPARSE
     if (auto out = cusparse_product(e, rowptr, colidx, val_in, X_in.contiguous(), matrix)) return *std::move(out);
 #endif
-    at::Tensor A = at::_sparse_csr_tensor_unsafe(rowptr, colidx, val_in, {e.out_rows, e.vendor_cols},
-                                                 val_in.options().layout(c10::kSparseCsr));
-    at::Tensor X = X_in.contiguous();
-    if (matrix) {
-      at::Tensor out = at::empty({e.out_rows, e.n}, X.options());
-      return at::addmm_out(out, out, A, X, /*beta=*/0, /*alpha=*/1);  // beta=0: out is not read
-    }
-    at::Tensor out = at::empty({e.out_rows}, X.options());
-    return at::addmv_out(out, out, A, X, /*beta=*/0, /*alpha=*/1);
+    // torch's call: the half types widened to float32 (torch's half product sums in the half type)
+    const bool half = val_in.scalar_type() == at::kHalf || val_in.scalar_type() == at::kBFloat16;
+    const at::Tensor val = half ? val_in.to(at::kFloat) : val_in;
+    at::Tensor A = at::_sparse_csr_tensor_unsafe(rowptr, colidx, val, {e.out_rows, e.vendor_cols},
+                                                 val.options().layout(c10::kSparseCsr));
+    at::Tensor X = half ? X_in.to(at::kFloat).contiguous() : X_in.contiguous();
+    at::Tensor out = matrix ? at::empty({e.out_rows, e.n}, X.options()) : at::empty({e.out_rows}, X.options());
+    if (matrix)
+      at::addmm_out(out, out, A, X, /*beta=*/0, /*alpha=*/1);  // beta=0: out is not read
+    else
+      at::addmv_out(out, out, A, X, /*beta=*/0, /*alpha=*/1);
+    return half ? out.to(val_in.scalar_type()) : out;
   }
   const at::Tensor X = aligned(X_in);
   const at::Tensor val = aligned(val_in);

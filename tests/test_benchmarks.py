@@ -374,20 +374,24 @@ def test_bench_eager_summary_markdown_and_plot():
              dict(cell, matrix="b", n=32, mode="off", decision="not specialized yet", wall_us=20.0,
                   torch_wall_us=10.0, speedup=0.5, gpu_speedup=1.0, correct=False),
              dict(cell, matrix="a", n=1, mode="default", decision="installed: rowchunks{}", wall_us=5.0,
-                  torch_wall_us=15.0, speedup=3.0, gpu_speedup=1.5, bare_launch_us=2.5, cpp_us=4.0)]
+                  torch_wall_us=15.0, speedup=3.0, gpu_speedup=1.5, bare_launch_us=2.5, cpp_us=4.0),
+             dict(cell, matrix="a", n=32, mode="off", dtype="bfloat16", decision="not specialized yet", wall_us=8.0,
+                  torch_wall_us=10.0, speedup=1.25, gpu_speedup=1.1)]
     doc = {"env": {"gpu": "H100", "torch": "2.11"}, "runs": [{"command": "python benchmarks/bench_eager.py",
                                                              "started": "now"}], "cells": cells}
     doc["summary"] = eager.summary(doc)
-    off = doc["summary"]["off spmm n=32"]
+    off = doc["summary"]["off float32 spmm n=32"]  # a cell with no dtype: float32
     assert off["cells"] == 2 and abs(off["geomean"] - 1.0) < 1e-12 and off["min"] == 0.5
     assert off["below_0.97"] == 1 and off["correct"] == 1 and off["installed"] == 0
-    assert doc["summary"]["default spmv"]["installed"] == 1
+    assert doc["summary"]["default float32 spmv"]["installed"] == 1
+    assert doc["summary"]["off bfloat16 spmm n=32"]["cells"] == 1
     text = eager.markdown(doc)
-    assert "| off spmm n=32 | 2 | 1.00× | 0.50× | 1 | 1.00× | 5.0 (20.0) | – | – | 0 | 1/2 |" in text
-    assert "| default spmv | 1 | 3.00× | 3.00× | 0 | 1.50× | 5.0 (20.0) | 2.5, 2.5 µs | 1.5 µs | 1 | 1/1 |" in text
-    assert "| b | 32 | off | 0.50× | 20.0 (10.0) |" in text
+    assert "| off float32 spmm n=32 | 2 | 1.00× | 0.50× | 1 | 1.00× | 5.0 (20.0) | – | – | 0 | 1/2 |" in text
+    assert "| default float32 spmv | 1 | 3.00× | 3.00× | 0 | 1.50× | 5.0 (20.0) | 2.5, 2.5 µs | 1.5 µs | 1 | 1/1 |" in text
+    assert "| b | 32 | float32 | off | 0.50× | 20.0 (10.0) |" in text
+    assert "| a | 32 | bfloat16 | off | 1.25× | 8.0 (10.0) |" in text
     svg = ET.fromstring(eager.svg(doc))
-    assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 3
+    assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 4
 
 
 def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):

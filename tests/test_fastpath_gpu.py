@@ -928,3 +928,40 @@ def test_a_staged_young_pattern_is_served_by_cusparse_in_cxx(tmp_path, monkeypat
         finally:
             rt.set_active(previous)
             runtime.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 16, 64])
+def test_half_products_by_cusparse_are_served_in_cxx_with_float32_sums(poison_uninitialized, dtype, n):
+    """A half-type product the runtime leaves to cuSPARSE (here: the runtime off) is served from
+    C++ after the first call, with cuSPARSE summing in float32 on the half operands as they lie:
+    no widened copies. A row of 4096 ones sums to 4096 exactly (a float16 sum stops at 2048, and
+    torch's own float16 product through cuSPARSE does not get there), and every row is within
+    the half type's tolerance of float64."""
+    rng = np.random.default_rng(7)
+    rows, cols = 300, 5000
+    rest = sp.random(rows - 1, cols, density=0.01, format="csr", random_state=rng)
+    rest.data = rng.standard_normal(rest.nnz)
+    ones = sp.csr_matrix((np.ones(4096), np.arange(4096), [0, 4096]), shape=(1, cols))
+    M = sp.vstack([ones, rest]).tocsr()  # row 0: 4096 ones
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="off"))
+    previous = rt.set_active(runtime)
+    try:
+        A = ts.csr(M, dtype=dtype, device="cuda")
+        for call in range(3):
+            shape = (cols, n) if n > 1 else (cols,)
+            X = torch.randn(*shape, generator=torch.Generator().manual_seed(call), dtype=torch.float64)
+            X[:4096] = 1.0
+            X = X.to(dtype).cuda()
+            before = _counts()
+            Y = A @ X
+            torch.cuda.synchronize()
+            served = tuple(a - b for a, b in zip(_counts(), before))
+            assert Y.dtype == dtype and Y.shape == ((rows, n) if n > 1 else (rows,))
+            want = _want("spmm", A._crow, A._col, A.val, cols, X)
+            assert_close_to_reference(Y.cpu(), want.reshape(Y.shape), dtype)
+            assert bool((Y.reshape(rows, -1)[0].float() == 4096).all()), Y.reshape(rows, -1)[0]
+            assert served == ((0, 0) if call == 0 else (0, 1)), (call, served)
+    finally:
+        rt.set_active(previous)
+        runtime.close()

@@ -62,7 +62,6 @@ log = logging.getLogger("torch_sparserl.jit.fastpath")
 SOURCE = Path(__file__).resolve().parents[1] / "_csrc" / "fastpath.cpp"
 OPS = ("spmm", "spmv", "spmm_transposed", "spmv_transposed")  # in csrc/fastpath.cpp's order
 SDDMM = 4  # csrc/fastpath.cpp's op of sparserl::sddmm (crow, col, Y, X): installed kernels only
-_HALF = (torch.float16, torch.bfloat16)  # cuSPARSE products of these widen in Python (kernels/vendor.py)
 
 loaded = False
 """Whether the library is loaded in this process (the ops' Python implementations read it on
@@ -286,8 +285,9 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     ``runtime``'s decision record says: its installed kernel, or cuSPARSE where it decided for
     cuSPARSE, where the decision is still pending (the runtime's invalidation hook drops the
     registry when it lands), or where the runtime is off. Nothing is recorded inside a CUDA
-    graph capture, or for what C++ does not serve (half-precision cuSPARSE products,
-    inference-mode indices, kernels with neither a C launcher nor a CUfunction it can launch)."""
+    graph capture, or for what C++ does not serve (inference-mode indices, SDDMM by cuSPARSE,
+    kernels with neither a C launcher nor a CUfunction it can launch). C++ runs cuSPARSE's half
+    products with float32 sums, as the Python path does (:mod:`torch_sparserl.kernels.vendor`)."""
     global _owner
     from .. import pattern as patterns
 
@@ -308,7 +308,7 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     if decision.state is None and runtime.decides_on(X.device):
         return  # not decided, nor asked to be (a call the runtime did not admit): the next call records
     # recorded already: the common case of a call C++ leaves to Python (a fast_path=False
-    # graph, a half-precision cuSPARSE product), so it is checked first
+    # graph), so it is checked first
     if ((_epoch, op) in decision.fast or crow.is_inference() or col.is_inference()
             or torch.cuda.is_current_stream_capturing()):
         return
@@ -335,7 +335,7 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
                 if fast.launcher or driver_functions():
                     args = (fast.launcher, [fast.grid, fast.block, fast.smem], fast.aux, list(fast.ints),
                             fast.init_zero, fast.work_numel, fast.function, fast.work_once)
-        elif not sddmm and val.dtype not in _HALF and (
+        elif not sddmm and (
                 (isinstance(state, Fallback) and (state.decided or not runtime.settings.strict))
                 or isinstance(state, Pending)
                 or (state is None and not runtime.decides_on(X.device))):

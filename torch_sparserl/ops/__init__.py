@@ -91,7 +91,7 @@ def _product(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: T
 def _vendor(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: Tensor, X: Tensor) -> Tensor:
     """``A @ X`` by torch's own kernels, cuSPARSE's on CUDA: called from C++ where the library is
     loaded (one call, no sparse tensor built; a pattern met once pays no more than this), else,
-    and for what that call declines (half precision, empty or overfull products) or Dynamo
+    and for what that call declines (empty or overfull products, a type cuSPARSE refuses) or Dynamo
     traces (the library's ops have no fake kernels), through torch
     (:mod:`torch_sparserl.kernels.vendor`)."""
     cusparse_once = fastpath.cusparse_once
@@ -207,7 +207,7 @@ def _transposed_once(entry: patterns.Pattern, crow: Tensor, col: Tensor, val: Te
     served from C++. None where this does not apply: not CUDA, the library not loaded, the
     transpose there already, an overfull pattern, deterministic algorithms asked for (cuSPARSE's
     transposed products may differ in the last bits from run to run), or a product cuSPARSE is
-    not called with here (half precision, int64 sizes it refuses)."""
+    not called with here (a type or int64 sizes it refuses)."""
     cusparse_once = fastpath.cusparse_once
     if (cusparse_once is None or not G.is_cuda or entry.has_transpose or entry.overfull
             or torch.compiler.is_compiling()):
