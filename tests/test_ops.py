@@ -234,19 +234,38 @@ def test_half_types_accumulate_in_float32(device):
         assert out.float().tolist() == [[4096.0, 4096.0]]
 
 
-def test_decisions_name_the_heads_forms():
-    """Runtime.decisions lists the products on the block-diagonal forms of attention heads."""
+def test_decisions_name_the_heads_forms(tmp_path):
+    """Runtime.decisions lists the products on the block-diagonal forms of attention heads: a
+    runtime deciding on the CPU (every product left to torch) records the forward product on
+    the two-head form, then the backward's on its transpose."""
     from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
 
-    A = make_pattern("random", seed=19)
-    crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
-    val, X = torch.randn(A.nnz, 2), torch.randn(A.shape[1], 2, 4)
-    ops.spmm_heads(crow, col, val, A.shape[1], X)
-    labels = rt.active().decisions(crow, col, A.shape[1])  # nothing decided on the CPU: no entries
-    assert all(label.startswith(("A ", "At ")) for label in labels)
-    from torch_sparserl import pattern as patterns
-    forms = patterns.lookup(crow, col, A.shape[1]).heads_forms()
-    assert [(heads, t) for heads, _, t in forms] == [(2, None)]
-    ops.spmm_heads_transposed(crow, col, val, A.shape[1], torch.randn(A.shape[0], 2, 4))
-    (heads, form, form_t), = patterns.lookup(crow, col, A.shape[1]).heads_forms()
-    assert heads == 2 and form.nrows == 2 * A.shape[0] and form_t is not None and form_t.nrows == 2 * A.shape[1]
+    decided = []
+
+    def cusparse_for_all(key, crow, col, ncols):
+        decided.append((key.op, key.n))
+        return CacheEntry(key, None, reason="decided by the test")
+
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", admit_calls=1), cache=KernelCache(tmp_path),
+                         specializer=cusparse_for_all, devices=("cpu",))
+    previous = rt.set_active(runtime)
+    try:
+        A = make_pattern("random", seed=19)
+        crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
+        val, X = torch.randn(A.nnz, 2), torch.randn(A.shape[1], 2, 4)
+        ops.spmm_heads(crow, col, val, A.shape[1], X)
+        cusparse = "cuSPARSE: no kernel: decided by the test"
+        assert runtime.decisions(crow, col, A.shape[1]) == {"A heads=2 spmm n=4 float32": cusparse}
+        from torch_sparserl import pattern as patterns
+        forms = patterns.lookup(crow, col, A.shape[1]).heads_forms()
+        assert [(heads, t) for heads, _, t in forms] == [(2, None)]
+        ops.spmm_heads_transposed(crow, col, val, A.shape[1], torch.randn(A.shape[0], 2, 4))
+        (heads, form, form_t), = patterns.lookup(crow, col, A.shape[1]).heads_forms()
+        assert heads == 2 and form.nrows == 2 * A.shape[0] and form_t is not None and form_t.nrows == 2 * A.shape[1]
+        assert runtime.decisions(crow, col, A.shape[1]) == {"A heads=2 spmm n=4 float32": cusparse,
+                                                             "At heads=2 spmm n=4 float32": cusparse}
+        assert decided == [("spmm", 4), ("spmm", 4)]
+    finally:
+        rt.set_active(previous)
+        runtime.close()
