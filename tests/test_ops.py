@@ -1,13 +1,14 @@
 """Every sparserl operator against a float64 reference, over the named edge cases."""
 
 
+import numpy as np
 import pytest
 import torch
 
 from torch_sparserl.dtypes import INDEX_DTYPES, VALUE_DTYPES, assert_close_to_reference
 
-from helpers import (PATTERNS, dense_operand, make_pattern, ref_sddmm, ref_spmm, ref_spmm_transposed,
-                     to_parts)
+from helpers import (PATTERNS, UNSORTED_AND_DUPLICATE, dense_operand, make_pattern, make_unsorted_pattern, ref_sddmm,
+                     ref_spmm, ref_spmm_transposed, summed_product, to_parts)
 
 ops = torch.ops.sparserl
 DTYPE_IDS = [str(d).replace("torch.", "") for d in VALUE_DTYPES]
@@ -232,6 +233,29 @@ def test_half_types_accumulate_in_float32(device):
         X = torch.ones(n, 2, dtype=dtype, device=device)
         out = ops.spmm(crow, col, val, n, X)
         assert out.float().tolist() == [[4096.0, 4096.0]]
+
+
+@pytest.mark.parametrize("name", list(UNSORTED_AND_DUPLICATE))
+def test_products_on_unsorted_and_duplicate_columns(device, name):
+    """The patterns the GPU kernels are also run on hold what their names say (rows with
+    unsorted columns, hub rows; repeated entries, or none), and torch's products on them match
+    a float64 reference that adds every entry."""
+    A = make_unsorted_pattern(name)
+    lengths = np.diff(A.indptr)
+    unsorted = sum(bool(np.any(np.diff(A.indices[lo:hi]) < 0)) for lo, hi in zip(A.indptr[:-1], A.indptr[1:]))
+    assert unsorted > A.shape[0] // 2 and lengths.max() >= 450 and (lengths == 0).any()
+    distinct = len(np.unique(np.repeat(np.arange(A.shape[0]), lengths) * A.shape[1] + A.indices))
+    assert distinct < 0.9 * A.nnz if "duplicate" in name else distinct == A.nnz
+    crow, col, val = to_parts(A, torch.float32, torch.int32, device)
+    X = dense_operand(A.shape[1], 5, torch.float32, device, seed=1)
+    want = summed_product(A.indptr, A.indices, val.double().cpu().numpy(), X.double().cpu().numpy())
+    assert_close_to_reference(ops.spmm(crow, col, val, A.shape[1], X), torch.from_numpy(want))
+    assert_close_to_reference(ops.spmv(crow, col, val, A.shape[1], X[:, 0].contiguous()),
+                              torch.from_numpy(want[:, 0]))
+    G = dense_operand(A.shape[0], 5, torch.float32, device, seed=2)
+    assert_close_to_reference(ops.spmm_transposed(crow, col, val, A.shape[1], G),
+                              ref_spmm_transposed(crow, col, val, A.shape[1], G))
+    assert_close_to_reference(ops.sddmm(crow, col, G, X), ref_sddmm(crow, col, G, X))
 
 
 def test_decisions_name_the_heads_forms(tmp_path):

@@ -21,13 +21,16 @@ import torch
 
 import torch_sparserl as ts
 from torch_sparserl import pattern as patterns
-from torch_sparserl.abi import KernelSpec
+from torch_sparserl.abi import DTYPES, KernelSpec
 from torch_sparserl.cli import measure
 from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.evaluate.record import EvalRecord
 from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit import install
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.specialize import autotune, families
+
+from helpers import UNSORTED_AND_DUPLICATE, make_unsorted_pattern, ref_sddmm, summed_product, to_parts
 
 pytestmark = pytest.mark.gpu
 
@@ -51,8 +54,9 @@ def jit(kernel_dir):
 
 
 @contextmanager
-def _using(settings: rt.RuntimeSettings, cache_root: Path, specializer=None):
-    runtime = rt.Runtime(settings, cache=KernelCache(cache_root), specializer=specializer)
+def _using(settings: rt.RuntimeSettings, cache_root: Path, **parts):
+    """A runtime active inside the block; ``parts``: its specializer, installer."""
+    runtime = rt.Runtime(settings, cache=KernelCache(cache_root), **parts)
     previous = rt.set_active(runtime)
     try:
         yield runtime
@@ -82,7 +86,8 @@ def _fixed_specializer(key, crow, col, ncols):
 @pytest.fixture
 def fixed(kernel_dir):
     """A sync runtime on :func:`_fixed_specializer`, active for one test."""
-    with _using(rt.RuntimeSettings(mode="sync", strict=True), kernel_dir / "fixed", _fixed_specializer) as runtime:
+    with _using(rt.RuntimeSettings(mode="sync", strict=True), kernel_dir / "fixed",
+                specializer=_fixed_specializer) as runtime:
         yield runtime
 
 
@@ -141,7 +146,7 @@ def test_a_product_decided_for_cusparse_is_served_by_cusparse(kernel_dir, poison
     """A specializer's "no kernel" is a decided fallback: strict mode does not raise, cuSPARSE
     serves every call (correctly), and nothing is installed."""
     settings = rt.RuntimeSettings(mode="sync", strict=True)
-    with _using(settings, kernel_dir / "cusparse", _cusparse_decided) as runtime:
+    with _using(settings, kernel_dir / "cusparse", specializer=_cusparse_decided) as runtime:
         M = ts.load_matrix("cora")
         A = ts.csr(M, dtype=torch.float32, device="cuda")
         X = torch.randn(M.shape[1], n, device="cuda")
@@ -154,6 +159,55 @@ def test_a_product_decided_for_cusparse_is_served_by_cusparse(kernel_dir, poison
         assert isinstance(state, rt.Fallback) and state.decided, runtime.describe(state)
         assert "decided by the test" in state.reason
         assert runtime.stats["installed_calls"] == 0 and runtime.stats["fallback_calls"] == 2, runtime.stats
+
+
+def _family_cases():
+    """Every family and op it writes, in float32 and bfloat16 where it renders with its defaults."""
+    for family, fam in families.FAMILIES.items():
+        for op in sorted(fam.ops):
+            for dtype in ("f32", "bf16"):
+                try:
+                    families.render(family, None, op=op, dtype=dtype, n=1 if op == "spmv" else 32)
+                except ValueError:  # half SpMV of the families that add a row's pieces atomically
+                    continue
+                yield pytest.param(family, op, dtype, id=f"{op}-{family}-{dtype}")
+
+
+@pytest.mark.parametrize("family,op,dtype", list(_family_cases()))
+def test_installed_kernels_take_unsorted_and_duplicate_columns(kernel_dir, poison_uninitialized, family, op, dtype):
+    """Each family's kernel (its defaults), installed by the runtime and called through the
+    operators, serves patterns whose columns are unsorted within rows and whose (row, col)
+    entries repeat: twice each (the second call may be the C++ fast path's), against a float64
+    reference that adds every entry. Installed by the NVRTC installer: the same plan data and
+    binding as a library's, without an nvcc build per family."""
+    n = 1 if op == "spmv" else 32
+    tdtype = DTYPES[dtype]
+
+    def specializer(key, crow, col, ncols):
+        spec = families.render(family, None, op=key.op, dtype=key.dtype, n=key.n)
+        return CacheEntry(key, spec.source, family=family, reason="chosen by the test")
+
+    settings = rt.RuntimeSettings(mode="sync", strict=True)
+    with _using(settings, kernel_dir / f"unsorted-{family}-{op}-{dtype}", specializer=specializer,
+                installer=install.nvrtc_installer) as runtime:
+        for seed, name in enumerate(UNSORTED_AND_DUPLICATE):
+            A = make_unsorted_pattern(name, seed=seed)
+            crow, col, val = to_parts(A, tdtype, torch.int32, "cuda")
+            for call in range(2):
+                g = torch.Generator().manual_seed(100 * seed + call)
+                X = torch.randn(A.shape[1], n, generator=g, dtype=torch.float64).to("cuda", tdtype)
+                if op == "sddmm":
+                    Y = torch.randn(A.shape[0], n, generator=g, dtype=torch.float64).to("cuda", tdtype)
+                    out, want = torch.ops.sparserl.sddmm(crow, col, Y, X), ref_sddmm(crow, col, Y, X)
+                else:
+                    operand = X[:, 0] if op == "spmv" else X
+                    out = getattr(torch.ops.sparserl, op)(crow, col, val, A.shape[1], operand)
+                    want = torch.from_numpy(summed_product(A.indptr, A.indices, val.double().cpu().numpy(),
+                                                           operand.double().cpu().numpy()))
+                assert_close_to_reference(out.cpu(), want, tdtype)
+            state = runtime.state(op, patterns.lookup(crow, col, A.shape[1]), n, tdtype)
+            assert isinstance(state, rt.Installed) and state.entry.family == family, runtime.describe(state)
+        assert runtime.stats["installed_calls"] >= 4 and runtime.stats["fallback_calls"] == 0, runtime.stats
 
 
 def _tuned(kernel_dir: Path):
