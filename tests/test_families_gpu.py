@@ -85,6 +85,14 @@ def unsorted_patterns():
     return {name: make_unsorted_pattern(name, seed=i) for i, name in enumerate(UNSORTED_AND_DUPLICATE)}
 
 
+@pytest.fixture(scope="module", params=["sorted", "unsorted+repeated"])
+def pattern_set(request, patterns, unsorted_patterns):
+    """Each family case runs on both: the named patterns (sorted columns), then patterns whose
+    columns are unsorted within rows and whose entries repeat (the kernels are built once per
+    process, so the second set costs its launches)."""
+    return patterns if request.param == "sorted" else unsorted_patterns
+
+
 # --------------------------------------------------------------------------- parameter sets
 
 
@@ -222,13 +230,13 @@ def _check(name, params, op, dtype, n, patterns):
 
 
 @pytest.mark.parametrize("name,params,dtype,n", list(_spmv_cases()))
-def test_spmv_family_matches_reference(name, params, dtype, n, patterns):
-    _check(name, params, "spmv", dtype, n, patterns)
+def test_spmv_family_matches_reference(name, params, dtype, n, pattern_set):
+    _check(name, params, "spmv", dtype, n, pattern_set)
 
 
 @pytest.mark.parametrize("name,params,dtype,n", list(_spmm_cases()) + list(_tc_cases()))
-def test_spmm_family_matches_reference(name, params, dtype, n, patterns):
-    _check(name, params, "spmm", dtype, n, patterns)
+def test_spmm_family_matches_reference(name, params, dtype, n, pattern_set):
+    _check(name, params, "spmm", dtype, n, pattern_set)
 
 
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
@@ -244,26 +252,8 @@ def test_tc_tiles_adds_duplicate_nonzeros(dtype):
 
 
 @pytest.mark.parametrize("name,params,dtype,n", list(_sddmm_cases()))
-def test_sddmm_family_matches_reference(name, params, dtype, n, patterns):
-    _check(name, params, "sddmm", dtype, n, patterns)
-
-
-# Columns unsorted within rows, (row, col) entries repeated: every case above again (the kernels
-# are built once per process, so these cost their launches).
-
-@pytest.mark.parametrize("name,params,dtype,n", list(_spmv_cases()))
-def test_spmv_family_on_unsorted_and_duplicate_columns(name, params, dtype, n, unsorted_patterns):
-    _check(name, params, "spmv", dtype, n, unsorted_patterns)
-
-
-@pytest.mark.parametrize("name,params,dtype,n", list(_spmm_cases()) + list(_tc_cases()))
-def test_spmm_family_on_unsorted_and_duplicate_columns(name, params, dtype, n, unsorted_patterns):
-    _check(name, params, "spmm", dtype, n, unsorted_patterns)
-
-
-@pytest.mark.parametrize("name,params,dtype,n", list(_sddmm_cases()))
-def test_sddmm_family_on_unsorted_and_duplicate_columns(name, params, dtype, n, unsorted_patterns):
-    _check(name, params, "sddmm", dtype, n, unsorted_patterns)
+def test_sddmm_family_matches_reference(name, params, dtype, n, pattern_set):
+    _check(name, params, "sddmm", dtype, n, pattern_set)
 
 
 @pytest.mark.parametrize("op,n,dtype", [("spmv", 1, "f32"), ("spmm", 32, "f32"), ("spmm", 32, "bf16"),

@@ -98,20 +98,26 @@ def _assert_installed(runtime, op, pattern, n, dtype):
     assert state.entry.family == FIXED_FAMILIES[op.split("+")[0]], runtime.describe(state)
 
 
+def _two_products(name: str, n: int):
+    """Two float32 products of the shipped matrix ``name`` with an X of width ``n`` (a vector for
+    1) through the active runtime, each against float64: the first decides, the second reuses.
+    Returns the op and the matrix's pattern."""
+    M = ts.load_matrix(name)
+    A = ts.csr(M, dtype=torch.float32, device="cuda")
+    X = torch.randn(M.shape[1], n, device="cuda")
+    operand = X[:, 0] if n == 1 else X
+    for _ in range(2):
+        Y = A @ operand
+        assert_close_to_reference(Y.reshape(M.shape[0], n).cpu(), _reference(M, X), torch.float32)
+    return ("spmv" if n == 1 else "spmm"), patterns.lookup(A.crow, A.col, M.shape[1])
+
+
 @pytest.mark.parametrize("name", ["cora", "citeseer", "rajat01", "dnn_n1024_l1"])
 @pytest.mark.parametrize("n", [1, 32])
 def test_the_policy_decides_shipped_matrices_and_the_products_are_correct(jit, poison_uninitialized, name, n):
     """The learned policy end to end: each product is decided (a kernel that beat cuSPARSE by the
     margin, or cuSPARSE, decided) and correct either way."""
-    M = ts.load_matrix(name)
-    A = ts.csr(M, dtype=torch.float32, device="cuda")
-    X = torch.randn(M.shape[1], n, device="cuda")
-    operand = X[:, 0] if n == 1 else X
-    for _ in range(2):  # the first call specializes, the second reuses
-        Y = A @ operand
-        assert_close_to_reference(Y.reshape(M.shape[0], n).cpu(), _reference(M, X), torch.float32)
-    entry = patterns.lookup(A.crow, A.col, M.shape[1])
-    op = "spmv" if n == 1 else "spmm"
+    op, entry = _two_products(name, n)
     state = jit.state(op, entry, n, torch.float32)
     assert isinstance(state, (rt.Installed, rt.Fallback)), jit.explain(op, entry, n, torch.float32)
     if isinstance(state, rt.Fallback):
@@ -125,15 +131,8 @@ def test_the_policy_decides_shipped_matrices_and_the_products_are_correct(jit, p
 @pytest.mark.parametrize("n", [1, 32])
 def test_installed_kernels_serve_shipped_matrices_correctly(fixed, poison_uninitialized, name, n):
     """The installed kernel, not cuSPARSE, serves every call after the decision, and matches float64."""
-    M = ts.load_matrix(name)
-    A = ts.csr(M, dtype=torch.float32, device="cuda")
-    X = torch.randn(M.shape[1], n, device="cuda")
-    operand = X[:, 0] if n == 1 else X
-    for _ in range(2):  # the first call specializes, the second reuses
-        Y = A @ operand
-        assert_close_to_reference(Y.reshape(M.shape[0], n).cpu(), _reference(M, X), torch.float32)
-    op = "spmv" if n == 1 else "spmm"
-    _assert_installed(fixed, op, patterns.lookup(A.crow, A.col, M.shape[1]), n, torch.float32)
+    op, entry = _two_products(name, n)
+    _assert_installed(fixed, op, entry, n, torch.float32)
     assert fixed.stats["installed_calls"] >= 2 and fixed.stats["fallback_calls"] == 0, fixed.stats
 
 
@@ -147,15 +146,8 @@ def test_a_product_decided_for_cusparse_is_served_by_cusparse(kernel_dir, poison
     serves every call (correctly), and nothing is installed."""
     settings = rt.RuntimeSettings(mode="sync", strict=True)
     with _using(settings, kernel_dir / "cusparse", specializer=_cusparse_decided) as runtime:
-        M = ts.load_matrix("cora")
-        A = ts.csr(M, dtype=torch.float32, device="cuda")
-        X = torch.randn(M.shape[1], n, device="cuda")
-        operand = X[:, 0] if n == 1 else X
-        for _ in range(2):
-            Y = A @ operand
-            assert_close_to_reference(Y.reshape(M.shape[0], n).cpu(), _reference(M, X), torch.float32)
-        op = "spmv" if n == 1 else "spmm"
-        state = runtime.state(op, patterns.lookup(A.crow, A.col, M.shape[1]), n, torch.float32)
+        op, entry = _two_products("cora", n)
+        state = runtime.state(op, entry, n, torch.float32)
         assert isinstance(state, rt.Fallback) and state.decided, runtime.describe(state)
         assert "decided by the test" in state.reason
         assert runtime.stats["installed_calls"] == 0 and runtime.stats["fallback_calls"] == 2, runtime.stats
