@@ -64,6 +64,65 @@ PATTERNS = {
 }
 
 
+def _drawn_rows(rng, lengths, ncols: int, *, duplicates: bool) -> sp.csr_matrix:
+    """Rows of the given lengths whose columns are drawn at random and stored in the order drawn
+    (unsorted); ``duplicates``: drawn with replacement, so (row, col) entries repeat, apart."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    rows = [rng.integers(0, ncols, size=n) if duplicates else rng.permutation(ncols)[:n] for n in lengths]
+    indices = np.concatenate(rows) if len(rows) else np.zeros(0, dtype=np.int64)
+    A = sp.csr_matrix((np.ones(indptr[-1]), indices, indptr), shape=(len(lengths), ncols))
+    A.has_sorted_indices = False  # so that SciPy never takes the order for sorted
+    return A
+
+
+def _unsorted_with_hubs(rng):
+    # 700 x 900: short rows, 60 empty ones in the middle, a full row and a half row (the hubs that
+    # split families cut into pieces), every row's columns in random order
+    lengths = rng.integers(0, 13, size=700)
+    lengths[100:160] = 0
+    lengths[5], lengths[600] = 900, 450
+    return _drawn_rows(rng, lengths, 900, duplicates=False)
+
+
+def _duplicate_entries(rng):
+    # 500 x 300: columns drawn with replacement, so entries repeat within rows (unsorted, mostly
+    # apart); row 3 holds 4000 entries of its 300 columns (each about 13 times), row 4 one
+    # column 40 times; the matrix holds far fewer entries than positions (not overfull)
+    lengths = rng.integers(0, 20, size=500)
+    lengths[3], lengths[4] = 4000, 40
+    A = _drawn_rows(rng, lengths, 300, duplicates=True)
+    A.indices[A.indptr[4]:A.indptr[5]] = 7
+    return A
+
+
+UNSORTED_AND_DUPLICATE = {
+    "unsorted columns, hub rows": _unsorted_with_hubs,
+    "duplicate entries": _duplicate_entries,
+}
+"""Patterns the kernels must take as CSR allows them: columns in any order within a row, and
+(row, col) entries repeated (their values summed, as torch and SciPy sum them)."""
+
+
+def make_unsorted_pattern(name: str, seed: int = 0) -> sp.csr_matrix:
+    """A pattern of :data:`UNSORTED_AND_DUPLICATE` with fresh values, its order and repeats kept."""
+    A = UNSORTED_AND_DUPLICATE[name](np.random.default_rng(seed))
+    A.data = np.random.default_rng(seed + 1).standard_normal(A.nnz)
+    return A
+
+
+def summed_product(indptr, indices, values, X) -> np.ndarray:
+    """``A @ X`` in float64, every stored entry added on its own (repeats summed), for a CSR
+    matrix given by its arrays: a reference that assumes neither sorted nor distinct columns."""
+    indptr, indices = np.asarray(indptr, dtype=np.int64), np.asarray(indices, dtype=np.int64)
+    X = np.asarray(X, dtype=np.float64)
+    out = np.zeros((len(indptr) - 1,) + X.shape[1:])
+    rows = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
+    weighted = np.asarray(values, dtype=np.float64).reshape((-1,) + (1,) * (X.ndim - 1)) * X[indices]
+    np.add.at(out, rows, weighted)
+    return out
+
+
 def make_pattern(name: str, seed: int = 0) -> sp.csr_matrix:
     A = PATTERNS[name](np.random.default_rng(seed)).tocsr()
     A.data = np.random.default_rng(seed + 1).standard_normal(A.nnz)  # fresh values, not ones

@@ -218,9 +218,18 @@ def test_a_broken_cache_folder_costs_one_warning_never_the_product(tmp_path, how
 
     from torch_sparserl.toolchain import paths, trust
 
-    if how == "unreadable" and os.getuid() == 0:
-        pytest.skip("root reads a file of mode 000")
     root = tmp_path / "kernels"
+    if how == "unreadable" and os.getuid() == 0:
+        # root reads a file of mode 000: refuse it here as the system refuses every other user
+        real_open = os.open
+
+        def open_as_a_user(path, flags, *args, **kwargs):
+            if not flags & (os.O_WRONLY | os.O_RDWR) and str(path).startswith(str(root)) \
+                    and os.path.isfile(path) and os.stat(path).st_mode & 0o777 == 0:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", open_as_a_user)
     if how == "folder is a file":  # SPARSERL_CACHE_DIR names a file
         (tmp_path / "afile").write_text("not a folder")
         monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "afile"))
@@ -246,6 +255,8 @@ def test_a_broken_cache_folder_costs_one_warning_never_the_product(tmp_path, how
     torch.testing.assert_close(out, want)
     warnings = [r for r in caplog.records if r.levelno >= 30]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    if how == "unreadable":
+        assert "unreadable ([Errno 13] Permission denied" in warnings[0].getMessage()
 
 
 @pytest.mark.parametrize("how", ["directory", "fifo", "dev-zero symlink", "deep json", "huge"])

@@ -287,3 +287,68 @@ def test_libraries_loaded_one_after_another_keep_their_own_symbols(tmp_path):
         loaded.append((i, lib))
     for i, lib in loaded:
         assert getattr(lib, f"sparserl_test_{i}")() == i + 40
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"),
+                    reason="memory files (memfd_create, /proc/self/fd) are Linux-only")
+def test_a_library_is_loaded_from_a_sealed_memory_file(tmp_path, monkeypatch):
+    """The verified bytes are the bytes dlopen maps: the memory file they are copied to refuses
+    any write, growth, shrinking or new seal afterwards."""
+    import errno
+    import fcntl
+
+    data = os.urandom(4096)
+    loaded = []
+    monkeypatch.setattr(trust, "_LOADED_FDS", loaded)  # closed below, not kept for the process
+    path, _ = trust.loadable_path(tmp_path / "libx.so", data)
+    assert path.startswith("/proc/self/fd/") and len(loaded) == 1
+    fd = loaded[0]
+    try:
+        assert path == f"/proc/self/fd/{fd}"
+        want = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & want == want
+        with open(path, "rb") as handle:
+            assert handle.read() == data
+
+        def write_through_the_path():
+            other = os.open(path, os.O_WRONLY)
+            try:
+                os.pwrite(other, b"planted", 0)
+            finally:
+                os.close(other)
+
+        attempts = {
+            "write": lambda: os.pwrite(fd, b"planted", 0),
+            "write through the path": write_through_the_path,
+            "grow": lambda: os.ftruncate(fd, len(data) + 4096),
+            "shrink": lambda: os.ftruncate(fd, 16),
+            "change the seals": lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE),
+        }
+        for what, attempt in attempts.items():
+            with pytest.raises(PermissionError) as caught:
+                attempt()
+            assert caught.value.errno == errno.EPERM, what
+        assert os.fstat(fd).st_size == len(data)
+        with open(path, "rb") as handle:
+            assert handle.read() == data
+    finally:
+        os.close(fd)
+
+
+def test_a_platform_without_seals_still_gets_the_verified_bytes(tmp_path, monkeypatch):
+    """Where ``fcntl`` has no seals, the library is still loaded from a path holding exactly the verified bytes."""
+    import fcntl
+
+    monkeypatch.delattr(fcntl, "F_ADD_SEALS", raising=False)
+    data = os.urandom(1024)
+    loaded = []
+    monkeypatch.setattr(trust, "_LOADED_FDS", loaded)
+    library = tmp_path / "libx.so"
+    library.write_bytes(data)
+    path, _ = trust.loadable_path(library, data)
+    try:
+        with open(path, "rb") as handle:
+            assert handle.read() == data
+    finally:
+        for fd in loaded:
+            os.close(fd)

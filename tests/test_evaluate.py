@@ -253,15 +253,54 @@ def test_sandbox_kills_the_whole_process_group(sandbox, tmp_path, monkeypatch):
     sandbox.run(task("poison"), timeout_s=5)  # the next task starts a worker with this environment
     outcome = sandbox.run(task("spawn_grandchild_and_hang"), timeout_s=1.0)
     assert outcome.status == "timeout"
-    grandchild = int(marker.read_text())
+    _assert_gone(int(marker.read_text()), "the worker's timeout")
+
+
+def _assert_gone(pid: int, after: str) -> None:
+    """Process ``pid`` ends within 2.5 s."""
     for _ in range(50):
         try:
-            os.kill(grandchild, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            break
+            return
         time.sleep(0.05)
-    else:
-        pytest.fail(f"grandchild {grandchild} survived the worker's timeout")
+    pytest.fail(f"process {pid} survived {after}")
+
+
+def test_sandbox_abort_kills_a_running_task_and_starts_no_worker_again(tmp_path, monkeypatch):
+    """abort() from another thread (the runtime's exit hook): the task waiting on the worker
+    ends at once as a crash by SIGKILL, the worker's whole process group dies with it, and no
+    worker starts again."""
+    marker = tmp_path / "grandchild"
+    monkeypatch.setenv("SPARSERL_TEST_GRANDCHILD_FILE", str(marker))  # read by the worker this test starts
+    with Sandbox(task=task("echo"), init=task("init"), matrix_loader=None, health_check=None,
+                 start_timeout_s=60) as box:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(box.run, task("spawn_grandchild_and_hang"), timeout_s=30)
+            deadline = time.monotonic() + 60
+            while not (marker.exists() and marker.read_text()):  # the task runs: its grandchild is there
+                assert time.monotonic() < deadline and not running.done(), "the task did not start"
+                time.sleep(0.02)
+            worker, grandchild = box.worker_pid, int(marker.read_text())
+            aborted_at = time.monotonic()
+            box.abort()
+            outcome = running.result(timeout=60)
+        assert time.monotonic() - aborted_at < 10, "the task waited for its timeout"
+        assert outcome.status == "crash" and outcome.signal == "SIGKILL" and box.aborted
+        _assert_gone(grandchild, "abort()")
+        _assert_gone(worker, "abort()")
+        with pytest.raises(SandboxError, match="aborted"):
+            box.run(task("echo"), (1,), timeout_s=5)
+        assert box.worker_pid is None and box.starts == 1
+        box.abort()  # again, without a worker: nothing to kill, no error
+
+
+def test_sandbox_aborted_before_its_first_task_never_starts_a_worker():
+    with Sandbox(task=task("echo"), init=task("init"), matrix_loader=None, health_check=None) as box:
+        box.abort()
+        with pytest.raises(SandboxError, match="aborted"):
+            box.run(task("echo"), (1,), timeout_s=5)
+        assert box.starts == 0 and box.worker_pid is None
 
 
 def fake_spec(body: str) -> KernelSpec:

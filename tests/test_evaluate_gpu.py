@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 ADVERSARIAL = Path(__file__).parent / "adversarial"
 CONFIG = EvalConfig(trials=2, reps=10, warmup=2)
 TIMEOUT_S = 120.0  # the first candidate of a worker pays NVRTC's start-up
+BASELINE_SPIN_CYCLES = 2_000_000  # about a millisecond of GPU clock: far above the tested kernel's time
 
 
 def spec(name: str) -> KernelSpec:
@@ -110,16 +111,33 @@ def test_parent_context_still_works(sandbox, parent_tensor):
     assert torch.ones(4, device="cuda").sum().item() == 4.0
 
 
-def test_in_process_evaluation_and_recheck_of_high_speedups():
+def test_in_process_evaluation_and_recheck_of_high_speedups(monkeypatch):
+    """A speedup above ``suspicious_speedup`` is re-timed interleaved on fresh data and the
+    output checked again. The baseline is slowed down by a GPU spin before each cuSPARSE call,
+    so the candidate's speedup is high on any GPU and the re-check always runs."""
+    from torch_sparserl.evaluate import harness
     from torch_sparserl.evaluate.harness import Matrix, evaluate_candidate
+
+    baseline = harness._baseline
+
+    def slowed_baseline(problem):
+        run, widened, out = baseline(problem)
+
+        def slowed():
+            torch.cuda._sleep(BASELINE_SPIN_CYCLES)
+            return run()
+
+        return slowed, widened, out
+
+    monkeypatch.setattr(harness, "_baseline", slowed_baseline)
     rowptr, col, shape = random_pattern(rows=4096, cols=4096, per_row=16, seed=1)
     matrix = Matrix.from_numpy(rowptr, col, shape)
-    # Every speedup above 1.0001 counts as "suspicious" here: the re-check path runs and must hold.
-    config = EvalConfig(trials=2, reps=10, warmup=2, suspicious_speedup=1.0001, recheck_min_ratio=0.2)
+    config = EvalConfig(trials=2, reps=10, warmup=2, suspicious_speedup=2.0, recheck_min_ratio=0.2)
     record = evaluate_candidate(spec("good_spmm_f32.cu"), matrix, 32, torch.float32, config)
     assert record.error_kind is None, record.log
-    if record.speedup > 1.0001 or "recheck" in record.timing:
-        assert record.timing["recheck"]["output_ok"]
+    assert record.speedup > config.suspicious_speedup, record.timing
+    recheck = record.timing["recheck"]
+    assert recheck["output_ok"] and recheck["speedup"] >= config.recheck_min_ratio * recheck["first_speedup"], recheck
 
 
 def test_runtime_configurations_never_build_a_kernel_again_to_count_spills(monkeypatch):

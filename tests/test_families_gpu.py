@@ -1,6 +1,8 @@
 """Kernel families on the GPU: every family x a few parameter sets x dtypes x n, on named
 patterns, against a float64 reference. Outputs are pre-filled with NaN, so a row a kernel
-leaves unwritten fails. Built with NVRTC (`load_kernel`), prepared with `prepare`."""
+leaves unwritten fails. Built with NVRTC (`load_kernel`), prepared with `prepare`. The same
+kernels run again on patterns whose columns are unsorted within rows and whose (row, col)
+entries repeat (``helpers.UNSORTED_AND_DUPLICATE``), against a reference summing every entry."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 from torch_sparserl.abi import operand_shapes
 from torch_sparserl.dtypes import close_to_reference
 from torch_sparserl.specialize import families as F
+
+from helpers import UNSORTED_AND_DUPLICATE, make_unsorted_pattern, summed_product
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +77,20 @@ def patterns():
         A.data = rng.standard_normal(A.nnz)
         out[name] = A
     return out
+
+
+@pytest.fixture(scope="module")
+def unsorted_patterns():
+    """:data:`helpers.UNSORTED_AND_DUPLICATE`, as they are (never sorted or summed)."""
+    return {name: make_unsorted_pattern(name, seed=i) for i, name in enumerate(UNSORTED_AND_DUPLICATE)}
+
+
+@pytest.fixture(scope="module", params=["sorted", "unsorted+repeated"])
+def pattern_set(request, patterns, unsorted_patterns):
+    """Each family case runs on both: the named patterns (sorted columns), then patterns whose
+    columns are unsorted within rows and whose entries repeat (the kernels are built once per
+    process, so the second set costs its launches)."""
+    return patterns if request.param == "sorted" else unsorted_patterns
 
 
 # --------------------------------------------------------------------------- parameter sets
@@ -204,8 +222,7 @@ def _check(name, params, op, dtype, n, patterns):
             D = val.double().cpu().numpy()
             ref = torch.from_numpy(np.einsum("kn,kn->k", D[row_of], x64[A.indices]))
         else:
-            A64 = sp.csr_matrix((val.double().cpu().numpy(), A.indices, A.indptr), shape=A.shape)
-            ref = torch.from_numpy(np.asarray(A64 @ x64))
+            ref = torch.from_numpy(summed_product(A.indptr, A.indices, val.double().cpu().numpy(), x64))
         ok, why = close_to_reference(y, ref, tdtype, spec.plan.math)
         if not ok:
             failures.append(f"{pattern}: {why}")
@@ -213,13 +230,13 @@ def _check(name, params, op, dtype, n, patterns):
 
 
 @pytest.mark.parametrize("name,params,dtype,n", list(_spmv_cases()))
-def test_spmv_family_matches_reference(name, params, dtype, n, patterns):
-    _check(name, params, "spmv", dtype, n, patterns)
+def test_spmv_family_matches_reference(name, params, dtype, n, pattern_set):
+    _check(name, params, "spmv", dtype, n, pattern_set)
 
 
 @pytest.mark.parametrize("name,params,dtype,n", list(_spmm_cases()) + list(_tc_cases()))
-def test_spmm_family_matches_reference(name, params, dtype, n, patterns):
-    _check(name, params, "spmm", dtype, n, patterns)
+def test_spmm_family_matches_reference(name, params, dtype, n, pattern_set):
+    _check(name, params, "spmm", dtype, n, pattern_set)
 
 
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
@@ -235,8 +252,8 @@ def test_tc_tiles_adds_duplicate_nonzeros(dtype):
 
 
 @pytest.mark.parametrize("name,params,dtype,n", list(_sddmm_cases()))
-def test_sddmm_family_matches_reference(name, params, dtype, n, patterns):
-    _check(name, params, "sddmm", dtype, n, patterns)
+def test_sddmm_family_matches_reference(name, params, dtype, n, pattern_set):
+    _check(name, params, "sddmm", dtype, n, pattern_set)
 
 
 @pytest.mark.parametrize("op,n,dtype", [("spmv", 1, "f32"), ("spmm", 32, "f32"), ("spmm", 32, "bf16"),
@@ -251,7 +268,7 @@ def test_space_candidates_match_reference_on_power_law(op, n, dtype, patterns):
 @pytest.mark.parametrize("family", F.EPILOGUE_FAMILIES)
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
 @pytest.mark.parametrize("epilogue", ["relu", "bias", "scale+bias+relu"])
-def test_epilogue_kernels_match_reference(family, dtype, epilogue, patterns):
+def test_epilogue_kernels_match_reference(family, dtype, epilogue, patterns, unsorted_patterns):
     """relu(scale * (A @ X) + bias) from the fused row stores, on every pattern, n with a ragged tile."""
     from torch_sparserl.abi.prepare import prepare
     from torch_sparserl.toolchain import load_kernel
@@ -261,7 +278,7 @@ def test_epilogue_kernels_match_reference(family, dtype, epilogue, patterns):
         spec = F.render(family, {**params, "epilogue": epilogue}, op="spmm", dtype=dtype, n=n)
         kernel = load_kernel(spec)
         failures = []
-        for pattern, A in patterns.items():
+        for pattern, A in {**patterns, **unsorted_patterns}.items():
             rows, cols = A.shape
             g = torch.Generator().manual_seed(rows + n)
             rowptr = torch.from_numpy(A.indptr.astype(np.int32)).cuda()
@@ -273,8 +290,7 @@ def test_epilogue_kernels_match_reference(family, dtype, epilogue, patterns):
             y = torch.full((rows, n), float("nan"), dtype=tdtype, device="cuda")
             kernel(rowptr, col, val, x, y, prepare(spec.plan, rowptr, col, (rows, cols), n), bias=bias, scale=scale)
             torch.cuda.synchronize()
-            A64 = sp.csr_matrix((val.double().cpu().numpy(), A.indices, A.indptr), shape=A.shape)
-            ref = np.asarray(A64 @ x.double().cpu().numpy())
+            ref = summed_product(A.indptr, A.indices, val.double().cpu().numpy(), x.double().cpu().numpy())
             if scale is not None:
                 ref = ref * scale.double().cpu().numpy()[:, None]
             if bias is not None:

@@ -423,3 +423,197 @@ def test_young_patterns_are_left_to_cpp_where_the_runtime_leaves_them_to_cuspars
         fastpath.COUNTS.zero_()
         fastpath._taken[:] = [0, 0, 0]
         runtime.close()
+
+
+# ------------------------------------------------------------------ record: what C++ is told (CPU, library faked)
+
+INSTALL_ARGS = ("crow", "col", "ncols", "op", "n", "dtype", "nnz", "x_rows", "rows", "rowptr", "colidx", "perm",
+                "launcher", "geometry", "aux", "ints", "init_zero", "work_numel", "cols", "function", "work_once")
+"""The arguments of ``sparserl_fastpath::install`` (csrc/fastpath.cpp), in order."""
+
+FAST = dict(launcher=1234, function=0, grid=7, block=128, smem=96, aux=None, ints=(11, 12, 13, 14, 15),
+            init_zero=True, work_numel=0, work_once=False, copies=None)
+"""What an installed kernel's launch tells the fast path (install._bind_spec's ``launch.fast``)."""
+
+
+class _FakeRegistry:
+    """Stands in for the library's registry ops: records each install (by argument name) and forget."""
+
+    def __init__(self):
+        self.installs, self.forgets = [], 0
+
+    def install(self, *args):
+        assert len(args) == len(INSTALL_ARGS)
+        self.installs.append(dict(zip(INSTALL_ARGS, args)))
+
+    def forget(self):
+        self.forgets += 1
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The library 'loaded' with a fake registry, no owner yet, no CUDA graph being captured."""
+    fake = _FakeRegistry()
+    monkeypatch.setattr(fastpath.torch.ops, "sparserl_fastpath", fake, raising=False)
+    monkeypatch.setattr(fastpath, "loaded", True)
+    monkeypatch.setattr(fastpath, "_owner", None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    yield fake
+    monkeypatch.setattr(fastpath, "_owner", None)
+
+
+def _recording_runtime(tmp_path, *, kernel: bool = True, install_fails: bool = False, strict: bool = False):
+    """A CPU runtime whose decisions are a kernel with ``FAST`` (``kernel``), or cuSPARSE;
+    ``install_fails``: the kernel's install raises (an undecided fallback)."""
+    from types import SimpleNamespace
+
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
+
+    source = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\n'
+              'extern "C" __global__ void sparserl_kernel(const int* rowptr) {}\n') if kernel else None
+
+    def specializer(key, crow, col, ncols):
+        return CacheEntry(key, source, family="fake", reason="chosen by the test")
+
+    def installer(entry, crow, col, ncols):
+        if install_fails:
+            raise OSError("the build failed")
+        rows = crow.numel() - 1
+
+        def launch(crow, col, val, X):
+            return torch.sparse_csr_tensor(crow, col, val, (rows, ncols)).to_dense() @ X
+
+        launch.fast = SimpleNamespace(**FAST)
+        return launch
+
+    return rt.Runtime(rt.RuntimeSettings(mode="sync", strict=strict), cache=KernelCache(tmp_path),
+                      specializer=specializer, installer=installer, devices=("cpu",))
+
+
+def _validated(dtype=torch.float32, seed=21):
+    """A validated pattern (as the operators leave it), its parts and an X of width 8."""
+    A = make_pattern("random", seed=seed)
+    crow, col, val = to_parts(A, dtype, torch.int64, "cpu")
+    entry = patterns.lookup(crow, col, A.shape[1])
+    entry.validate("test", crow, col)
+    return A, entry, crow, col, val, torch.randn(A.shape[1], 8, dtype=dtype)
+
+
+def _decided(runtime, op="spmm", dtype=torch.float32, seed=21):
+    """:func:`_validated`, with its ``op`` product decided by ``runtime`` (one call)."""
+    A, entry, crow, col, val, X = _validated(dtype, seed)
+    runtime.call(op, entry, crow, col, val, X)
+    return A, entry, crow, col, val, X
+
+
+def test_record_hands_cpp_the_installed_kernels_launch_once(tmp_path, registry):
+    runtime = _recording_runtime(tmp_path)
+    try:
+        A, entry, crow, col, val, X = _decided(runtime)
+        assert isinstance(runtime.state("spmm", entry, 8, torch.float32), rt.Installed)
+        fastpath.record(runtime, "spmm", crow, col, val, A.shape[1], X)
+        (got,) = registry.installs
+        rowptr, colidx = entry.indices(crow, col)
+        assert got["crow"] is crow and got["col"] is col and got["op"] == fastpath.OPS.index("spmm")
+        assert (got["ncols"], got["n"], got["dtype"], got["nnz"], got["x_rows"], got["rows"], got["cols"]) == \
+            (A.shape[1], 8, torch.float32, A.nnz, A.shape[1], A.shape[0], A.shape[1])
+        # the pattern's validated copy, never the caller's tensors (which C++ only watches)
+        assert got["rowptr"] is rowptr and got["colidx"] is colidx and got["perm"] is None
+        assert (got["launcher"], got["geometry"], got["ints"], got["init_zero"], got["work_numel"], got["function"],
+                got["work_once"]) == (1234, [7, 128, 96], [11, 12, 13, 14, 15], True, 0, 0, False)
+        assert fastpath._owner is runtime
+        fastpath.record(runtime, "spmm", crow, col, val, A.shape[1], X)  # handed over already
+        assert len(registry.installs) == 1
+    finally:
+        runtime.close()
+
+
+def test_record_hands_cpp_cusparse_where_the_runtime_decided_it(tmp_path, registry):
+    """A decided fallback is recorded as cuSPARSE (no launcher); not for half precision (its
+    cuSPARSE products widen in Python) nor for an SDDMM (C++ serves only its kernels)."""
+    runtime = _recording_runtime(tmp_path, kernel=False)
+    try:
+        A, entry, crow, col, val, X = _decided(runtime)
+        state = runtime.state("spmm", entry, 8, torch.float32)
+        assert isinstance(state, rt.Fallback) and state.decided
+        fastpath.record(runtime, "spmm", crow, col, val, A.shape[1], X)
+        (got,) = registry.installs
+        assert (got["launcher"], got["function"], got["geometry"], got["ints"]) == (0, 0, [0, 0, 0], [0] * 5)
+        A, entry, crow, col, val, X = _decided(runtime, dtype=torch.float16, seed=22)
+        fastpath.record(runtime, "spmm", crow, col, val, A.shape[1], X)
+        A, entry, crow, col, _, X = _validated(seed=23)
+        Y = torch.randn(A.shape[0], 8)
+        runtime.call("sddmm", entry, crow, col, Y, X)
+        assert isinstance(runtime.state("sddmm", entry, 8, torch.float32), rt.Fallback)
+        fastpath.record(runtime, "sddmm", crow, col, Y, A.shape[1], X)
+        assert len(registry.installs) == 1
+    finally:
+        runtime.close()
+
+
+def test_record_waits_for_a_decision_and_never_records_under_capture(tmp_path, registry, monkeypatch):
+    runtime = _recording_runtime(tmp_path)
+    try:
+        A, _, crow, col, val, X = _validated(seed=24)
+        fastpath.record(runtime, "spmm", crow, col, val, A.shape[1], X)  # not asked to decide yet
+        assert registry.installs == []
+        A, entry, crow, col, val, X = _decided(runtime, seed=25)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        fastpath.record(runtime, "spmm", crow, col, val, A.shape[1], X)
+        assert registry.installs == [] and not runtime.decision("spmm", entry, 8, torch.float32).fast
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_record_of_an_undecided_fallback_follows_strict(tmp_path, registry, strict):
+    """A failed install (a fallback, not decided): cuSPARSE for C++ unless strict, where the
+    next call must reach Python again, which raises."""
+    runtime = _recording_runtime(tmp_path, install_fails=True, strict=strict)
+    try:
+        A, entry, crow, col, val, X = _validated(seed=26)
+        if strict:
+            with pytest.raises(rt.SpecializationError, match="the build failed"):
+                runtime.call("spmm", entry, crow, col, val, X)
+        else:
+            runtime.call("spmm", entry, crow, col, val, X)
+        state = runtime.state("spmm", entry, 8, torch.float32)
+        assert isinstance(state, rt.Fallback) and not state.decided
+        fastpath.record(runtime, "spmm", crow, col, val, A.shape[1], X)
+        assert [got["launcher"] for got in registry.installs] == ([] if strict else [0])
+    finally:
+        runtime.close()
+
+
+def test_record_of_a_transposed_product_hands_over_the_transpose(tmp_path, registry):
+    """Aᵀ @ G: C++ serves it with the transposed pattern's indices and the values' permutation,
+    as the runtime decided the product on the transposed pattern."""
+    runtime = _recording_runtime(tmp_path)
+    try:
+        A, entry, crow, col, val, _ = _validated(seed=27)
+        pattern_t, crow_t, col_t, perm = entry.transpose(crow, col)
+        G = torch.randn(A.shape[0], 8)
+        runtime.call("spmm", pattern_t, crow_t, col_t, entry.transposed_values(val, perm), G)
+        fastpath.record(runtime, "spmm_transposed", crow, col, val, A.shape[1], G)
+        (got,) = registry.installs
+        assert got["op"] == fastpath.OPS.index("spmm_transposed") and got["launcher"] == 1234
+        assert got["rowptr"] is crow_t and got["colidx"] is col_t and got["perm"] is perm
+        assert (got["rows"], got["cols"], got["x_rows"]) == (A.shape[1], A.shape[0], A.shape[0])
+    finally:
+        runtime.close()
+
+
+def test_record_for_another_runtime_empties_the_registry_first(tmp_path, registry):
+    """The registry holds one runtime's decisions: recording another's forgets them (a new epoch)."""
+    first, second = _recording_runtime(tmp_path / "first"), _recording_runtime(tmp_path / "second")
+    try:
+        A, entry, crow, col, val, X = _decided(first, seed=28)
+        fastpath.record(first, "spmm", crow, col, val, A.shape[1], X)
+        forgets, epoch = registry.forgets, fastpath._epoch
+        second.call("spmm", entry, crow, col, val, X)
+        fastpath.record(second, "spmm", crow, col, val, A.shape[1], X)
+        assert registry.forgets == forgets + 1 and fastpath._epoch == epoch + 1 and fastpath._owner is second
+        assert len(registry.installs) == 2
+    finally:
+        first.close()
+        second.close()

@@ -1,13 +1,14 @@
 """Every sparserl operator against a float64 reference, over the named edge cases."""
 
 
+import numpy as np
 import pytest
 import torch
 
 from torch_sparserl.dtypes import INDEX_DTYPES, VALUE_DTYPES, assert_close_to_reference
 
-from helpers import (PATTERNS, dense_operand, make_pattern, ref_sddmm, ref_spmm, ref_spmm_transposed,
-                     to_parts)
+from helpers import (PATTERNS, UNSORTED_AND_DUPLICATE, dense_operand, make_pattern, make_unsorted_pattern, ref_sddmm,
+                     ref_spmm, ref_spmm_transposed, summed_product, to_parts)
 
 ops = torch.ops.sparserl
 DTYPE_IDS = [str(d).replace("torch.", "") for d in VALUE_DTYPES]
@@ -234,19 +235,61 @@ def test_half_types_accumulate_in_float32(device):
         assert out.float().tolist() == [[4096.0, 4096.0]]
 
 
-def test_decisions_name_the_heads_forms():
-    """Runtime.decisions lists the products on the block-diagonal forms of attention heads."""
-    from torch_sparserl.jit import runtime as rt
+@pytest.mark.parametrize("name", list(UNSORTED_AND_DUPLICATE))
+def test_products_on_unsorted_and_duplicate_columns(device, name):
+    """The patterns the GPU kernels are also run on hold what their names say (rows with
+    unsorted columns, hub rows; repeated entries, or none), and torch's products on them match
+    a float64 reference that adds every entry."""
+    A = make_unsorted_pattern(name)
+    lengths = np.diff(A.indptr)
+    unsorted = sum(bool(np.any(np.diff(A.indices[lo:hi]) < 0)) for lo, hi in zip(A.indptr[:-1], A.indptr[1:]))
+    assert unsorted > A.shape[0] // 2 and lengths.max() >= 450 and (lengths == 0).any()
+    distinct = len(np.unique(np.repeat(np.arange(A.shape[0]), lengths) * A.shape[1] + A.indices))
+    assert distinct < 0.9 * A.nnz if "duplicate" in name else distinct == A.nnz
+    crow, col, val = to_parts(A, torch.float32, torch.int32, device)
+    X = dense_operand(A.shape[1], 5, torch.float32, device, seed=1)
+    want = summed_product(A.indptr, A.indices, val.double().cpu().numpy(), X.double().cpu().numpy())
+    assert_close_to_reference(ops.spmm(crow, col, val, A.shape[1], X), torch.from_numpy(want))
+    assert_close_to_reference(ops.spmv(crow, col, val, A.shape[1], X[:, 0].contiguous()),
+                              torch.from_numpy(want[:, 0]))
+    G = dense_operand(A.shape[0], 5, torch.float32, device, seed=2)
+    assert_close_to_reference(ops.spmm_transposed(crow, col, val, A.shape[1], G),
+                              ref_spmm_transposed(crow, col, val, A.shape[1], G))
+    assert_close_to_reference(ops.sddmm(crow, col, G, X), ref_sddmm(crow, col, G, X))
 
-    A = make_pattern("random", seed=19)
-    crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
-    val, X = torch.randn(A.nnz, 2), torch.randn(A.shape[1], 2, 4)
-    ops.spmm_heads(crow, col, val, A.shape[1], X)
-    labels = rt.active().decisions(crow, col, A.shape[1])  # nothing decided on the CPU: no entries
-    assert all(label.startswith(("A ", "At ")) for label in labels)
-    from torch_sparserl import pattern as patterns
-    forms = patterns.lookup(crow, col, A.shape[1]).heads_forms()
-    assert [(heads, t) for heads, _, t in forms] == [(2, None)]
-    ops.spmm_heads_transposed(crow, col, val, A.shape[1], torch.randn(A.shape[0], 2, 4))
-    (heads, form, form_t), = patterns.lookup(crow, col, A.shape[1]).heads_forms()
-    assert heads == 2 and form.nrows == 2 * A.shape[0] and form_t is not None and form_t.nrows == 2 * A.shape[1]
+
+def test_decisions_name_the_heads_forms(tmp_path):
+    """Runtime.decisions lists the products on the block-diagonal forms of attention heads: a
+    runtime deciding on the CPU (every product left to torch) records the forward product on
+    the two-head form, then the backward's on its transpose."""
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
+
+    decided = []
+
+    def cusparse_for_all(key, crow, col, ncols):
+        decided.append((key.op, key.n))
+        return CacheEntry(key, None, reason="decided by the test")
+
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", admit_calls=1), cache=KernelCache(tmp_path),
+                         specializer=cusparse_for_all, devices=("cpu",))
+    previous = rt.set_active(runtime)
+    try:
+        A = make_pattern("random", seed=19)
+        crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
+        val, X = torch.randn(A.nnz, 2), torch.randn(A.shape[1], 2, 4)
+        ops.spmm_heads(crow, col, val, A.shape[1], X)
+        cusparse = "cuSPARSE: no kernel: decided by the test"
+        assert runtime.decisions(crow, col, A.shape[1]) == {"A heads=2 spmm n=4 float32": cusparse}
+        from torch_sparserl import pattern as patterns
+        forms = patterns.lookup(crow, col, A.shape[1]).heads_forms()
+        assert [(heads, t) for heads, _, t in forms] == [(2, None)]
+        ops.spmm_heads_transposed(crow, col, val, A.shape[1], torch.randn(A.shape[0], 2, 4))
+        (heads, form, form_t), = patterns.lookup(crow, col, A.shape[1]).heads_forms()
+        assert heads == 2 and form.nrows == 2 * A.shape[0] and form_t is not None and form_t.nrows == 2 * A.shape[1]
+        assert runtime.decisions(crow, col, A.shape[1]) == {"A heads=2 spmm n=4 float32": cusparse,
+                                                             "At heads=2 spmm n=4 float32": cusparse}
+        assert decided == [("spmm", 4), ("spmm", 4)]
+    finally:
+        rt.set_active(previous)
+        runtime.close()

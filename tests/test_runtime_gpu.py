@@ -21,13 +21,16 @@ import torch
 
 import torch_sparserl as ts
 from torch_sparserl import pattern as patterns
-from torch_sparserl.abi import KernelSpec
+from torch_sparserl.abi import DTYPES, KernelSpec
 from torch_sparserl.cli import measure
 from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.evaluate.record import EvalRecord
 from torch_sparserl.jit import runtime as rt
-from torch_sparserl.jit.cache import KernelCache
-from torch_sparserl.specialize import autotune
+from torch_sparserl.jit import install
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+from torch_sparserl.specialize import autotune, families
+
+from helpers import UNSORTED_AND_DUPLICATE, make_unsorted_pattern, ref_sddmm, summed_product, to_parts
 
 pytestmark = pytest.mark.gpu
 
@@ -51,8 +54,9 @@ def jit(kernel_dir):
 
 
 @contextmanager
-def _using(settings: rt.RuntimeSettings, cache_root: Path):
-    runtime = rt.Runtime(settings, cache=KernelCache(cache_root))
+def _using(settings: rt.RuntimeSettings, cache_root: Path, **parts):
+    """A runtime active inside the block; ``parts``: its specializer, installer."""
+    runtime = rt.Runtime(settings, cache=KernelCache(cache_root), **parts)
     previous = rt.set_active(runtime)
     try:
         yield runtime
@@ -65,18 +69,55 @@ def _reference(M, X: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(M.astype(np.float64) @ X.double().cpu().numpy()))
 
 
-@pytest.mark.parametrize("name", ["cora", "citeseer", "rajat01", "dnn_n1024_l1"])
-@pytest.mark.parametrize("n", [1, 32])
-def test_sync_specialization_is_correct_on_shipped_matrices(jit, poison_uninitialized, name, n):
+# What the fixed specializer installs for each op: families that render for every dtype and the
+# widths used here; group_row stores each row once, so the fused epilogues have a kernel too.
+FIXED_FAMILIES = {"spmv": "rowchunks", "spmm": "group_row", "sddmm": "group_row"}
+
+
+def _fixed_specializer(key, crow, col, ncols):
+    """Every key's kernel from :data:`FIXED_FAMILIES` with the family's defaults, no search: the
+    tests named for specialized kernels use it, so that what serves them is an installed kernel
+    whatever a search would have decided (a search may rightly leave a product to cuSPARSE)."""
+    family = FIXED_FAMILIES[key.op]
+    spec = families.render(family, None, op=key.op, dtype=key.dtype, n=key.n)
+    return CacheEntry(key, spec.source, family=family, reason="chosen by the test")
+
+
+@pytest.fixture
+def fixed(kernel_dir):
+    """A sync runtime on :func:`_fixed_specializer`, active for one test."""
+    with _using(rt.RuntimeSettings(mode="sync", strict=True), kernel_dir / "fixed",
+                specializer=_fixed_specializer) as runtime:
+        yield runtime
+
+
+def _assert_installed(runtime, op, pattern, n, dtype):
+    """``op``'s product on ``pattern`` is served by the kernel the fixed specializer chose."""
+    state = runtime.state(op, pattern, n, dtype)
+    assert isinstance(state, rt.Installed), runtime.explain(op, pattern, n, dtype)
+    assert state.entry.family == FIXED_FAMILIES[op.split("+")[0]], runtime.describe(state)
+
+
+def _two_products(name: str, n: int):
+    """Two float32 products of the shipped matrix ``name`` with an X of width ``n`` (a vector for
+    1) through the active runtime, each against float64: the first decides, the second reuses.
+    Returns the op and the matrix's pattern."""
     M = ts.load_matrix(name)
     A = ts.csr(M, dtype=torch.float32, device="cuda")
     X = torch.randn(M.shape[1], n, device="cuda")
     operand = X[:, 0] if n == 1 else X
-    for _ in range(2):  # the first call specializes, the second reuses
+    for _ in range(2):
         Y = A @ operand
         assert_close_to_reference(Y.reshape(M.shape[0], n).cpu(), _reference(M, X), torch.float32)
-    entry = patterns.lookup(A.crow, A.col, M.shape[1])
-    op = "spmv" if n == 1 else "spmm"
+    return ("spmv" if n == 1 else "spmm"), patterns.lookup(A.crow, A.col, M.shape[1])
+
+
+@pytest.mark.parametrize("name", ["cora", "citeseer", "rajat01", "dnn_n1024_l1"])
+@pytest.mark.parametrize("n", [1, 32])
+def test_the_policy_decides_shipped_matrices_and_the_products_are_correct(jit, poison_uninitialized, name, n):
+    """The learned policy end to end: each product is decided (a kernel that beat cuSPARSE by the
+    margin, or cuSPARSE, decided) and correct either way."""
+    op, entry = _two_products(name, n)
     state = jit.state(op, entry, n, torch.float32)
     assert isinstance(state, (rt.Installed, rt.Fallback)), jit.explain(op, entry, n, torch.float32)
     if isinstance(state, rt.Fallback):
@@ -84,6 +125,81 @@ def test_sync_specialization_is_correct_on_shipped_matrices(jit, poison_uninitia
     else:
         record = EvalRecord.from_dict(jit.cache.get(state.key).record)
         assert record.speedup >= jit.settings.margin  # measured against cuSPARSE in the same run
+
+
+@pytest.mark.parametrize("name", ["cora", "citeseer", "rajat01", "dnn_n1024_l1"])
+@pytest.mark.parametrize("n", [1, 32])
+def test_installed_kernels_serve_shipped_matrices_correctly(fixed, poison_uninitialized, name, n):
+    """The installed kernel, not cuSPARSE, serves every call after the decision, and matches float64."""
+    op, entry = _two_products(name, n)
+    _assert_installed(fixed, op, entry, n, torch.float32)
+    assert fixed.stats["installed_calls"] >= 2 and fixed.stats["fallback_calls"] == 0, fixed.stats
+
+
+def _cusparse_decided(key, crow, col, ncols):
+    return CacheEntry(key, None, reason="decided by the test: cuSPARSE")
+
+
+@pytest.mark.parametrize("n", [1, 32])
+def test_a_product_decided_for_cusparse_is_served_by_cusparse(kernel_dir, poison_uninitialized, n):
+    """A specializer's "no kernel" is a decided fallback: strict mode does not raise, cuSPARSE
+    serves every call (correctly), and nothing is installed."""
+    settings = rt.RuntimeSettings(mode="sync", strict=True)
+    with _using(settings, kernel_dir / "cusparse", specializer=_cusparse_decided) as runtime:
+        op, entry = _two_products("cora", n)
+        state = runtime.state(op, entry, n, torch.float32)
+        assert isinstance(state, rt.Fallback) and state.decided, runtime.describe(state)
+        assert "decided by the test" in state.reason
+        assert runtime.stats["installed_calls"] == 0 and runtime.stats["fallback_calls"] == 2, runtime.stats
+
+
+def _family_cases():
+    """Every family and op it writes, in float32 and bfloat16 where it renders with its defaults."""
+    for family, fam in families.FAMILIES.items():
+        for op in sorted(fam.ops):
+            for dtype in ("f32", "bf16"):
+                try:
+                    families.render(family, None, op=op, dtype=dtype, n=1 if op == "spmv" else 32)
+                except ValueError:  # half SpMV of the families that add a row's pieces atomically
+                    continue
+                yield pytest.param(family, op, dtype, id=f"{op}-{family}-{dtype}")
+
+
+@pytest.mark.parametrize("family,op,dtype", list(_family_cases()))
+def test_installed_kernels_take_unsorted_and_duplicate_columns(kernel_dir, poison_uninitialized, family, op, dtype):
+    """Each family's kernel (its defaults), installed by the runtime and called through the
+    operators, serves patterns whose columns are unsorted within rows and whose (row, col)
+    entries repeat: twice each (the second call may be the C++ fast path's), against a float64
+    reference that adds every entry. Installed by the NVRTC installer: the same plan data and
+    binding as a library's, without an nvcc build per family."""
+    n = 1 if op == "spmv" else 32
+    tdtype = DTYPES[dtype]
+
+    def specializer(key, crow, col, ncols):
+        spec = families.render(family, None, op=key.op, dtype=key.dtype, n=key.n)
+        return CacheEntry(key, spec.source, family=family, reason="chosen by the test")
+
+    settings = rt.RuntimeSettings(mode="sync", strict=True)
+    with _using(settings, kernel_dir / f"unsorted-{family}-{op}-{dtype}", specializer=specializer,
+                installer=install.nvrtc_installer) as runtime:
+        for seed, name in enumerate(UNSORTED_AND_DUPLICATE):
+            A = make_unsorted_pattern(name, seed=seed)
+            crow, col, val = to_parts(A, tdtype, torch.int32, "cuda")
+            for call in range(2):
+                g = torch.Generator().manual_seed(100 * seed + call)
+                X = torch.randn(A.shape[1], n, generator=g, dtype=torch.float64).to("cuda", tdtype)
+                if op == "sddmm":
+                    Y = torch.randn(A.shape[0], n, generator=g, dtype=torch.float64).to("cuda", tdtype)
+                    out, want = torch.ops.sparserl.sddmm(crow, col, Y, X), ref_sddmm(crow, col, Y, X)
+                else:
+                    operand = X[:, 0] if op == "spmv" else X
+                    out = getattr(torch.ops.sparserl, op)(crow, col, val, A.shape[1], operand)
+                    want = torch.from_numpy(summed_product(A.indptr, A.indices, val.double().cpu().numpy(),
+                                                           operand.double().cpu().numpy()))
+                assert_close_to_reference(out.cpu(), want, tdtype)
+            state = runtime.state(op, patterns.lookup(crow, col, A.shape[1]), n, tdtype)
+            assert isinstance(state, rt.Installed) and state.entry.family == family, runtime.describe(state)
+        assert runtime.stats["installed_calls"] >= 4 and runtime.stats["fallback_calls"] == 0, runtime.stats
 
 
 def _tuned(kernel_dir: Path):
@@ -121,7 +237,7 @@ def test_half_precision_through_the_runtime(jit, poison_uninitialized, dtype):
     assert_close_to_reference(Y.cpu(), ref, dtype)
 
 
-def test_training_step_uses_specialized_forward_and_backward(jit, poison_uninitialized):
+def test_training_step_uses_specialized_forward_and_backward(fixed, poison_uninitialized):
     M = ts.load_matrix("rajat01")  # not symmetric: the backward runs on a transposed pattern
     Md = M.astype(np.float64)
     A = ts.csr(M, dtype=torch.float32, index_dtype=torch.int64, device="cuda")
@@ -133,11 +249,13 @@ def test_training_step_uses_specialized_forward_and_backward(jit, poison_uniniti
     assert_close_to_reference(X.grad.cpu(), expected, torch.float32)
     entry = patterns.lookup(A.crow, A.col, M.shape[1])
     entry_t = entry.transpose(A.crow, A.col)[0]
-    assert jit.state("spmm", entry_t, 32, torch.float32) is not None  # Aᵀ was decided on its own pattern
+    _assert_installed(fixed, "spmm", entry, 32, torch.float32)
+    _assert_installed(fixed, "spmm", entry_t, 32, torch.float32)  # Aᵀ was decided on its own pattern
+    assert fixed.stats["installed_calls"] >= 2 and fixed.stats["fallback_calls"] == 0, fixed.stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_value_gradient_runs_the_specialized_sddmm(jit, poison_uninitialized, dtype):
+def test_value_gradient_runs_the_specialized_sddmm(fixed, poison_uninitialized, dtype):
     M = ts.load_matrix("citeseer")
     A = ts.csr(M, dtype=dtype, device="cuda")
     val = A.values().detach().clone().requires_grad_()
@@ -150,23 +268,19 @@ def test_value_gradient_runs_the_specialized_sddmm(jit, poison_uninitialized, dt
     expected = torch.from_numpy(np.einsum("kn,kn->k", W64[rows], X64[M.indices]))
     assert_close_to_reference(val.grad.cpu(), expected, dtype)
     entry = patterns.lookup(A.crow, A.col, M.shape[1])
-    state = jit.state("sddmm", entry, 32, dtype)
-    assert isinstance(state, (rt.Installed, rt.Fallback)), jit.explain("sddmm", entry, 32, dtype)
-    assert state.key.policy == "autotune"  # the policy writes no SDDMM: the autotuner decided
-    if isinstance(state, rt.Fallback):
-        assert state.decided, state.reason
-    else:
-        record = EvalRecord.from_dict(jit.cache.get(state.key).record)
-        assert record.speedup >= jit.settings.margin and record.baseline.startswith("cusparse")
+    _assert_installed(fixed, "sddmm", entry, 32, dtype)
+    assert fixed.state("sddmm", entry, 32, dtype).key.policy == "autotune"  # the policy writes no SDDMM
+    served = fixed.stats["installed_calls"]
     # the operator directly, on a D that is 4 bytes off 16-byte alignment
     base = torch.randn(M.shape[0] * 32 + 1, device="cuda").to(dtype)
     D = base[1:].view(M.shape[0], 32)
     out = torch.ops.sparserl.sddmm(A.crow, A.col, D, X)
     expected = np.einsum("kn,kn->k", D.double().cpu().numpy()[rows], X64[M.indices])
     assert_close_to_reference(out.cpu(), torch.from_numpy(expected), dtype)
+    assert fixed.stats["installed_calls"] == served + 1, fixed.stats
 
 
-def test_attention_heads_run_specialized_kernels_on_the_block_diagonal_form(jit, poison_uninitialized):
+def test_attention_heads_run_specialized_kernels_on_the_block_diagonal_form(fixed, poison_uninitialized):
     """spmm_heads (a GAT layer's message sum) forward and backward: one product for every
     head, decided on the pattern's block-diagonal form, against float64 per head."""
     M = ts.load_matrix("citeseer")
@@ -185,16 +299,15 @@ def test_attention_heads_run_specialized_kernels_on_the_block_diagonal_form(jit,
         assert_close_to_reference(X.grad[:, h].cpu(), torch.from_numpy(np.asarray(A_h.T @ w64[:, h])))
         assert_close_to_reference(alpha.grad[:, h].cpu(),
                                   torch.from_numpy(np.einsum("kn,kn->k", w64[rows, h], x64[M.indices, h])))
-    kernels = jit.decisions(A.crow, A.col, M.shape[1])
+    kernels = fixed.decisions(A.crow, A.col, M.shape[1])
     for label in (f"A heads={heads} spmm n={c} float32", f"At heads={heads} spmm n={c} float32",
                   f"A heads={heads} sddmm n={c} float32"):
-        assert label in kernels and not kernels[label].startswith(("not specialized", "specializing")), kernels
+        assert label in kernels and kernels[label].startswith("installed: "), kernels
+    assert fixed.stats["installed_calls"] >= 3 and fixed.stats["fallback_calls"] == 0, fixed.stats
 
 
 @pytest.mark.parametrize("scale_on, bias_on, relu", [(True, True, True), (False, True, False), (False, False, True)])
-def test_fused_epilogue_matches_float64(jit, poison_uninitialized, scale_on, bias_on, relu):
-    from torch_sparserl.specialize.families import EPILOGUE_FAMILIES
-
+def test_fused_epilogue_matches_float64(fixed, poison_uninitialized, scale_on, bias_on, relu):
     M = ts.load_matrix("cora")
     A = ts.csr(M, dtype=torch.float32, device="cuda")
     X = torch.randn(M.shape[1], 32, device="cuda")
@@ -207,16 +320,14 @@ def test_fused_epilogue_matches_float64(jit, poison_uninitialized, scale_on, bia
     ref = np.maximum(ref, 0.0) if relu else ref
     assert_close_to_reference(out.cpu(), torch.from_numpy(np.asarray(ref)), torch.float32)
     entry = patterns.lookup(A.crow, A.col, M.shape[1])
-    base = jit.state("spmm", entry, 32, torch.float32)
     steps = "+".join(s for s, on in (("scale", scale_on), ("bias", bias_on), ("relu", relu)) if on)
-    fused = jit.state(f"spmm+{steps}", entry, 32, torch.float32)
-    if isinstance(base, rt.Installed) and base.entry.family in EPILOGUE_FAMILIES:
-        assert isinstance(fused, rt.Installed), jit.describe(fused)
-    else:
-        assert isinstance(fused, rt.Fallback) and fused.decided, jit.describe(fused)
+    assert FIXED_FAMILIES["spmm"] in families.EPILOGUE_FAMILIES
+    _assert_installed(fixed, "spmm", entry, 32, torch.float32)
+    _assert_installed(fixed, f"spmm+{steps}", entry, 32, torch.float32)  # the epilogue in the kernel's row stores
+    assert fixed.stats["installed_calls"] >= 1 and fixed.stats["fallback_calls"] == 0, fixed.stats
 
 
-def test_compiled_gcn_layer_fuses_its_tail(jit, poison_uninitialized):
+def test_compiled_gcn_layer_fuses_its_tail(fixed, poison_uninitialized):
     from torch_sparserl.compiler import passes
 
     M = ts.load_matrix("cora")
@@ -234,8 +345,9 @@ def test_compiled_gcn_layer_fuses_its_tail(jit, poison_uninitialized):
     torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True):
         out = torch.compile(layer, backend="sparserl", options={"fuse_epilogues": True})(x)
-    fusable = jit.fusable(M.shape[0], M.nnz, M.shape[1], 32, torch.float32)
-    assert [line for r in passes.REPORTS for line in r.fused] == (["spmm -> mul -> add -> relu"] if fusable else [])
+    # decided at compile time, before the post-grad pass asked: an epilogue family is installed
+    assert fixed.fusable(M.shape[0], M.nnz, M.shape[1], 32, torch.float32)
+    assert [line for r in passes.REPORTS for line in r.fused] == ["spmm -> mul -> add -> relu"]
     with torch.no_grad():
         H = x.double() @ lin.weight.double().t()
     ref = np.maximum((M.astype(np.float64) @ H.cpu().numpy()) * dinv.double().cpu().numpy()[:, None]

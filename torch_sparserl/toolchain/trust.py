@@ -232,6 +232,24 @@ path, so a closed descriptor's number, and with it the path ``/proc/self/fd/N``,
 next library would be taken for the library already loaded (its symbols then missing)."""
 
 
+def _seal(fd: int) -> bool:
+    """Forbid any further write, growth, shrinking or change of seals on the memory file ``fd``;
+    False where the platform has no seals (``fcntl`` lacks them, or the kernel refuses)."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    names = ("F_ADD_SEALS", "F_SEAL_WRITE", "F_SEAL_GROW", "F_SEAL_SHRINK", "F_SEAL_SEAL")
+    if not all(hasattr(fcntl, name) for name in names):  # CPython < 3.8, or not Linux
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    except OSError:
+        return False
+    return True
+
+
 def loadable_path(library: Path, data: bytes) -> tuple[str, int | None]:
     """A path to dlopen that holds exactly ``data`` (the verified bytes): a sealed memory file
     where the system has them (kept open: :data:`_LOADED_FDS`), else ``library`` itself (its
@@ -248,14 +266,7 @@ def loadable_path(library: Path, data: bytes) -> tuple[str, int | None]:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        seal = getattr(os, "F_ADD_SEALS", None)
-        if seal is not None:
-            try:
-                import fcntl
-
-                fcntl.fcntl(fd, seal, os.F_SEAL_WRITE | os.F_SEAL_GROW | os.F_SEAL_SHRINK | os.F_SEAL_SEAL)
-            except (OSError, AttributeError):
-                pass
+        _seal(fd)
     except OSError:
         os.close(fd)
         return str(library), None
