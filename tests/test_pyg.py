@@ -2,10 +2,15 @@
 
 Each layer is compared with PyG's own sparse path (a torch sparse CSR ``adj_t``) and with its
 ``edge_index`` path, in float64, forward and backward, eagerly and under
-``torch.compile(backend="sparserl")``; and the products are checked to be sparserl's.
+``torch.compile(backend="sparserl")``; and the products are checked to be sparserl's. The
+layers still script with TorchScript after the import.
 """
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +21,20 @@ pytest.importorskip("torch_geometric")
 import torch_sparserl as ts  # noqa: E402
 import torch_sparserl.integrations.pyg as tpyg  # noqa: E402
 from torch_sparserl.compiler import passes  # noqa: E402
-from torch_geometric.nn import GATConv, GATv2Conv, GCNConv, GINConv, GraphConv, SAGEConv, TransformerConv  # noqa: E402
+from torch_sparserl.dtypes import TOLERANCES  # noqa: E402
+from torch_geometric.nn import (  # noqa: E402
+    APPNP,
+    ChebConv,
+    GATConv,
+    GATv2Conv,
+    GCNConv,
+    GINConv,
+    GraphConv,
+    SAGEConv,
+    SGConv,
+    SimpleConv,
+    TransformerConv,
+)
 from torch_geometric.utils import coalesce, remove_self_loops, softmax  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -67,9 +85,19 @@ def _torch_adj_t(edge_index, n):
     return adj.coalesce().to_sparse_csr()
 
 
+def _assert_close(out, ref):
+    """``out`` against a float64 reference, within the tolerance table's float64 bounds."""
+    tol = TOLERANCES[torch.float64]
+    torch.testing.assert_close(out, ref, rtol=tol.rtol, atol=tol.atol)
+
+
 def _model(name, seed=1):
     torch.manual_seed(seed)
     return LAYERS[name](6, 5).double()
+
+
+def _seq(i, o):
+    return torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.ReLU(), torch.nn.Linear(o, o))
 
 
 def _grads(module):
@@ -315,6 +343,58 @@ def test_other_inputs_reach_pyg_unchanged():
     out_edge_index = layer(x, edge_index)
     out_sparse = layer(x, _torch_adj_t(edge_index, x.shape[0]))
     torch.testing.assert_close(out_edge_index, out_sparse, rtol=1e-12, atol=1e-12)
+
+
+SCRIPTED = {
+    "gcn": lambda: GCNConv(8, 4),
+    "sage": lambda: SAGEConv(8, 4),
+    "gin": lambda: GINConv(_seq(8, 4)),
+    "graphconv": lambda: GraphConv(8, 4),
+    "sg": lambda: SGConv(8, 4, K=2),
+    "appnp": lambda: APPNP(K=2, alpha=0.1),
+    "simple_self_loop": lambda: SimpleConv(combine_root="self_loop"),
+    "cheb": lambda: ChebConv(8, 4, K=2),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", sorted(SCRIPTED))
+def test_layers_script_after_the_import(name):
+    """The adapter stands in for PyG's functions and methods in Python only: TorchScript
+    compiles PyG's own, and the scripted layer gives the layer's result on an edge_index."""
+    edge_index, x = _graph("cpu", features=8, seed=11, self_loops=True)
+    weights = torch.rand(edge_index.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+    torch.manual_seed(1)
+    layer = SCRIPTED[name]().double()
+    scripted = torch.jit.script(layer)
+    _assert_close(scripted(x, edge_index), layer(x, edge_index))
+    if name in ("gcn", "graphconv", "sg", "cheb"):
+        _assert_close(scripted(x, edge_index, weights), layer(x, edge_index, weights))
+
+
+_SCRIPTED_BEFORE = """
+import warnings
+warnings.simplefilter("ignore")
+import torch
+from torch_geometric.nn import APPNP, GCNConv, SGConv, SimpleConv
+torch.jit.script(GCNConv(8, 4))  # PyG's gcn_norm, add_self_loops, ... compiled before the adapter stands in
+torch.jit.script(SimpleConv(combine_root="self_loop"))
+import torch_sparserl.integrations.pyg
+x, edge_index = torch.randn(10, 8), torch.randint(0, 10, (2, 30))
+for layer in (APPNP(K=2, alpha=0.1), SGConv(8, 4, K=2)):
+    assert torch.allclose(torch.jit.script(layer)(x, edge_index), layer(x, edge_index))
+print("scripted")
+"""
+
+
+@pytest.mark.slow
+def test_layers_script_after_the_import_when_pyg_was_scripted_before():
+    """PyG's functions compiled by TorchScript before the import: the layers scripted after it
+    reuse their compiled overloads (a fresh interpreter: TorchScript keeps them per process)."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", _SCRIPTED_BEFORE], cwd=root, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "SPARSERL_JIT": "off"})
+    assert result.returncode == 0 and result.stdout.strip() == "scripted", result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("heads", [1, 3])

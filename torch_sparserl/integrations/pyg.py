@@ -30,6 +30,10 @@ modules (nothing in a model changes):
 * ``remove_self_loops`` and ``add_self_loops`` (the attention layers' loops) return a
   ``CSRMatrix`` whose pattern is computed once per pattern, likewise.
 
+Every stand-in is for Python only: ``torch.jit.script`` of a layer compiles PyG's own functions
+and methods, unchanged. A scripted layer takes PyG's own inputs, not a ``CSRMatrix`` (which is
+for eager and ``torch.compile``).
+
 Gradients reach the features through ``Aᵀ @ dY`` on the transposed pattern and the values
 (edge weights, attention) through SDDMM, eagerly and under
 ``torch.compile(backend="sparserl")``. One graph break remains: the self-loop patterns
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 import warnings
 
 import torch
@@ -287,16 +292,69 @@ def _wrap(cls, name: str, on_csr) -> None:
     method = cls.__dict__.get(name)
     if method is None or getattr(method, _WRAPPED_FLAG, False):
         return
-
-    @functools.wraps(method)
-    def wrapped(self, edge_index, size=None, **kwargs):
-        if isinstance(edge_index, CSRMatrix):
-            return on_csr(self, edge_index, size, kwargs)
-        return method(self, edge_index, size=size, **kwargs)
-
-    setattr(wrapped, _WRAPPED_FLAG, True)
     setattr(cls, f"_sparserl_original_{name}", method)
-    setattr(cls, name, wrapped)
+    setattr(cls, name, _routing(method, on_csr))
+
+
+def _compiled_by_torchscript_as(stand_in, original):
+    """``stand_in`` (whose names come from its closure only, prefixed ``_sparserl_``) made what
+    TorchScript compiles as ``original``.
+
+    TorchScript compiles a function or method from the source and signature ``inspect`` finds
+    through ``__wrapped__`` (``original``'s here), resolving its names in the function's globals
+    and closure: here ``original``'s globals, and closure names ``original`` does not use.
+    """
+    stand_in = types.FunctionType(stand_in.__code__, original.__globals__, original.__name__,
+                                  stand_in.__defaults__, stand_in.__closure__)
+    return functools.update_wrapper(stand_in, original)
+
+
+def _routing(method, on_csr):
+    """``method(self, edge_index, size=None, **kwargs)``, with a ``CSRMatrix`` sent to
+    ``on_csr``; ``torch.jit.script`` of a layer compiles ``method``, unchanged."""
+    _sparserl_csr, _sparserl_on_csr, _sparserl_method = CSRMatrix, on_csr, method
+
+    def routed(self, edge_index, size=None, **kwargs):
+        if isinstance(edge_index, _sparserl_csr):
+            return _sparserl_on_csr(self, edge_index, size, kwargs)
+        return _sparserl_method(self, edge_index, size=size, **kwargs)
+
+    routed = _compiled_by_torchscript_as(routed, method)
+    setattr(routed, _WRAPPED_FLAG, True)
+    return routed
+
+
+# TorchScript's name for PyG's functions where the adapter stands in for them (see below).
+_SCRIPTED_AS = f"{__name__}.scripted_as_pyg"
+
+
+def _scripted_as_original(ours, original):
+    """What PyG's modules call in place of ``original``: ``ours`` in Python, ``original`` to
+    TorchScript (:func:`_compiled_by_torchscript_as`).
+
+    ``original``'s overloads (``torch.jit._overload``), which TorchScript looks up by the
+    function's qualified name, are registered again under this function's own name
+    (``_SCRIPTED_AS``) so that compiling either leaves the other's intact; if TorchScript
+    compiled them already, their compiled forms are shared.
+    """
+    _sparserl_ours = ours
+
+    def adapter(*args, **kwargs):
+        return _sparserl_ours(*args, **kwargs)
+
+    adapter = _compiled_by_torchscript_as(adapter, original)
+    adapter.__module__ = _SCRIPTED_AS
+    declared = torch._jit_internal._get_fn_overloads(torch._jit_internal._qualified_name(original))
+    if declared:
+        for declaration in declared:
+            again = functools.update_wrapper(lambda: None, declaration)  # its source: the declaration's
+            again.__module__ = _SCRIPTED_AS
+            torch.jit._overload(again)
+    else:
+        compiled = torch.jit._state._try_get_jit_cached_overloads(original)
+        if compiled:
+            torch.jit._state._set_jit_overload_cache(adapter, compiled)
+    return adapter
 
 
 def _wrap_propagate(cls) -> None:
@@ -322,7 +380,8 @@ def install() -> None:
 
     Replaces ``spmm``, ``gcn_norm``, ``remove_self_loops``, ``add_self_loops`` and
     ``MessagePassing.propagate`` / ``edge_updater`` where PyG's modules refer to them; other
-    inputs reach PyG's original functions unchanged.
+    inputs reach PyG's original functions unchanged, and ``torch.jit.script`` compiles PyG's
+    originals.
     """
     if _ORIGINAL:
         return
@@ -335,7 +394,7 @@ def install() -> None:
             "add_self_loops": add_self_loops}
     for name in ours:
         _ORIGINAL[name] = getattr(gcn_conv if name == "gcn_norm" else pyg_utils, name)
-    replacements = {id(_ORIGINAL[name]): new for name, new in ours.items()}
+    replacements = {id(_ORIGINAL[name]): _scripted_as_original(new, _ORIGINAL[name]) for name, new in ours.items()}
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch_geometric") or module is None:
             continue
