@@ -158,6 +158,22 @@ def _dense(A, values=None):
     return out
 
 
+def _torch_csr(A):
+    """The torch sparse CSR tensor of a CSRMatrix's pattern and values (PyG's own sparse input)."""
+    return torch.sparse_csr_tensor(A.crow.long(), A.col.long(), A.val.detach(), tuple(A.shape))
+
+
+def _assert_same_sparse(ours, theirs):
+    """A CSRMatrix (or torch sparse CSR result) and PyG's torch sparse CSR result: the same
+    size, pattern and values."""
+    if isinstance(ours, ts.CSRMatrix):
+        ours = _torch_csr(ours)
+    assert ours.layout == theirs.layout == torch.sparse_csr and ours.shape == theirs.shape
+    assert torch.equal(ours.crow_indices().long(), theirs.crow_indices().long())
+    assert torch.equal(ours.col_indices().long(), theirs.col_indices().long())
+    _assert_close(ours.values(), theirs.values())
+
+
 def test_self_loops_on_a_csr_matrix_as_pyg_adds_them():
     edge_index, x = _graph("cpu", self_loops=True)
     n = x.shape[0]
@@ -172,19 +188,21 @@ def test_self_loops_on_a_csr_matrix_as_pyg_adds_them():
     again, _ = tpyg.remove_self_loops(A)
     assert again.crow is bare.crow and again.col is bare.col  # computed once per pattern
 
-    for fill, diagonal in ((None, torch.ones(n)), (2.5, torch.full((n,), 2.5)),
-                           ("mean", (dense * off).sum(1) / (off & (dense != 0)).sum(1).clamp(min=1)),
-                           ("add", (dense * off).sum(1))):
-        looped, none = tpyg.add_self_loops(bare, fill_value=fill, num_nodes=n)
-        assert none is None
-        torch.testing.assert_close(_dense(looped), dense * off + torch.diag(diagonal.double()))
+    # As PyG adds them to a torch sparse matrix: with and without diagonal entries (a loop added
+    # where one is sums with it), square and rectangular, num_nodes not read (GATConv passes
+    # the source count for a bipartite graph).
+    wide = ts.csr(A.to_dense()[:25])
+    tall = ts.csr(A.to_dense()[:, :25])
+    for matrix in (bare, A, wide, tall):
+        # (PyG's own fails on string fills when there are more rows than loops: index out of bounds)
+        for fill in (None, 2.5) + (("mean", "add", "max") if matrix is not tall else ()):
+            looped, none = tpyg.add_self_loops(matrix, fill_value=fill, num_nodes=7)
+            theirs, _ = tpyg._ORIGINAL["add_self_loops"](_torch_csr(matrix), fill_value=fill)
+            assert none is None and isinstance(looped, ts.CSRMatrix)
+            _assert_same_sparse(looped, theirs)
 
-    with pytest.raises(NotImplementedError, match=r"add_self_loops: the CSRMatrix has diagonal entries"):
-        tpyg.add_self_loops(A)
     with pytest.raises(NotImplementedError, match=r"add_self_loops: edge_attr with self loops is not supported"):
         tpyg.add_self_loops(bare, bare_attr)
-    with pytest.raises(NotImplementedError, match=r"num_nodes must be min\(rows, cols\) = 40 for a CSRMatrix \(got 7\)"):
-        tpyg.add_self_loops(bare, num_nodes=7)
     with pytest.raises(NotImplementedError, match=r"fill_value must be None, a number or one of"):
         tpyg.add_self_loops(bare, fill_value="median")
     # anything else reaches PyG's own

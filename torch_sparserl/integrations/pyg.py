@@ -97,11 +97,14 @@ def _looped_pattern(A: CSRMatrix):
     return entry.with_diagonal(A.crow, A.col)
 
 
-def _add_self_loops(A: CSRMatrix, fill: float, dtype) -> CSRMatrix:
+def _add_self_loops(A: CSRMatrix, val: Tensor, fill: Tensor | float) -> CSRMatrix:
+    """``A + diag(fill)`` with ``val`` as A's values, on A's pattern with every diagonal position
+    ``(i, i)``, ``i < min(rows, cols)``: a diagonal entry A has already gets ``fill`` added, as
+    torch's coalescing sums the loop PyG appends to a torch sparse matrix."""
     crow_d, col_d, src_pos, diag_pos = _looped_pattern(A)
-    val = values_of(A).to(dtype)
-    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val)
-    looped = looped.index_add(0, diag_pos, val.new_full((diag_pos.shape[0],), fill))
+    if not isinstance(fill, Tensor):
+        fill = val.new_full((diag_pos.shape[0],), fill)
+    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val).index_add(0, diag_pos, fill)
     return CSRMatrix(crow_d, col_d, looped, A.shape)
 
 
@@ -125,27 +128,21 @@ _FILL_REDUCTIONS = {"add": "sum", "sum": "sum", "mean": "mean", "max": "amax", "
 
 
 def add_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):
-    """``torch_geometric.utils.add_self_loops`` for a ``CSRMatrix`` without diagonal entries
-    (as PyG's layers call it, after ``remove_self_loops``): one entry ``(i, i)`` per node
-    ``i < min(rows, cols)``, valued ``fill_value`` (1 by default; ``"mean"``, ``"add"``, ...
-    reduce the row's values, as PyG reduces a sparse matrix's values over each node's incoming
-    edges). Anything else goes to PyG's own."""
+    """``torch_geometric.utils.add_self_loops`` for a ``CSRMatrix``, as PyG adds them to a torch
+    sparse matrix: ``fill_value`` (1 by default; ``"mean"``, ``"add"``, ... reduce the row's
+    values, its incoming edges) at every ``(i, i)``, ``i < min(rows, cols)``, added to the
+    diagonal entry where there is one already. ``num_nodes`` is not read, as PyG does not read
+    it for a torch sparse matrix (GATConv passes the source count for a bipartite
+    ``(x_src, None)``). Anything else goes to PyG's own."""
     if not isinstance(edge_index, CSRMatrix):
         return _ORIGINAL["add_self_loops"](edge_index, edge_attr, fill_value, num_nodes)
     op = "torch_sparserl.integrations.pyg.add_self_loops"
     A = edge_index
     loops = min(A.shape)
-    if num_nodes is not None and not (isinstance(num_nodes, int) and num_nodes == loops):
-        raise NotImplementedError(f"{op}: num_nodes must be min(rows, cols) = {loops} for a CSRMatrix "
-                                  f"(got {num_nodes!r})")
     if edge_attr is not None:
         raise NotImplementedError(f"{op}: edge_attr with self loops is not supported on a CSRMatrix (as PyG for "
                                   "SparseTensor); add the loops to the matrix and the attributes yourself and "
                                   "set add_self_loops=False")
-    crow_d, col_d, src_pos, diag_pos = _looped_pattern(A)
-    if col_d.shape[0] - A.nnz != loops:
-        raise NotImplementedError(f"{op}: the CSRMatrix has diagonal entries; PyG would add a second loop at "
-                                  "each, which a CSRMatrix does not hold: call remove_self_loops first")
     val = values_of(A)
     if fill_value is None or isinstance(fill_value, (int, float)):
         fill = val.new_full((loops,), 1.0 if fill_value is None else float(fill_value))
@@ -156,8 +153,7 @@ def add_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):
     else:
         raise NotImplementedError(f"{op}: fill_value must be None, a number or one of "
                                   f"{sorted(_FILL_REDUCTIONS)} for a CSRMatrix (got {fill_value!r})")
-    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val).index_copy(0, diag_pos, fill)
-    return CSRMatrix(crow_d, col_d, looped, A.shape), None
+    return _add_self_loops(A, val, fill), None
 
 
 def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_self_loops=True,
@@ -175,7 +171,7 @@ def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_s
         raise ValueError(f"torch_sparserl.integrations.pyg.gcn_norm: the adjacency must be square (got shape {tuple(A.shape)})")
     dtype = dtype if dtype is not None and dtype.is_floating_point else A.dtype
     if add_self_loops:
-        A = _add_self_loops(A, 2.0 if improved else 1.0, dtype)
+        A = _add_self_loops(A, values_of(A).to(dtype), 2.0 if improved else 1.0)
     val = values_of(A).to(dtype)
     rows = patterns.row_indices(A.crow, A.col.shape[0])
     deg = val.new_zeros(A.shape[0]).index_add(0, rows, val)
