@@ -209,18 +209,21 @@ def test_self_loops_on_a_csr_matrix_as_pyg_adds_them():
     assert tpyg.add_self_loops(edge_index, num_nodes=n)[0].shape[1] == edge_index.shape[1] + n
 
 
-def test_gat_attention_weights_match_the_edge_index_path():
+@pytest.mark.parametrize("make", [lambda: GATConv(6, 5, heads=3), lambda: GATConv(6, 5, heads=1, add_self_loops=False),
+                                  lambda: GATv2Conv(6, 5, heads=2)], ids=["gat", "gat_one_head_no_loops", "gatv2"])
+def test_attention_weights_are_what_pyg_returns_for_a_sparse_adjacency(make):
+    """PyG returns ``(out, (adj, alpha))`` for a torch sparse adjacency, ``adj`` a sparse CSR tensor
+    of size (N, N, heads) holding ``alpha`` on the (looped) pattern: the same for a CSRMatrix."""
     edge_index, x = _graph("cpu")
     A = tpyg.adjacency(edge_index, x.shape[0], dtype=torch.float64)
     torch.manual_seed(5)
-    layer = GATConv(6, 5, heads=3).double()
+    layer = make().double()
     out, (adj, alpha) = layer(x, A, return_attention_weights=True)
-    ref, (looped_index, ref_alpha) = layer(x, edge_index, return_attention_weights=True)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    assert isinstance(adj, ts.CSRMatrix) and alpha.shape == (adj.nnz, 3)  # in the matrix's order
-    theirs = torch.zeros(*adj.shape, 3, dtype=torch.float64)
-    theirs[looped_index[1], looped_index[0]] = ref_alpha.detach()
-    torch.testing.assert_close(_dense(adj, alpha), theirs, rtol=1e-12, atol=1e-12)
+    ref, (ref_adj, ref_alpha) = layer(x, _torch_adj_t(edge_index, x.shape[0]), return_attention_weights=True)
+    _assert_close(out, ref)
+    assert adj.shape == ref_adj.shape == (x.shape[0], x.shape[0], layer.heads)
+    _assert_same_sparse(adj, ref_adj)
+    _assert_close(alpha, ref_alpha)
 
 
 @pytest.mark.parametrize("make", [lambda: GATv2Conv(6, 5, heads=2), lambda: TransformerConv(6, 5, heads=2)],
@@ -350,6 +353,9 @@ def test_errors_are_named():
         tpyg.adjacency(torch.zeros(3, 5, dtype=torch.long))
     with pytest.raises(ValueError, match=r"adjacency: edge_weight must have shape"):
         tpyg.adjacency(edge_index, x.shape[0], torch.ones(2))
+    with pytest.raises(ValueError, match=rf"set_sparse_value: value must have {A.nnz} rows, one per entry of the "
+                                         r"CSRMatrix \(got shape \(3, 2\)\)"):
+        tpyg.set_sparse_value(A, torch.ones(3, 2, dtype=torch.float64))
 
 
 def test_other_inputs_reach_pyg_unchanged():
@@ -413,6 +419,46 @@ def test_layers_script_after_the_import_when_pyg_was_scripted_before():
     result = subprocess.run([sys.executable, "-c", _SCRIPTED_BEFORE], cwd=root, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "SPARSERL_JIT": "off"})
     assert result.returncode == 0 and result.stdout.strip() == "scripted", result.stderr[-3000:]
+
+
+def test_appnp_drops_out_the_adjacency_values_as_pyg():
+    """APPNP in training mode drops out the normalized adjacency's values each step: on a
+    CSRMatrix the values of the same pattern (the products stay sparserl's), with the masks
+    PyG draws for torch's sparse adj_t from the same seed."""
+    edge_index, x = _graph("cpu", n=30, edges=150, features=8)
+    n = x.shape[0]
+    A = tpyg.adjacency(edge_index, n, dtype=torch.float64)
+
+    def run(dropout, adj, seed=7):
+        torch.manual_seed(seed)
+        layer = APPNP(K=2, alpha=0.1, dropout=dropout)
+        assert layer.training
+        features = x.clone().requires_grad_()
+        out = layer(features, adj)
+        out.square().sum().backward()
+        return out, features.grad
+
+    without, grad_without = run(0.0, A)
+    ref, grad_ref = run(0.0, _torch_adj_t(edge_index, n))
+    _assert_close(without, ref)
+    _assert_close(grad_without, grad_ref)
+
+    with Counter() as seen:
+        dropped, grad_dropped = run(0.5, A)
+    assert seen.ops.count("spmm") == 2, seen.ops  # K products, on the CSRMatrix
+    ref, grad_ref = run(0.5, _torch_adj_t(edge_index, n))
+    _assert_close(dropped, ref)
+    _assert_close(grad_dropped, grad_ref)
+    assert (dropped - without).abs().max() > 1e-3  # the dropout did drop values
+    _assert_close(run(1.0, A)[0], 0.1 * x)  # every value dropped: alpha * x (PyG's test)
+
+    values = torch.rand(A.nnz, dtype=torch.float64)
+    kept = tpyg.set_sparse_value(A, values)
+    assert isinstance(kept, ts.CSRMatrix) and kept.crow is A.crow and kept.col is A.col and kept.val is values
+    index, read = tpyg.to_edge_index(kept)
+    ref_index, ref_read = tpyg._ORIGINAL["to_edge_index"](_torch_csr(kept))
+    assert torch.equal(index, ref_index)
+    _assert_close(read, ref_read)
 
 
 @pytest.mark.parametrize("heads", [1, 3])

@@ -28,7 +28,13 @@ modules (nothing in a model changes):
   self loops join the pattern once per pattern (cached like the transpose), and the values
   become ``D^-1/2 (A + fill·I) D^-1/2`` each call, differentiable;
 * ``remove_self_loops`` and ``add_self_loops`` (the attention layers' loops) return a
-  ``CSRMatrix`` whose pattern is computed once per pattern, likewise.
+  ``CSRMatrix`` whose pattern is computed once per pattern, likewise;
+* ``to_edge_index`` and ``set_sparse_value`` read and replace a ``CSRMatrix``'s values, and in
+  APPNP, GATConv and GATv2Conv ``is_torch_sparse_tensor`` counts a ``CSRMatrix`` as sparse: there
+  the matrix takes PyG's torch sparse branch. APPNP's dropout drops the values of the same
+  pattern; ``return_attention_weights=True`` returns what PyG returns for a torch sparse
+  ``adj_t``, ``(adj, alpha)`` with ``adj`` a hybrid ``torch.sparse_csr`` tensor of size
+  ``(N, N, heads)`` (a ``CSRMatrix`` holds one value per entry).
 
 Every stand-in is for Python only: ``torch.jit.script`` of a layer compiles PyG's own functions
 and methods, unchanged. A scripted layer takes PyG's own inputs, not a ``CSRMatrix`` (which is
@@ -55,7 +61,8 @@ from torch import Tensor
 from .. import pattern as patterns
 from ..tensor.csr_matrix import CSRMatrix, csr, values_of
 
-__all__ = ["install", "installed", "adjacency", "gcn_norm", "spmm", "remove_self_loops", "add_self_loops"]
+__all__ = ["install", "installed", "adjacency", "gcn_norm", "spmm", "remove_self_loops", "add_self_loops",
+           "to_edge_index", "set_sparse_value", "is_torch_sparse_tensor"]
 
 _ORIGINAL: dict[str, object] = {}
 _WRAPPED_FLAG = "_sparserl_wrapped"
@@ -154,6 +161,48 @@ def add_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):
         raise NotImplementedError(f"{op}: fill_value must be None, a number or one of "
                                   f"{sorted(_FILL_REDUCTIONS)} for a CSRMatrix (got {fill_value!r})")
     return _add_self_loops(A, val, fill), None
+
+
+# ------------------------------------------------------------------- sparse values
+
+# The layers that read or replace a sparse adjacency's values through ``is_torch_sparse_tensor``,
+# ``to_edge_index`` and ``set_sparse_value``: APPNP's dropout on the values, the attention
+# layers' ``return_attention_weights``. There a CSRMatrix takes the torch sparse branch.
+# Elsewhere in PyG that branch calls torch sparse methods a CSRMatrix does not have.
+_SPARSE_VALUE_LAYERS = ("torch_geometric.nn.conv.appnp", "torch_geometric.nn.conv.gat_conv",
+                        "torch_geometric.nn.conv.gatv2_conv")
+
+
+def is_torch_sparse_tensor(src) -> bool:
+    """``torch_geometric.utils.is_torch_sparse_tensor``, True for a ``CSRMatrix`` as well (the
+    layers of ``_SPARSE_VALUE_LAYERS`` see this one)."""
+    return isinstance(src, CSRMatrix) or _ORIGINAL["is_torch_sparse_tensor"](src)
+
+
+def to_edge_index(adj):
+    """``torch_geometric.utils.to_edge_index`` for a ``CSRMatrix``: ``(stack([row, col]), values)``
+    in the matrix's order, the values differentiable (anything else goes to PyG's own)."""
+    if not isinstance(adj, CSRMatrix):
+        return _ORIGINAL["to_edge_index"](adj)
+    rows = patterns.row_indices(adj.crow, adj.nnz)
+    return torch.stack([rows, adj.col.to(torch.int64)]), values_of(adj)
+
+
+def set_sparse_value(adj, value: Tensor):
+    """``torch_geometric.utils.set_sparse_value`` for a ``CSRMatrix``: one value per entry gives
+    the ``CSRMatrix`` of the same pattern (APPNP's dropout keeps the products sparserl's); a
+    vector per entry (the heads' attention, ``(nnz, heads)``) gives what PyG gives for a torch
+    sparse CSR adjacency, a hybrid ``torch.sparse_csr`` tensor of size ``(rows, cols, heads)``
+    on the matrix's pattern, which a ``CSRMatrix`` (one value per entry) cannot hold. Anything
+    else goes to PyG's own."""
+    if not isinstance(adj, CSRMatrix):
+        return _ORIGINAL["set_sparse_value"](adj, value)
+    if value.dim() == 1:
+        return adj.with_values(value)
+    if value.shape[0] != adj.nnz:
+        raise ValueError(f"torch_sparserl.integrations.pyg.set_sparse_value: value must have {adj.nnz} rows, one "
+                         f"per entry of the CSRMatrix (got shape {tuple(value.shape)})")
+    return torch.sparse_csr_tensor(adj.crow, adj.col, value, (*adj.shape, *value.shape[1:]))
 
 
 def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_self_loops=True,
@@ -374,29 +423,34 @@ def installed() -> bool:
 def install() -> None:
     """Route PyG's sparse path to sparserl for ``CSRMatrix`` adjacencies (idempotent).
 
-    Replaces ``spmm``, ``gcn_norm``, ``remove_self_loops``, ``add_self_loops`` and
-    ``MessagePassing.propagate`` / ``edge_updater`` where PyG's modules refer to them; other
-    inputs reach PyG's original functions unchanged, and ``torch.jit.script`` compiles PyG's
-    originals.
+    Replaces ``spmm``, ``gcn_norm``, ``remove_self_loops``, ``add_self_loops``,
+    ``to_edge_index``, ``set_sparse_value`` and ``MessagePassing.propagate`` /
+    ``edge_updater`` where PyG's modules refer to them, and ``is_torch_sparse_tensor`` in the
+    layers of ``_SPARSE_VALUE_LAYERS``; other inputs reach PyG's original functions unchanged,
+    and ``torch.jit.script`` compiles PyG's originals.
     """
     if _ORIGINAL:
         return
     _require_pyg()
     import torch_geometric.utils as pyg_utils
+    import torch_geometric.utils.sparse as pyg_sparse
     from torch_geometric.nn import MessagePassing
     from torch_geometric.nn.conv import gcn_conv
 
     ours = {"spmm": spmm, "gcn_norm": gcn_norm, "remove_self_loops": remove_self_loops,
-            "add_self_loops": add_self_loops}
+            "add_self_loops": add_self_loops, "to_edge_index": to_edge_index, "set_sparse_value": set_sparse_value,
+            "is_torch_sparse_tensor": is_torch_sparse_tensor}
+    homes = {"gcn_norm": gcn_conv, "set_sparse_value": pyg_sparse}
     for name in ours:
-        _ORIGINAL[name] = getattr(gcn_conv if name == "gcn_norm" else pyg_utils, name)
+        _ORIGINAL[name] = getattr(homes.get(name, pyg_utils), name)
     replacements = {id(_ORIGINAL[name]): _scripted_as_original(new, _ORIGINAL[name]) for name, new in ours.items()}
+    layers_only = id(_ORIGINAL["is_torch_sparse_tensor"])
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch_geometric") or module is None:
             continue
         for attr, value in list(vars(module).items()):
             new = replacements.get(id(value))
-            if new is not None:
+            if new is not None and (id(value) != layers_only or name in _SPARSE_VALUE_LAYERS):
                 setattr(module, attr, new)
 
     # propagate: PyG generates a class's propagate when its first instance is built; wrap
