@@ -3,7 +3,8 @@
 Each layer is compared with PyG's own sparse path (a torch sparse CSR ``adj_t``) and with its
 ``edge_index`` path, in float64, forward and backward, eagerly and under
 ``torch.compile(backend="sparserl")``; and the products are checked to be sparserl's. The
-layers still script with TorchScript after the import.
+sparse-adjacency cases of PyG 2.8's own layer tests run on a CSRMatrix, and the layers still
+script with TorchScript after the import.
 """
 
 import os
@@ -459,6 +460,130 @@ def test_appnp_drops_out_the_adjacency_values_as_pyg():
     ref_index, ref_read = tpyg._ORIGINAL["to_edge_index"](_torch_csr(kept))
     assert torch.equal(index, ref_index)
     _assert_close(read, ref_read)
+
+
+# ---------------------------------------------------------------- PyG's own layer tests
+#
+# PyG 2.8's tests of these layers (test/nn/conv/test_*_conv.py, test_appnp.py) run each layer on
+# an edge_index and on a torch sparse adj_t, square and bipartite, with and without edge values,
+# cached; here each of those sparse cases runs on a CSRMatrix and on torch's sparse CSR adj_t
+# (PyG's own sparse path), on fresh random graphs in float64, forward and backward.
+
+SRC, DST = 12, 5  # nodes of a square graph (SRC) and the targets of a bipartite one
+
+# PyG 2.8 writes a layer class's propagate from its first instance: a first SAGEConv or SimpleConv
+# with lstm or several aggregations would leave the class without its fused path, and PyG's own
+# sparse path (the reference here) would raise "'message_and_aggregate' not implemented" for
+# every later one. PyG's tests build a plain one first; so does this module.
+SAGEConv(1, 1), SimpleConv()
+
+
+# name: (layer, inputs, dst_features, weighted, products are sparserl's, calls); inputs "square"
+# (x), "pair" (x_src, x_dst of dst_features) or "source_only" (x_src, None); a second call runs
+# on what a cached layer kept from the first.
+PYG_CASES = {
+    "gcn": (lambda: GCNConv(8, 32), "square", 8, False, True, 1),
+    "gcn_weighted": (lambda: GCNConv(8, 32), "square", 8, True, True, 1),
+    "gcn_cached": (lambda: GCNConv(8, 32, cached=True), "square", 8, False, True, 2),
+    **{f"sage_{aggr}{'_project' if project else ''}_{inputs}": (
+        lambda aggr=aggr, project=project, inputs=inputs: SAGEConv((8, 16) if inputs != "square" else 8, 32,
+                                                                  project=project, aggr=aggr),
+        inputs, 16, False, True, 1)
+       for aggr in ("mean", "sum") for project in (False, True) for inputs in ("square", "pair", "source_only")},
+    "sage_multi_aggr_cat": (lambda: SAGEConv(8, 32, aggr=["mean", "max", "sum", "softmax"],
+                                             aggr_kwargs=dict(mode="cat")), "square", 8, False, False, 1),
+    "sage_multi_aggr_proj": (lambda: SAGEConv(8, 32, aggr=["mean", "max", "sum", "softmax"],
+                                              aggr_kwargs=dict(mode="proj", mode_kwargs=dict(in_channels=8,
+                                                                                             out_channels=16))),
+                             "square", 8, False, False, 1),
+    "sage_lstm": (lambda: SAGEConv(8, 32, aggr="lstm"), "square", 8, False, False, 1),
+    **{f"gin_{inputs}": (lambda: GINConv(_seq(8, 32), train_eps=True), inputs, 8, False, True, 1)
+       for inputs in ("square", "pair", "source_only")},
+    **{f"graphconv{'_weighted' if weighted else ''}_{inputs}": (
+        lambda inputs=inputs: GraphConv((8, 16) if inputs != "square" else 8, 32), inputs, 16, weighted, True, 1)
+       for weighted in (False, True) for inputs in ("square", "pair", "source_only")},
+    **{f"gat{'_residual' if residual else ''}_{inputs}": (
+        lambda inputs=inputs, residual=residual: GATConv((8, 16) if inputs != "square" else 8, 32, heads=2,
+                                                         residual=residual),
+        inputs, 16, False, True, 1)
+       for residual in (False, True) for inputs in ("square", "pair", "source_only")},
+    **{f"gatv2{'_residual' if residual else ''}_{inputs}": (
+        lambda residual=residual: GATv2Conv(8, 32, heads=2, residual=residual), inputs, 8, False, False, 1)
+       for residual in (False, True) for inputs in ("square", "pair")},
+    "sg": (lambda: SGConv(8, 32, K=10), "square", 8, False, True, 1),
+    "sg_weighted": (lambda: SGConv(8, 32, K=10), "square", 8, True, True, 1),
+    "sg_cached": (lambda: SGConv(8, 32, K=10, cached=True), "square", 8, False, True, 2),
+    "appnp_cached": (lambda: APPNP(K=3, alpha=0.1, cached=True), "square", 8, False, True, 2),
+    **{f"simple_{name}_{inputs}": (lambda aggr=aggr, root=root: SimpleConv(aggr, root), inputs, 8, False,
+                                   isinstance(aggr, str), 1)
+       for name, aggr, root in (("mean", "mean", None), ("sum_sum", "sum", "sum"),
+                                ("mean_max_cat", ["mean", "max"], "cat"), ("mean_self_loop", "mean", "self_loop"))
+       for inputs in ("square", "pair") if not (root == "self_loop" and inputs == "pair")},
+}
+
+
+def _bipartite_graph(inputs, weighted, dst_features, seed):
+    """A random graph for ``inputs`` (entries (i, i) too, as in PyG's tests) and features:
+    ``(x, adj_t as a CSRMatrix, adj_t as torch's sparse CSR)``."""
+    g = torch.Generator().manual_seed(seed)
+    targets = SRC if inputs == "square" else DST
+    edge_index = coalesce(torch.stack([torch.randint(0, SRC, (40,), generator=g),
+                                       torch.randint(0, targets, (40,), generator=g)]), num_nodes=SRC)
+    values = (torch.rand(edge_index.shape[1], generator=g, dtype=torch.float64) if weighted
+              else torch.ones(edge_index.shape[1], dtype=torch.float64))
+    theirs = torch.sparse_coo_tensor(edge_index.flip(0), values, (targets, SRC)).coalesce().to_sparse_csr()
+    x_src = torch.randn(SRC, 8, generator=g, dtype=torch.float64)
+    x = {"square": x_src, "pair": (x_src, torch.randn(DST, dst_features, generator=g, dtype=torch.float64)),
+         "source_only": (x_src, None)}[inputs]
+    return x, ts.csr(theirs), theirs
+
+
+def _leaves(x):
+    """Copies of the features that collect gradients."""
+    if isinstance(x, tuple):
+        return tuple(None if t is None else t.clone().requires_grad_() for t in x)
+    return x.clone().requires_grad_()
+
+
+def _feature_grads(x):
+    return [t.grad for t in (x if isinstance(x, tuple) else (x,)) if t is not None]
+
+
+@pytest.mark.parametrize("name", sorted(PYG_CASES))
+def test_pyg_layer_test_cases_on_a_csr_matrix(name):
+    make, inputs, dst_features, weighted, fused, calls = PYG_CASES[name]
+    x, A, theirs = _bipartite_graph(inputs, weighted, dst_features, seed=len(name))
+
+    def run(adj):
+        torch.manual_seed(1)
+        layer = make().double()
+        features = _leaves(x)
+        outs = [layer(features, adj) for _ in range(calls)]
+        outs[-1].square().sum().backward()
+        return outs, _feature_grads(features) + [p.grad for p in layer.parameters()]
+
+    refs, grads_ref = run(theirs)
+    with Counter() as seen:
+        outs, grads = run(A)
+    if fused:  # the products are sparserl's (the heads' form for GATConv's two heads)
+        assert ("spmm_heads" if name.startswith("gat") else "spmm") in seen.ops, seen.ops
+    for out, ref in zip(outs, refs):
+        _assert_close(out, ref)
+    assert [g is None for g in grads] == [g is None for g in grads_ref]  # GINConv's eps: no x_dst, no gradient
+    for ours, theirs_grad in zip(grads, grads_ref):
+        if ours is not None:
+            _assert_close(ours, theirs_grad)
+
+
+def test_chebconv_takes_an_edge_index_only_as_in_pyg():
+    """PyG's ChebConv has no sparse path (its tests give it edge_index only; a torch sparse
+    adj_t fails inside it): a CSRMatrix fails with an error naming the matrix, not a result."""
+    x, A, theirs = _bipartite_graph("square", False, 8, seed=3)
+    layer = ChebConv(8, 4, K=2).double()
+    with pytest.raises(Exception):
+        layer(x, theirs)
+    with pytest.raises(NotImplementedError, match=r"CSRMatrix: aten\.\w+.* is not supported"):
+        layer(x, A)
 
 
 @pytest.mark.parametrize("heads", [1, 3])
