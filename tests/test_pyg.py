@@ -2,10 +2,16 @@
 
 Each layer is compared with PyG's own sparse path (a torch sparse CSR ``adj_t``) and with its
 ``edge_index`` path, in float64, forward and backward, eagerly and under
-``torch.compile(backend="sparserl")``; and the products are checked to be sparserl's.
+``torch.compile(backend="sparserl")``; and the products are checked to be sparserl's. The
+sparse-adjacency cases of PyG 2.8's own layer tests run on a CSRMatrix, and the layers still
+script with TorchScript after the import.
 """
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +23,19 @@ import torch_sparserl as ts  # noqa: E402
 import torch_sparserl.integrations.pyg as tpyg  # noqa: E402
 from torch_sparserl.compiler import passes  # noqa: E402
 from torch_sparserl.dtypes import assert_close_to_reference  # noqa: E402
-from torch_geometric.nn import GATConv, GATv2Conv, GCNConv, GINConv, GraphConv, SAGEConv, TransformerConv  # noqa: E402
+from torch_geometric.nn import (  # noqa: E402
+    APPNP,
+    ChebConv,
+    GATConv,
+    GATv2Conv,
+    GCNConv,
+    GINConv,
+    GraphConv,
+    SAGEConv,
+    SGConv,
+    SimpleConv,
+    TransformerConv,
+)
 from torch_geometric.utils import coalesce, remove_self_loops, softmax  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -73,6 +91,10 @@ def _model(name, seed=1):
     return LAYERS[name](6, 5).double()
 
 
+def _seq(i, o):
+    return torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.ReLU(), torch.nn.Linear(o, o))
+
+
 def _grads(module):
     return [p.grad.detach().clone() for p in module.parameters()]
 
@@ -119,7 +141,7 @@ def test_gcn_norm_keeps_a_csr_matrix_and_caches_the_looped_pattern():
     normed, weight = tpyg.gcn_norm(A)
     again, _ = tpyg.gcn_norm(A)
     assert weight is None and isinstance(normed, ts.CSRMatrix)
-    assert again.crow is normed.crow and again.col is normed.col  # the looped pattern, computed once
+    assert again._crow is normed._crow and again._col is normed._col  # the looped pattern, computed once
     assert ts.pattern.stats()["diagonals"] == before + 1
     want = A.to_dense() + torch.eye(x.shape[0], dtype=torch.float64)
     d = want.sum(1).pow(-0.5)
@@ -135,6 +157,22 @@ def _dense(A, values=None):
     return out
 
 
+def _torch_csr(A):
+    """The torch sparse CSR tensor of a CSRMatrix's pattern and values (PyG's own sparse input)."""
+    return torch.sparse_csr_tensor(A.crow.long(), A.col.long(), A.val.detach(), tuple(A.shape))
+
+
+def _assert_same_sparse(ours, theirs):
+    """A CSRMatrix (or torch sparse CSR result) and PyG's torch sparse CSR result: the same
+    size, pattern and values."""
+    if isinstance(ours, ts.CSRMatrix):
+        ours = _torch_csr(ours)
+    assert ours.layout == theirs.layout == torch.sparse_csr and ours.shape == theirs.shape
+    assert torch.equal(ours.crow_indices().long(), theirs.crow_indices().long())
+    assert torch.equal(ours.col_indices().long(), theirs.col_indices().long())
+    assert_close_to_reference(ours.values(), theirs.values())
+
+
 def test_self_loops_on_a_csr_matrix_as_pyg_adds_them():
     edge_index, x = _graph("cpu", self_loops=True)
     n = x.shape[0]
@@ -147,39 +185,44 @@ def test_self_loops_on_a_csr_matrix_as_pyg_adds_them():
     torch.testing.assert_close(_dense(bare), dense * off)
     torch.testing.assert_close(_dense(bare, bare_attr), _dense(A, attr) * off[:, :, None])
     again, _ = tpyg.remove_self_loops(A)
-    assert again.crow is bare.crow and again.col is bare.col  # computed once per pattern
+    assert again._crow is bare._crow and again._col is bare._col  # computed once per pattern
 
-    for fill, diagonal in ((None, torch.ones(n)), (2.5, torch.full((n,), 2.5)),
-                           ("mean", (dense * off).sum(1) / (off & (dense != 0)).sum(1).clamp(min=1)),
-                           ("add", (dense * off).sum(1))):
-        looped, none = tpyg.add_self_loops(bare, fill_value=fill, num_nodes=n)
-        assert none is None
-        torch.testing.assert_close(_dense(looped), dense * off + torch.diag(diagonal.double()))
+    # As PyG adds them to a torch sparse matrix: with and without diagonal entries (a loop added
+    # where one is sums with it), square and rectangular, num_nodes not read (GATConv passes
+    # the source count for a bipartite graph).
+    wide = ts.csr(A.to_dense()[:25])
+    tall = ts.csr(A.to_dense()[:, :25])
+    for matrix in (bare, A, wide, tall):
+        # (PyG's own fails on string fills when there are more rows than loops: index out of bounds)
+        for fill in (None, 2.5) + (("mean", "add", "max") if matrix is not tall else ()):
+            looped, none = tpyg.add_self_loops(matrix, fill_value=fill, num_nodes=7)
+            theirs, _ = tpyg._ORIGINAL["add_self_loops"](_torch_csr(matrix), fill_value=fill)
+            assert none is None and isinstance(looped, ts.CSRMatrix)
+            _assert_same_sparse(looped, theirs)
 
-    with pytest.raises(NotImplementedError, match=r"add_self_loops: the CSRMatrix has diagonal entries"):
-        tpyg.add_self_loops(A)
     with pytest.raises(NotImplementedError, match=r"add_self_loops: edge_attr with self loops is not supported"):
         tpyg.add_self_loops(bare, bare_attr)
-    with pytest.raises(NotImplementedError, match=r"num_nodes must be min\(rows, cols\) = 40 for a CSRMatrix \(got 7\)"):
-        tpyg.add_self_loops(bare, num_nodes=7)
     with pytest.raises(NotImplementedError, match=r"fill_value must be None, a number or one of"):
         tpyg.add_self_loops(bare, fill_value="median")
     # anything else reaches PyG's own
     assert tpyg.add_self_loops(edge_index, num_nodes=n)[0].shape[1] == edge_index.shape[1] + n
 
 
-def test_gat_attention_weights_match_the_edge_index_path():
+@pytest.mark.parametrize("make", [lambda: GATConv(6, 5, heads=3), lambda: GATConv(6, 5, heads=1, add_self_loops=False),
+                                  lambda: GATv2Conv(6, 5, heads=2)], ids=["gat", "gat_one_head_no_loops", "gatv2"])
+def test_attention_weights_are_what_pyg_returns_for_a_sparse_adjacency(make):
+    """PyG returns ``(out, (adj, alpha))`` for a torch sparse adjacency, ``adj`` a sparse CSR tensor
+    of size (N, N, heads) holding ``alpha`` on the (looped) pattern: the same for a CSRMatrix."""
     edge_index, x = _graph("cpu")
     A = tpyg.adjacency(edge_index, x.shape[0], dtype=torch.float64)
     torch.manual_seed(5)
-    layer = GATConv(6, 5, heads=3).double()
+    layer = make().double()
     out, (adj, alpha) = layer(x, A, return_attention_weights=True)
-    ref, (looped_index, ref_alpha) = layer(x, edge_index, return_attention_weights=True)
+    ref, (ref_adj, ref_alpha) = layer(x, _torch_adj_t(edge_index, x.shape[0]), return_attention_weights=True)
     assert_close_to_reference(out, ref)
-    assert isinstance(adj, ts.CSRMatrix) and alpha.shape == (adj.nnz, 3)  # in the matrix's order
-    theirs = torch.zeros(*adj.shape, 3, dtype=torch.float64)
-    theirs[looped_index[1], looped_index[0]] = ref_alpha.detach()
-    assert_close_to_reference(_dense(adj, alpha), theirs)
+    assert adj.shape == ref_adj.shape == (x.shape[0], x.shape[0], layer.heads)
+    _assert_same_sparse(adj, ref_adj)
+    assert_close_to_reference(alpha, ref_alpha)
 
 
 @pytest.mark.parametrize("make", [lambda: GATv2Conv(6, 5, heads=2), lambda: TransformerConv(6, 5, heads=2)],
@@ -307,6 +350,9 @@ def test_errors_are_named():
         tpyg.adjacency(torch.zeros(3, 5, dtype=torch.long))
     with pytest.raises(ValueError, match=r"adjacency: edge_weight must have shape"):
         tpyg.adjacency(edge_index, x.shape[0], torch.ones(2))
+    with pytest.raises(ValueError, match=rf"set_sparse_value: value must have {A.nnz} rows, one per entry of the "
+                                         r"CSRMatrix \(got shape \(3, 2\)\)"):
+        tpyg.set_sparse_value(A, torch.ones(3, 2, dtype=torch.float64))
 
 
 def test_other_inputs_reach_pyg_unchanged():
@@ -318,6 +364,222 @@ def test_other_inputs_reach_pyg_unchanged():
     out_edge_index = layer(x, edge_index)
     out_sparse = layer(x, _torch_adj_t(edge_index, x.shape[0]))
     assert_close_to_reference(out_edge_index, out_sparse)
+
+
+SCRIPTED = {
+    "gcn": lambda: GCNConv(8, 4),
+    "sage": lambda: SAGEConv(8, 4),
+    "gin": lambda: GINConv(_seq(8, 4)),
+    "graphconv": lambda: GraphConv(8, 4),
+    "sg": lambda: SGConv(8, 4, K=2),
+    "appnp": lambda: APPNP(K=2, alpha=0.1),
+    "simple_self_loop": lambda: SimpleConv(combine_root="self_loop"),
+    "cheb": lambda: ChebConv(8, 4, K=2),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", sorted(SCRIPTED))
+def test_layers_script_after_the_import(name):
+    """The adapter stands in for PyG's functions and methods in Python only: TorchScript
+    compiles PyG's own, and the scripted layer gives the layer's result on an edge_index."""
+    edge_index, x = _graph("cpu", features=8, seed=11, self_loops=True)
+    weights = torch.rand(edge_index.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+    torch.manual_seed(1)
+    layer = SCRIPTED[name]().double()
+    scripted = torch.jit.script(layer)
+    assert_close_to_reference(scripted(x, edge_index), layer(x, edge_index))
+    if name in ("gcn", "graphconv", "sg", "cheb"):
+        assert_close_to_reference(scripted(x, edge_index, weights), layer(x, edge_index, weights))
+
+
+_SCRIPTED_BEFORE = """
+import warnings
+warnings.simplefilter("ignore")
+import torch
+from torch_geometric.nn import APPNP, GCNConv, SGConv, SimpleConv
+torch.jit.script(GCNConv(8, 4))  # PyG's gcn_norm, add_self_loops, ... compiled before the adapter stands in
+torch.jit.script(SimpleConv(combine_root="self_loop"))
+import torch_sparserl.integrations.pyg
+x, edge_index = torch.randn(10, 8), torch.randint(0, 10, (2, 30))
+for layer in (APPNP(K=2, alpha=0.1), SGConv(8, 4, K=2)):
+    assert torch.allclose(torch.jit.script(layer)(x, edge_index), layer(x, edge_index))
+print("scripted")
+"""
+
+
+@pytest.mark.slow
+def test_layers_script_after_the_import_when_pyg_was_scripted_before():
+    """PyG's functions compiled by TorchScript before the import: the layers scripted after it
+    reuse their compiled overloads (a fresh interpreter: TorchScript keeps them per process)."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", _SCRIPTED_BEFORE], cwd=root, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "SPARSERL_JIT": "off"})
+    assert result.returncode == 0 and result.stdout.strip() == "scripted", result.stderr[-3000:]
+
+
+def test_appnp_drops_out_the_adjacency_values_as_pyg():
+    """APPNP in training mode drops out the normalized adjacency's values each step: on a
+    CSRMatrix the values of the same pattern (the products stay sparserl's), with the masks
+    PyG draws for torch's sparse adj_t from the same seed."""
+    edge_index, x = _graph("cpu", n=30, edges=150, features=8)
+    n = x.shape[0]
+    A = tpyg.adjacency(edge_index, n, dtype=torch.float64)
+
+    def run(dropout, adj, seed=7):
+        torch.manual_seed(seed)
+        layer = APPNP(K=2, alpha=0.1, dropout=dropout)
+        assert layer.training
+        features = x.clone().requires_grad_()
+        out = layer(features, adj)
+        out.square().sum().backward()
+        return out, features.grad
+
+    without, grad_without = run(0.0, A)
+    ref, grad_ref = run(0.0, _torch_adj_t(edge_index, n))
+    assert_close_to_reference(without, ref)
+    assert_close_to_reference(grad_without, grad_ref)
+
+    with Counter() as seen:
+        dropped, grad_dropped = run(0.5, A)
+    assert seen.ops.count("spmm") == 2, seen.ops  # K products, on the CSRMatrix
+    ref, grad_ref = run(0.5, _torch_adj_t(edge_index, n))
+    assert_close_to_reference(dropped, ref)
+    assert_close_to_reference(grad_dropped, grad_ref)
+    assert (dropped - without).abs().max() > 1e-3  # the dropout did drop values
+    assert_close_to_reference(run(1.0, A)[0], 0.1 * x)  # every value dropped: alpha * x (PyG's test)
+
+    values = torch.rand(A.nnz, dtype=torch.float64)
+    kept = tpyg.set_sparse_value(A, values)
+    assert isinstance(kept, ts.CSRMatrix) and kept._crow is A._crow and kept._col is A._col and kept.val is values
+    index, read = tpyg.to_edge_index(kept)
+    ref_index, ref_read = tpyg._ORIGINAL["to_edge_index"](_torch_csr(kept))
+    assert torch.equal(index, ref_index)
+    assert_close_to_reference(read, ref_read)
+
+
+# ---------------------------------------------------------------- PyG's own layer tests
+#
+# PyG 2.8's tests of these layers (test/nn/conv/test_*_conv.py, test_appnp.py) run each layer on
+# an edge_index and on a torch sparse adj_t, square and bipartite, with and without edge values,
+# cached; here each of those sparse cases runs on a CSRMatrix and on torch's sparse CSR adj_t
+# (PyG's own sparse path), on fresh random graphs in float64, forward and backward.
+
+SRC, DST = 12, 5  # nodes of a square graph (SRC) and the targets of a bipartite one
+
+# PyG 2.8 writes a layer class's propagate from its first instance: a first SAGEConv or SimpleConv
+# with lstm or several aggregations would leave the class without its fused path, and PyG's own
+# sparse path (the reference here) would raise "'message_and_aggregate' not implemented" for
+# every later one. PyG's tests build a plain one first; so does this module.
+SAGEConv(1, 1), SimpleConv()
+
+
+# name: (layer, inputs, dst_features, weighted, products are sparserl's, calls); inputs "square"
+# (x), "pair" (x_src, x_dst of dst_features) or "source_only" (x_src, None); a second call runs
+# on what a cached layer kept from the first.
+PYG_CASES = {
+    "gcn": (lambda: GCNConv(8, 32), "square", 8, False, True, 1),
+    "gcn_weighted": (lambda: GCNConv(8, 32), "square", 8, True, True, 1),
+    "gcn_cached": (lambda: GCNConv(8, 32, cached=True), "square", 8, False, True, 2),
+    **{f"sage_{aggr}{'_project' if project else ''}_{inputs}": (
+        lambda aggr=aggr, project=project, inputs=inputs: SAGEConv((8, 16) if inputs != "square" else 8, 32,
+                                                                  project=project, aggr=aggr),
+        inputs, 16, False, True, 1)
+       for aggr in ("mean", "sum") for project in (False, True) for inputs in ("square", "pair", "source_only")},
+    "sage_multi_aggr_cat": (lambda: SAGEConv(8, 32, aggr=["mean", "max", "sum", "softmax"],
+                                             aggr_kwargs=dict(mode="cat")), "square", 8, False, False, 1),
+    "sage_multi_aggr_proj": (lambda: SAGEConv(8, 32, aggr=["mean", "max", "sum", "softmax"],
+                                              aggr_kwargs=dict(mode="proj", mode_kwargs=dict(in_channels=8,
+                                                                                             out_channels=16))),
+                             "square", 8, False, False, 1),
+    "sage_lstm": (lambda: SAGEConv(8, 32, aggr="lstm"), "square", 8, False, False, 1),
+    **{f"gin_{inputs}": (lambda: GINConv(_seq(8, 32), train_eps=True), inputs, 8, False, True, 1)
+       for inputs in ("square", "pair", "source_only")},
+    **{f"graphconv{'_weighted' if weighted else ''}_{inputs}": (
+        lambda inputs=inputs: GraphConv((8, 16) if inputs != "square" else 8, 32), inputs, 16, weighted, True, 1)
+       for weighted in (False, True) for inputs in ("square", "pair", "source_only")},
+    **{f"gat{'_residual' if residual else ''}_{inputs}": (
+        lambda inputs=inputs, residual=residual: GATConv((8, 16) if inputs != "square" else 8, 32, heads=2,
+                                                         residual=residual),
+        inputs, 16, False, True, 1)
+       for residual in (False, True) for inputs in ("square", "pair", "source_only")},
+    **{f"gatv2{'_residual' if residual else ''}_{inputs}": (
+        lambda residual=residual: GATv2Conv(8, 32, heads=2, residual=residual), inputs, 8, False, False, 1)
+       for residual in (False, True) for inputs in ("square", "pair")},
+    "sg": (lambda: SGConv(8, 32, K=10), "square", 8, False, True, 1),
+    "sg_weighted": (lambda: SGConv(8, 32, K=10), "square", 8, True, True, 1),
+    "sg_cached": (lambda: SGConv(8, 32, K=10, cached=True), "square", 8, False, True, 2),
+    "appnp_cached": (lambda: APPNP(K=3, alpha=0.1, cached=True), "square", 8, False, True, 2),
+    **{f"simple_{name}_{inputs}": (lambda aggr=aggr, root=root: SimpleConv(aggr, root), inputs, 8, False,
+                                   isinstance(aggr, str), 1)
+       for name, aggr, root in (("mean", "mean", None), ("sum_sum", "sum", "sum"),
+                                ("mean_max_cat", ["mean", "max"], "cat"), ("mean_self_loop", "mean", "self_loop"))
+       for inputs in ("square", "pair") if not (root == "self_loop" and inputs == "pair")},
+}
+
+
+def _bipartite_graph(inputs, weighted, dst_features, seed):
+    """A random graph for ``inputs`` (entries (i, i) too, as in PyG's tests) and features:
+    ``(x, adj_t as a CSRMatrix, adj_t as torch's sparse CSR)``."""
+    g = torch.Generator().manual_seed(seed)
+    targets = SRC if inputs == "square" else DST
+    edge_index = coalesce(torch.stack([torch.randint(0, SRC, (40,), generator=g),
+                                       torch.randint(0, targets, (40,), generator=g)]), num_nodes=SRC)
+    values = (torch.rand(edge_index.shape[1], generator=g, dtype=torch.float64) if weighted
+              else torch.ones(edge_index.shape[1], dtype=torch.float64))
+    theirs = torch.sparse_coo_tensor(edge_index.flip(0), values, (targets, SRC)).coalesce().to_sparse_csr()
+    x_src = torch.randn(SRC, 8, generator=g, dtype=torch.float64)
+    x = {"square": x_src, "pair": (x_src, torch.randn(DST, dst_features, generator=g, dtype=torch.float64)),
+         "source_only": (x_src, None)}[inputs]
+    return x, ts.csr(theirs), theirs
+
+
+def _leaves(x):
+    """Copies of the features that collect gradients."""
+    if isinstance(x, tuple):
+        return tuple(None if t is None else t.clone().requires_grad_() for t in x)
+    return x.clone().requires_grad_()
+
+
+def _feature_grads(x):
+    return [t.grad for t in (x if isinstance(x, tuple) else (x,)) if t is not None]
+
+
+@pytest.mark.parametrize("name", sorted(PYG_CASES))
+def test_pyg_layer_test_cases_on_a_csr_matrix(name):
+    make, inputs, dst_features, weighted, fused, calls = PYG_CASES[name]
+    x, A, theirs = _bipartite_graph(inputs, weighted, dst_features, seed=len(name))
+
+    def run(adj):
+        torch.manual_seed(1)
+        layer = make().double()
+        features = _leaves(x)
+        outs = [layer(features, adj) for _ in range(calls)]
+        outs[-1].square().sum().backward()
+        return outs, _feature_grads(features) + [p.grad for p in layer.parameters()]
+
+    refs, grads_ref = run(theirs)
+    with Counter() as seen:
+        outs, grads = run(A)
+    if fused:  # the products are sparserl's (the heads' form for GATConv's two heads)
+        assert ("spmm_heads" if name.startswith("gat") else "spmm") in seen.ops, seen.ops
+    for out, ref in zip(outs, refs):
+        assert_close_to_reference(out, ref)
+    assert [g is None for g in grads] == [g is None for g in grads_ref]  # GINConv's eps: no x_dst, no gradient
+    for ours, theirs_grad in zip(grads, grads_ref):
+        if ours is not None:
+            assert_close_to_reference(ours, theirs_grad)
+
+
+def test_chebconv_takes_an_edge_index_only_as_in_pyg():
+    """PyG's ChebConv has no sparse path (its tests give it edge_index only; a torch sparse
+    adj_t fails inside it): a CSRMatrix fails with an error naming the matrix, not a result."""
+    x, A, theirs = _bipartite_graph("square", False, 8, seed=3)
+    layer = ChebConv(8, 4, K=2).double()
+    with pytest.raises(Exception):
+        layer(x, theirs)
+    with pytest.raises(NotImplementedError, match=r"CSRMatrix: aten\.\w+.* is not supported"):
+        layer(x, A)
 
 
 @pytest.mark.parametrize("heads", [1, 3])

@@ -28,7 +28,17 @@ modules (nothing in a model changes):
   self loops join the pattern once per pattern (cached like the transpose), and the values
   become ``D^-1/2 (A + fill·I) D^-1/2`` each call, differentiable;
 * ``remove_self_loops`` and ``add_self_loops`` (the attention layers' loops) return a
-  ``CSRMatrix`` whose pattern is computed once per pattern, likewise.
+  ``CSRMatrix`` whose pattern is computed once per pattern, likewise;
+* ``to_edge_index`` and ``set_sparse_value`` read and replace a ``CSRMatrix``'s values, and in
+  APPNP, GATConv and GATv2Conv ``is_torch_sparse_tensor`` counts a ``CSRMatrix`` as sparse: there
+  the matrix takes PyG's torch sparse branch. APPNP's dropout drops the values of the same
+  pattern; ``return_attention_weights=True`` returns what PyG returns for a torch sparse
+  ``adj_t``, ``(adj, alpha)`` with ``adj`` a hybrid ``torch.sparse_csr`` tensor of size
+  ``(N, N, heads)`` (a ``CSRMatrix`` holds one value per entry).
+
+Every stand-in is for Python only: ``torch.jit.script`` of a layer compiles PyG's own functions
+and methods, unchanged. A scripted layer takes PyG's own inputs, not a ``CSRMatrix`` (which is
+for eager and ``torch.compile``).
 
 Gradients reach the features through ``Aᵀ @ dY`` on the transposed pattern and the values
 (edge weights, attention) through SDDMM, eagerly and under
@@ -42,15 +52,17 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 import warnings
 
 import torch
 from torch import Tensor
 
 from .. import pattern as patterns
-from ..tensor.csr_matrix import CSRMatrix, csr, values_of
+from ..tensor.csr_matrix import CSRMatrix, csr, indices_of, torch_csr, values_of
 
-__all__ = ["install", "installed", "adjacency", "gcn_norm", "spmm", "remove_self_loops", "add_self_loops"]
+__all__ = ["install", "installed", "adjacency", "gcn_norm", "spmm", "remove_self_loops", "add_self_loops",
+           "to_edge_index", "set_sparse_value", "is_torch_sparse_tensor"]
 
 _ORIGINAL: dict[str, object] = {}
 _WRAPPED_FLAG = "_sparserl_wrapped"
@@ -77,7 +89,8 @@ def spmm(src, other: Tensor, reduce: str = "sum") -> Tensor:
     if reduce == "sum":
         return src @ other
     if reduce == "mean":
-        lengths = (src.crow[1:] - src.crow[:-1]).clamp(min=1).to(other.dtype)
+        crow, _ = indices_of(src, "torch_sparserl.integrations.pyg.spmm")
+        lengths = (crow[1:] - crow[:-1]).clamp(min=1).to(other.dtype)
         return (src @ other) / lengths.unsqueeze(-1) if other.dim() == 2 else (src @ other) / lengths
     raise NotImplementedError(f"torch_sparserl.integrations.pyg.spmm: reduce={reduce!r} is not supported on a CSRMatrix "
                               "(supported: 'sum', 'add', 'mean')")
@@ -88,21 +101,24 @@ def spmm(src, other: Tensor, reduce: str = "sum") -> Tensor:
 
 @torch._dynamo.disable
 def _looped_pattern(A: CSRMatrix):
-    entry = patterns.lookup(A.crow, A.col, A.shape[1])
-    return entry.with_diagonal(A.crow, A.col)
+    entry = patterns.lookup(A._crow, A._col, A.shape[1])
+    return entry.with_diagonal(A._crow, A._col)
 
 
-def _add_self_loops(A: CSRMatrix, fill: float, dtype) -> CSRMatrix:
+def _add_self_loops(A: CSRMatrix, val: Tensor, fill: Tensor | float) -> CSRMatrix:
+    """``A + diag(fill)`` with ``val`` as A's values, on A's pattern with every diagonal position
+    ``(i, i)``, ``i < min(rows, cols)``: a diagonal entry A has already gets ``fill`` added, as
+    torch's coalescing sums the loop PyG appends to a torch sparse matrix."""
     crow_d, col_d, src_pos, diag_pos = _looped_pattern(A)
-    val = values_of(A).to(dtype)
-    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val)
-    looped = looped.index_add(0, diag_pos, val.new_full((diag_pos.shape[0],), fill))
+    if not isinstance(fill, Tensor):
+        fill = val.new_full((diag_pos.shape[0],), fill)
+    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val).index_add(0, diag_pos, fill)
     return CSRMatrix(crow_d, col_d, looped, A.shape)
 
 
 @torch._dynamo.disable
 def _unlooped_pattern(A: CSRMatrix):
-    return patterns.lookup(A.crow, A.col, A.shape[1]).without_diagonal(A.crow, A.col)
+    return patterns.lookup(A._crow, A._col, A.shape[1]).without_diagonal(A._crow, A._col)
 
 
 def remove_self_loops(edge_index, edge_attr=None):
@@ -120,39 +136,76 @@ _FILL_REDUCTIONS = {"add": "sum", "sum": "sum", "mean": "mean", "max": "amax", "
 
 
 def add_self_loops(edge_index, edge_attr=None, fill_value=None, num_nodes=None):
-    """``torch_geometric.utils.add_self_loops`` for a ``CSRMatrix`` without diagonal entries
-    (as PyG's layers call it, after ``remove_self_loops``): one entry ``(i, i)`` per node
-    ``i < min(rows, cols)``, valued ``fill_value`` (1 by default; ``"mean"``, ``"add"``, ...
-    reduce the row's values, as PyG reduces a sparse matrix's values over each node's incoming
-    edges). Anything else goes to PyG's own."""
+    """``torch_geometric.utils.add_self_loops`` for a ``CSRMatrix``, as PyG adds them to a torch
+    sparse matrix: ``fill_value`` (1 by default; ``"mean"``, ``"add"``, ... reduce the row's
+    values, its incoming edges) at every ``(i, i)``, ``i < min(rows, cols)``, added to the
+    diagonal entry where there is one already. ``num_nodes`` is not read, as PyG does not read
+    it for a torch sparse matrix (GATConv passes the source count for a bipartite
+    ``(x_src, None)``). Anything else goes to PyG's own."""
     if not isinstance(edge_index, CSRMatrix):
         return _ORIGINAL["add_self_loops"](edge_index, edge_attr, fill_value, num_nodes)
     op = "torch_sparserl.integrations.pyg.add_self_loops"
     A = edge_index
     loops = min(A.shape)
-    if num_nodes is not None and not (isinstance(num_nodes, int) and num_nodes == loops):
-        raise NotImplementedError(f"{op}: num_nodes must be min(rows, cols) = {loops} for a CSRMatrix "
-                                  f"(got {num_nodes!r})")
     if edge_attr is not None:
         raise NotImplementedError(f"{op}: edge_attr with self loops is not supported on a CSRMatrix (as PyG for "
                                   "SparseTensor); add the loops to the matrix and the attributes yourself and "
                                   "set add_self_loops=False")
-    crow_d, col_d, src_pos, diag_pos = _looped_pattern(A)
-    if col_d.shape[0] - A.nnz != loops:
-        raise NotImplementedError(f"{op}: the CSRMatrix has diagonal entries; PyG would add a second loop at "
-                                  "each, which a CSRMatrix does not hold: call remove_self_loops first")
     val = values_of(A)
     if fill_value is None or isinstance(fill_value, (int, float)):
         fill = val.new_full((loops,), 1.0 if fill_value is None else float(fill_value))
     elif isinstance(fill_value, str) and fill_value in _FILL_REDUCTIONS:
-        rows = patterns.row_indices(A.crow, A.nnz)
+        rows = patterns.row_indices(A._crow, A.nnz)
         fill = val.new_zeros(A.shape[0]).scatter_reduce(0, rows, val, _FILL_REDUCTIONS[fill_value],
                                                          include_self=False)[:loops]
     else:
         raise NotImplementedError(f"{op}: fill_value must be None, a number or one of "
                                   f"{sorted(_FILL_REDUCTIONS)} for a CSRMatrix (got {fill_value!r})")
-    looped = val.new_zeros(col_d.shape[0]).index_copy(0, src_pos, val).index_copy(0, diag_pos, fill)
-    return CSRMatrix(crow_d, col_d, looped, A.shape), None
+    return _add_self_loops(A, val, fill), None
+
+
+# ------------------------------------------------------------------- sparse values
+
+# The layers that read or replace a sparse adjacency's values through ``is_torch_sparse_tensor``,
+# ``to_edge_index`` and ``set_sparse_value``: APPNP's dropout on the values, the attention
+# layers' ``return_attention_weights``. There a CSRMatrix takes the torch sparse branch.
+# Elsewhere in PyG that branch calls torch sparse methods a CSRMatrix does not have.
+_SPARSE_VALUE_LAYERS = ("torch_geometric.nn.conv.appnp", "torch_geometric.nn.conv.gat_conv",
+                        "torch_geometric.nn.conv.gatv2_conv")
+
+
+def is_torch_sparse_tensor(src) -> bool:
+    """``torch_geometric.utils.is_torch_sparse_tensor``, True for a ``CSRMatrix`` as well (the
+    layers of ``_SPARSE_VALUE_LAYERS`` see this one)."""
+    return isinstance(src, CSRMatrix) or _ORIGINAL["is_torch_sparse_tensor"](src)
+
+
+def to_edge_index(adj):
+    """``torch_geometric.utils.to_edge_index`` for a ``CSRMatrix``: ``(stack([row, col]), values)``
+    in the matrix's order, the values differentiable (anything else goes to PyG's own)."""
+    if not isinstance(adj, CSRMatrix):
+        return _ORIGINAL["to_edge_index"](adj)
+    crow, col = indices_of(adj, "torch_sparserl.integrations.pyg.to_edge_index")
+    rows = patterns.row_indices(crow, adj.nnz)
+    return torch.stack([rows, col.to(torch.int64)]), values_of(adj)
+
+
+def set_sparse_value(adj, value: Tensor):
+    """``torch_geometric.utils.set_sparse_value`` for a ``CSRMatrix``: one value per entry gives
+    the ``CSRMatrix`` of the same pattern (APPNP's dropout keeps the products sparserl's); a
+    vector per entry (the heads' attention, ``(nnz, heads)``) gives what PyG gives for a torch
+    sparse CSR adjacency, a hybrid ``torch.sparse_csr`` tensor of size ``(rows, cols, heads)``
+    on the matrix's pattern, which a ``CSRMatrix`` (one value per entry) cannot hold. Anything
+    else goes to PyG's own."""
+    if not isinstance(adj, CSRMatrix):
+        return _ORIGINAL["set_sparse_value"](adj, value)
+    if value.dim() == 1:
+        return adj.with_values(value)
+    if value.shape[0] != adj.nnz:
+        raise ValueError(f"torch_sparserl.integrations.pyg.set_sparse_value: value must have {adj.nnz} rows, one "
+                         f"per entry of the CSRMatrix (got shape {tuple(value.shape)})")
+    crow, col = (t.clone() for t in indices_of(adj, "torch_sparserl.integrations.pyg.set_sparse_value"))
+    return torch_csr(crow, col, value, (*adj.shape, *value.shape[1:]))
 
 
 def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_self_loops=True,
@@ -170,14 +223,15 @@ def gcn_norm(edge_index, edge_weight=None, num_nodes=None, improved=False, add_s
         raise ValueError(f"torch_sparserl.integrations.pyg.gcn_norm: the adjacency must be square (got shape {tuple(A.shape)})")
     dtype = dtype if dtype is not None and dtype.is_floating_point else A.dtype
     if add_self_loops:
-        A = _add_self_loops(A, 2.0 if improved else 1.0, dtype)
+        A = _add_self_loops(A, values_of(A).to(dtype), 2.0 if improved else 1.0)
     val = values_of(A).to(dtype)
-    rows = patterns.row_indices(A.crow, A.col.shape[0])
+    rows = patterns.row_indices(A._crow, A.nnz)
     deg = val.new_zeros(A.shape[0]).index_add(0, rows, val)
     inv_sqrt = deg.pow(-0.5)
     inv_sqrt = inv_sqrt.masked_fill(torch.isinf(inv_sqrt), 0.0)
-    normed = inv_sqrt.index_select(0, rows) * val * inv_sqrt.index_select(0, A.col.to(torch.int64))
-    return CSRMatrix(A.crow, A.col, normed, A.shape), None
+    crow, col = indices_of(A, "torch_sparserl.integrations.pyg.gcn_norm")
+    normed = inv_sqrt.index_select(0, rows) * val * inv_sqrt.index_select(0, col.to(torch.int64))
+    return A.with_values(normed), None
 
 
 # --------------------------------------------------------------------- propagate
@@ -188,7 +242,7 @@ def _adj_data(A: CSRMatrix, kwargs: dict) -> dict:
     matrix, the sizes, the row pointers, the values as ``edge_weight``."""
     data = dict(kwargs)
     data.update(adj_t=A, edge_index=None, size=[A.shape[1], A.shape[0]], size_i=A.shape[0], size_j=A.shape[1],
-                dim_size=A.shape[0], ptr=A.crow)
+                dim_size=A.shape[0], ptr=indices_of(A, "torch_sparserl.integrations.pyg.propagate")[0])
     if data.get("edge_weight") is None:
         data["edge_weight"] = values_of(A)
     return data
@@ -199,8 +253,9 @@ def _edge_data(A: CSRMatrix, kwargs: dict, names) -> dict:
     sparse tensor): ``index`` (the row, the target node) and every ``<arg>_j`` / ``<arg>_i`` of
     ``names`` lifted to the edges (the source row ``col`` / the target row), in the matrix's
     order; ``ptr`` is None, as PyG gives it for a torch sparse adjacency (scatter softmax)."""
-    rows = patterns.row_indices(A.crow, A.nnz)
-    cols = A.col.to(torch.int64)
+    crow, col = indices_of(A, "torch_sparserl.integrations.pyg.propagate")
+    rows = patterns.row_indices(crow, A.nnz)
+    cols = col.to(torch.int64)
     data = _adj_data(A, kwargs)
     data.update(edge_index_i=rows, edge_index_j=cols, index=rows, ptr=None)
     for name in names:
@@ -233,7 +288,7 @@ def _plain(module, kind: str) -> bool:
 def _edge_updater_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
     _check_flow(module, A, size, "edge_updater")
     if not _plain(module, "edge_update"):
-        sparse = torch.sparse_csr_tensor(A.crow, A.col, values_of(A), tuple(A.shape))
+        sparse = A.to_sparse_csr()
         return type(module)._sparserl_original_edge_updater(module, sparse, size=size, **kwargs)
     data = _edge_data(A, kwargs, module._edge_user_args)
     return module.edge_update(**module.inspector.collect_param_data("edge_update", data))
@@ -258,10 +313,10 @@ def _attention_product(module, A: CSRMatrix, kwargs: dict) -> Tensor | None:
     heads = x_src.shape[1]
     if heads == 1:
         return (A.with_values(alpha[:, 0]) @ x_src[:, 0]).unsqueeze(1)
-    if max(A.nnz, *A.shape) * heads > torch.iinfo(A.col.dtype).max:  # indices beyond int32: a product per head
+    if max(A.nnz, *A.shape) * heads > torch.iinfo(A._col.dtype).max:  # indices beyond int32: a product per head
         return torch.stack([A.with_values(alpha[:, h].contiguous()) @ x_src[:, h] for h in range(heads)], dim=1)
     alpha, x_src = autocast_operands(alpha, x_src)
-    return torch.ops.sparserl.spmm_heads(A.crow, A.col, alpha, A.shape[1], x_src)
+    return torch.ops.sparserl.spmm_heads(A._crow, A._col, alpha, A.shape[1], x_src)
 
 
 def _propagate_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
@@ -273,7 +328,7 @@ def _propagate_csr(module, A: CSRMatrix, size, kwargs: dict) -> Tensor:
     if not module.fuse or not plain:
         # No fused product for this layer (or PyG machinery that needs its own path): PyG's
         # gather/scatter on a torch sparse CSR tensor with the same pattern and values.
-        sparse = torch.sparse_csr_tensor(A.crow, A.col, values_of(A), tuple(A.shape))
+        sparse = A.to_sparse_csr()
         return type(module)._sparserl_original_propagate(module, sparse, size=size, **kwargs)
     data = _adj_data(A, kwargs)
     inputs = module.inspector.collect_param_data("message_and_aggregate", data)
@@ -287,16 +342,69 @@ def _wrap(cls, name: str, on_csr) -> None:
     method = cls.__dict__.get(name)
     if method is None or getattr(method, _WRAPPED_FLAG, False):
         return
-
-    @functools.wraps(method)
-    def wrapped(self, edge_index, size=None, **kwargs):
-        if isinstance(edge_index, CSRMatrix):
-            return on_csr(self, edge_index, size, kwargs)
-        return method(self, edge_index, size=size, **kwargs)
-
-    setattr(wrapped, _WRAPPED_FLAG, True)
     setattr(cls, f"_sparserl_original_{name}", method)
-    setattr(cls, name, wrapped)
+    setattr(cls, name, _routing(method, on_csr))
+
+
+def _compiled_by_torchscript_as(stand_in, original):
+    """``stand_in`` (whose names come from its closure only, prefixed ``_sparserl_``) made what
+    TorchScript compiles as ``original``.
+
+    TorchScript compiles a function or method from the source and signature ``inspect`` finds
+    through ``__wrapped__`` (``original``'s here), resolving its names in the function's globals
+    and closure: here ``original``'s globals, and closure names ``original`` does not use.
+    """
+    stand_in = types.FunctionType(stand_in.__code__, original.__globals__, original.__name__,
+                                  stand_in.__defaults__, stand_in.__closure__)
+    return functools.update_wrapper(stand_in, original)
+
+
+def _routing(method, on_csr):
+    """``method(self, edge_index, size=None, **kwargs)``, with a ``CSRMatrix`` sent to
+    ``on_csr``; ``torch.jit.script`` of a layer compiles ``method``, unchanged."""
+    _sparserl_csr, _sparserl_on_csr, _sparserl_method = CSRMatrix, on_csr, method
+
+    def routed(self, edge_index, size=None, **kwargs):
+        if isinstance(edge_index, _sparserl_csr):
+            return _sparserl_on_csr(self, edge_index, size, kwargs)
+        return _sparserl_method(self, edge_index, size=size, **kwargs)
+
+    routed = _compiled_by_torchscript_as(routed, method)
+    setattr(routed, _WRAPPED_FLAG, True)
+    return routed
+
+
+# TorchScript's name for PyG's functions where the adapter stands in for them (see below).
+_SCRIPTED_AS = f"{__name__}.scripted_as_pyg"
+
+
+def _scripted_as_original(ours, original):
+    """What PyG's modules call in place of ``original``: ``ours`` in Python, ``original`` to
+    TorchScript (:func:`_compiled_by_torchscript_as`).
+
+    ``original``'s overloads (``torch.jit._overload``), which TorchScript looks up by the
+    function's qualified name, are registered again under this function's own name
+    (``_SCRIPTED_AS``) so that compiling either leaves the other's intact; if TorchScript
+    compiled them already, their compiled forms are shared.
+    """
+    _sparserl_ours = ours
+
+    def adapter(*args, **kwargs):
+        return _sparserl_ours(*args, **kwargs)
+
+    adapter = _compiled_by_torchscript_as(adapter, original)
+    adapter.__module__ = _SCRIPTED_AS
+    declared = torch._jit_internal._get_fn_overloads(torch._jit_internal._qualified_name(original))
+    if declared:
+        for declaration in declared:
+            again = functools.update_wrapper(lambda: None, declaration)  # its source: the declaration's
+            again.__module__ = _SCRIPTED_AS
+            torch.jit._overload(again)
+    else:
+        compiled = torch.jit._state._try_get_jit_cached_overloads(original)
+        if compiled:
+            torch.jit._state._set_jit_overload_cache(adapter, compiled)
+    return adapter
 
 
 def _wrap_propagate(cls) -> None:
@@ -320,28 +428,34 @@ def installed() -> bool:
 def install() -> None:
     """Route PyG's sparse path to sparserl for ``CSRMatrix`` adjacencies (idempotent).
 
-    Replaces ``spmm``, ``gcn_norm``, ``remove_self_loops``, ``add_self_loops`` and
-    ``MessagePassing.propagate`` / ``edge_updater`` where PyG's modules refer to them; other
-    inputs reach PyG's original functions unchanged.
+    Replaces ``spmm``, ``gcn_norm``, ``remove_self_loops``, ``add_self_loops``,
+    ``to_edge_index``, ``set_sparse_value`` and ``MessagePassing.propagate`` /
+    ``edge_updater`` where PyG's modules refer to them, and ``is_torch_sparse_tensor`` in the
+    layers of ``_SPARSE_VALUE_LAYERS``; other inputs reach PyG's original functions unchanged,
+    and ``torch.jit.script`` compiles PyG's originals.
     """
     if _ORIGINAL:
         return
     _require_pyg()
     import torch_geometric.utils as pyg_utils
+    import torch_geometric.utils.sparse as pyg_sparse
     from torch_geometric.nn import MessagePassing
     from torch_geometric.nn.conv import gcn_conv
 
     ours = {"spmm": spmm, "gcn_norm": gcn_norm, "remove_self_loops": remove_self_loops,
-            "add_self_loops": add_self_loops}
+            "add_self_loops": add_self_loops, "to_edge_index": to_edge_index, "set_sparse_value": set_sparse_value,
+            "is_torch_sparse_tensor": is_torch_sparse_tensor}
+    homes = {"gcn_norm": gcn_conv, "set_sparse_value": pyg_sparse}
     for name in ours:
-        _ORIGINAL[name] = getattr(gcn_conv if name == "gcn_norm" else pyg_utils, name)
-    replacements = {id(_ORIGINAL[name]): new for name, new in ours.items()}
+        _ORIGINAL[name] = getattr(homes.get(name, pyg_utils), name)
+    replacements = {id(_ORIGINAL[name]): _scripted_as_original(new, _ORIGINAL[name]) for name, new in ours.items()}
+    layers_only = id(_ORIGINAL["is_torch_sparse_tensor"])
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch_geometric") or module is None:
             continue
         for attr, value in list(vars(module).items()):
             new = replacements.get(id(value))
-            if new is not None:
+            if new is not None and (id(value) != layers_only or name in _SPARSE_VALUE_LAYERS):
                 setattr(module, attr, new)
 
     # propagate: PyG generates a class's propagate when its first instance is built; wrap

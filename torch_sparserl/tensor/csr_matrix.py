@@ -499,9 +499,11 @@ def _transpose(A: CSRMatrix, dim0: int, dim1: int) -> CSRMatrix:
     return _t(A)
 
 
-def _indices(op: str, A: CSRMatrix) -> tuple[Tensor, Tensor]:
-    """A's indices as its pattern validated them (:meth:`Pattern.indices`) in eager code, so
-    that every use of a matrix reads the same checked indices; its parts while tracing."""
+def indices_of(A: CSRMatrix, op: str) -> tuple[Tensor, Tensor]:
+    """``(crow, col)`` of ``A`` as its pattern validated them (:meth:`Pattern.indices`; ``op``
+    names the caller in a validation error) in eager code, so that every use of a matrix reads
+    the same checked indices; its parts while tracing. The library's own tensors: read them,
+    never write them or hand them to a caller (clone them first)."""
     if torch.compiler.is_compiling() or is_fake(A._col):
         return A._crow, A._col
     entry = patterns.lookup(A._crow, A._col, A.shape[1])
@@ -510,7 +512,7 @@ def _indices(op: str, A: CSRMatrix) -> tuple[Tensor, Tensor]:
 
 
 def _to_dense(A: CSRMatrix, dtype=None, *, masked_grad=None) -> Tensor:
-    crow, col = _indices("CSRMatrix.to_dense", A)
+    crow, col = indices_of(A, "CSRMatrix.to_dense")
     rows = patterns.row_indices(crow, col.shape[0])
     dense = torch.zeros(tuple(A.shape), dtype=A.dtype, device=A.device)
     dense = dense.index_put((rows, col.to(torch.int64)), values_of(A), accumulate=True)
@@ -524,10 +526,17 @@ def _to_sparse_csr(A: CSRMatrix, dense_dim=None) -> Tensor:
     flows back to them)."""
     if dense_dim not in (None, 0):
         raise ValueError(f"CSRMatrix.to_sparse_csr: dense_dim must be None or 0 (got {dense_dim})")
-    crow, col = (t.clone() for t in _indices("CSRMatrix.to_sparse_csr", A))  # validated once
-    with warnings.catch_warnings():  # torch's note that CSR support is in beta: the caller asked for it
+    crow, col = (t.clone() for t in indices_of(A, "CSRMatrix.to_sparse_csr"))  # validated once
+    return torch_csr(crow, col, values_of(A), tuple(A.shape))
+
+
+def torch_csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple) -> Tensor:
+    """torch's ``sparse_csr`` tensor on indices that were validated (no check of torch's again),
+    without torch's note that its CSR support is in beta: the library builds these for callers
+    who asked for torch's tensor. ``values`` may carry trailing dimensions (a hybrid tensor)."""
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        return torch.sparse_csr_tensor(crow, col, values_of(A), tuple(A.shape), check_invariants=False)
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
 
 
 def _moved(A: CSRMatrix, *, device=None, dtype=None, non_blocking=False, copy=False) -> CSRMatrix:
