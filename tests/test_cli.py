@@ -1,8 +1,11 @@
 """The command line and the shipped matrices."""
 
+import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import scipy.sparse as sp
@@ -104,3 +107,56 @@ def test_bench_says_it_needs_a_gpu(capsys):
         pytest.skip("this machine has a GPU")
     assert main(["bench", "cora"]) == 2
     assert "sparserl bench: needs a CUDA GPU" in capsys.readouterr().err
+
+
+# What pip writes for the [project.scripts] entry (the launcher in a venv's bin/).
+_LAUNCHER = """import re
+import sys
+from torch_sparserl.cli import main
+if __name__ == '__main__':
+    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
+    sys.exit(main())
+"""
+
+
+def _imports(command: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``command`` (after ``python -X importtime``) on the package under test; its result and
+    the modules it imported."""
+    root = str(Path(ts.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-X", "importtime", *command], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    assert imported, done.stderr  # -X importtime wrote its table
+    return done, imported
+
+
+def test_help_and_usage_errors_answer_without_importing_torch(tmp_path):
+    """``--help`` of the command and of every subcommand, and an argument error, import neither
+    torch nor SciPy (seconds on some hosts), through ``python -m`` and the installed launcher."""
+    (tmp_path / "sparserl").write_text(_LAUNCHER)
+    done, imported = _imports(["-m", "torch_sparserl", "--help"], tmp_path)
+    assert done.returncode == 0 and "usage: sparserl" in done.stdout, done.stderr[-2000:]
+    assert not {"torch", "scipy"} & imported
+    commands = re.search(r"\{([a-z,]+)\}", done.stdout).group(1).split(",")
+    assert {"demo", "tune", "bench", "cache"} <= set(commands)
+    runs = [(["-m", "torch_sparserl", name, "--help"], 0) for name in commands] + [
+        (["-mtorch_sparserl.__main__", "--help"], 0), ([str(tmp_path / "sparserl"), "--help"], 0),
+        ([str(tmp_path / "sparserl"), "tune", "--help"], 0), (["-m", "torch_sparserl", "tune"], 2),
+        (["-m", "torch_sparserl", "demo", "--no-such-flag"], 2), (["-m", "torch_sparserl", "tune", "cora", "--n", "-5"], 2),
+        ([str(tmp_path / "sparserl"), "nosuchcommand"], 2)]
+    for command, code in runs:
+        done, imported = _imports(command, tmp_path)
+        assert done.returncode == code, (command, done.stderr[-2000:])
+        assert not {"torch", "scipy"} & imported, (command, sorted({"torch", "scipy"} & imported))
+
+
+def test_the_command_registers_the_operators_once_its_arguments_parse(tmp_path):
+    """Deferred at import in the command, the operators are there when a subcommand runs; and a
+    plain ``import torch_sparserl`` still registers them at once."""
+    done, imported = _imports(["-m", "torch_sparserl", "info"], tmp_path)
+    assert done.returncode == 0 and "sparserl::spmm" in done.stdout, done.stderr[-2000:]
+    done, imported = _imports(["-c", "import torch, torch_sparserl; print(torch.ops.sparserl.spmm.default)"],
+                              tmp_path)
+    assert done.returncode == 0 and "sparserl.spmm.default" in done.stdout, done.stderr[-2000:]

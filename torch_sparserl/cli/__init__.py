@@ -27,17 +27,14 @@ import json
 import math
 import os
 import stat
-import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
+# Only what parsing needs is imported here: ``sparserl --help`` and a usage error answer without
+# importing torch, NumPy or SciPy (tests/test_cli.py checks it); each command imports its own.
 from .. import config
-from ..data.datasets import DEFAULT_MATRIX, list_matrices, load_matrix
-from ..dtypes import close_to_reference
+from ..data.datasets import DEFAULT_MATRIX
 
 MAX_N = 65536  # dense columns: --n beyond this is a typo, not a product anyone runs
 
@@ -54,6 +51,8 @@ _EXPECTED = (CommandError, ValueError, TypeError, OSError, EOFError, RecursionEr
 def _matrix(name: str, what: str = "matrix"):
     """A matrix named on the command line, loaded and checked: a real-valued CSR matrix with at
     least one row, one column and one nonzero."""
+    from ..data.datasets import load_matrix
+
     try:
         M = load_matrix(name).tocsr()
     except (FileNotFoundError, ValueError) as exc:
@@ -99,6 +98,8 @@ def _megabytes(text: str) -> float:
 def _device(text: str) -> str:
     if text == "auto":
         return text
+    import torch
+
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
@@ -176,41 +177,30 @@ def _describe(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _time_ms(fn, device: torch.device, repeats: int = 50) -> float:
-    """Median milliseconds per call after a warm-up (CUDA events on a GPU)."""
-    for _ in range(5):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(repeats):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _gcn(features: int, hidden: int, classes: int):
+    """A two-layer GCN (``adj @ lin(x)``, twice) for the demo's compile step."""
+    import torch
 
+    class GCN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1 = torch.nn.Linear(features, hidden)
+            self.lin2 = torch.nn.Linear(hidden, classes)
 
-class _GCN(torch.nn.Module):
-    def __init__(self, features: int, hidden: int, classes: int):
-        super().__init__()
-        self.lin1 = torch.nn.Linear(features, hidden)
-        self.lin2 = torch.nn.Linear(hidden, classes)
+        def forward(self, x, adj):
+            h = (adj @ self.lin1(x)).relu()
+            return adj @ self.lin2(h)
 
-    def forward(self, x, adj):
-        h = (adj @ self.lin1(x)).relu()
-        return adj @ self.lin2(h)
+    return GCN()
 
 
 def demo(args) -> int:
+    import numpy as np
+    import torch
+
     import torch_sparserl as ts
+
+    from ..dtypes import close_to_reference
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     M = _matrix(args.matrix, "--matrix")
@@ -238,7 +228,7 @@ def demo(args) -> int:
         print("note     the GCN below runs with the JIT runtime off (cuSPARSE), to keep the demo short")
 
     torch.manual_seed(0)
-    model = _GCN(args.n, 64, 8).to(device)
+    model = _gcn(args.n, 64, 8).to(device)
     eager_out = model(X, A)
     eager_out.square().mean().backward()
     eager_grad = model.lin1.weight.grad.clone()
@@ -265,6 +255,8 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     """The JIT pipeline on the demo matrix: on a GPU, specialize ``A @ X`` with the learned
     policy and time it against ``torch.sparse.mm``; without one, sample the policy's kernels on
     the CPU and compile them with nvcc."""
+    import torch
+
     from .. import pattern as patterns
     from ..jit import runtime as rt
     from ..pattern.features import structural_features
@@ -331,7 +323,11 @@ def _demo_compile_tier(M, n: int, k: int) -> int:
 
 
 def info(args) -> int:
+    import torch
+
     import torch_sparserl as ts
+
+    from ..data.datasets import list_matrices
 
     print(f"torch-sparserl {ts.__version__}, torch {torch.__version__}, "
           f"CUDA {'available: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}")
@@ -391,6 +387,8 @@ def tune_command(args) -> int:
     run in the sandbox, timed against cuSPARSE); without one, the compile tier with nvcc."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import torch
+
     from ..pattern.features import structural_features
     from ..specialize.autotune import candidates, tune
 
@@ -437,6 +435,8 @@ def tune_command(args) -> int:
 def bench_command(args) -> int:
     """The runtime end to end on a GPU: cold specialization, correctness, and the time per call
     of ``A @ X`` against ``torch.sparse.mm``, dispatch included."""
+    import torch
+
     from ..dtypes import VALUE_DTYPES
     from ..jit import runtime as rt
     from . import measure
@@ -464,6 +464,9 @@ def bench_command(args) -> int:
 
 def explain_command(args) -> int:
     """What the cache says about a matrix: which kernel serves each product, or why none does."""
+    import numpy as np
+    import torch
+
     from ..pattern.fingerprint import pattern_hash
 
     M = _matrix(args.matrix)
@@ -556,6 +559,7 @@ def _run(args) -> int:
         print(f"{command}: {exc}", file=sys.stderr)
         return 2
     try:
+        from .. import ops  # noqa: F401  the operators: ``import torch_sparserl`` defers them in the command
         return args.run(args)
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)

@@ -11,10 +11,11 @@ import os
 import stat
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import scipy.io
-import scipy.sparse
+# NumPy and SciPy are imported where a matrix is loaded: the command's --help reads DEFAULT_MATRIX.
+if TYPE_CHECKING:
+    import scipy.sparse
 
 DATA_DIR = Path(__file__).with_name("matrices")
 DEFAULT_MATRIX = "cora"
@@ -26,6 +27,9 @@ def list_matrices() -> list[str]:
 
 
 def _load_npz(path: Path) -> scipy.sparse.csr_matrix:
+    import numpy as np
+    import scipy.sparse
+
     if not zipfile.is_zipfile(path):  # np.load would try it as a pickle, and say so
         raise ValueError("not a .npz archive (NumPy's savez or SciPy's save_npz)")
     with np.load(path, allow_pickle=False) as z:
@@ -40,6 +44,9 @@ def load_matrix(name_or_path: str | os.PathLike) -> scipy.sparse.csr_matrix:
 
     A file that is not a sparse matrix, or whose indices are out of range or out of order,
     raises ValueError naming the file; a missing one FileNotFoundError."""
+    import scipy.io
+    import scipy.sparse
+
     path = Path(name_or_path)
     if not path.suffix and (DATA_DIR / f"{path.name}.npz").exists():
         path = DATA_DIR / f"{path.name}.npz"
