@@ -29,6 +29,36 @@ def test_load_mtx_and_errors(tmp_path):
         ts.load_matrix("no-such-matrix")
 
 
+def test_load_refuses_what_it_cannot_hold_or_would_truncate(tmp_path):
+    """A .mtx header promising more entries than the file holds, or a matrix too large for memory,
+    is refused before SciPy allocates it; fractional indices in a .npz are refused, not truncated."""
+    import numpy as np
+
+    banner = "%%MatrixMarket matrix coordinate real general\n"
+    (tmp_path / "entries.mtx").write_text(banner + "1000000 1000000 1000000000000\n1 1 1.0\n")
+    with pytest.raises(ValueError, match=r"entries.mtx.*promising 1000000000000 entries .* which hold at most"):
+        ts.load_matrix(tmp_path / "entries.mtx")
+    (tmp_path / "rows.mtx").write_text(banner + "1000000000000 1000000000000 1\n1 1 1.0\n")
+    with pytest.raises(ValueError, match=r"rows.mtx.*GiB in memory; this machine has"):
+        ts.load_matrix(tmp_path / "rows.mtx")
+    (tmp_path / "array.mtx").write_text("%%MatrixMarket matrix array real general\n100000 100000\n1\n")
+    with pytest.raises(ValueError, match="promising 10000000000 entries"):
+        ts.load_matrix(tmp_path / "array.mtx")
+    # the tightest honest file still loads: entries of four bytes, the last one without its line end
+    (tmp_path / "tight.mtx").write_text("%%MatrixMarket matrix coordinate pattern general\n2 2 2\n1 1\n2 2")
+    assert (ts.load_matrix(tmp_path / "tight.mtx") != sp.eye(2)).nnz == 0
+    for name, fractional, shown in [("indices", [0.7, 1.0], 0.7), ("indptr", [0, 1.5, 2], 1.5), ("shape", [2.5, 2], 2.5)]:
+        arrays = {"indptr": [0, 1, 2], "indices": [0, 1], "data": [1.0, 2.0], "shape": [2, 2], name: fractional}
+        np.savez(tmp_path / "fractional.npz", **{key: np.array(value) for key, value in arrays.items()})
+        with pytest.raises(ValueError, match=f"non-integer '{name}': float64, e.g. {shown}"):
+            ts.load_matrix(tmp_path / "fractional.npz")
+    coo = sp.coo_matrix(np.eye(2))  # SciPy's own save_npz layout, its coordinates made fractional
+    np.savez(tmp_path / "scipy.npz", row=coo.row + 0.5, col=coo.col, data=coo.data, shape=np.array(coo.shape),
+             format=np.array(b"coo"))
+    with pytest.raises(ValueError, match="non-integer 'row'"):
+        ts.load_matrix(tmp_path / "scipy.npz")
+
+
 def test_info():
     out = subprocess.run([sys.executable, "-m", "torch_sparserl", "info"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

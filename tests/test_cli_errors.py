@@ -61,6 +61,13 @@ def bad(tmp_path_factory):
     np.savez(d / "strings.npz", indptr=np.array([0, 1]), indices=np.array([0]), data=np.array(["x"]),
              shape=np.array([1, 1]))
     (d / "garbage.mtx").write_text("hello\n")
+    # 60-odd bytes whose header promises 10**12 entries, or 10**12 rows: SciPy would allocate them first
+    (d / "promises_too_much.mtx").write_text("%%MatrixMarket matrix coordinate real general\n"
+                                             "1000000 1000000 1000000000000\n1 1 1.0\n")
+    (d / "too_many_rows.mtx").write_text("%%MatrixMarket matrix coordinate real general\n"
+                                         "1000000000000 1000000000000 1\n1 1 1.0\n")
+    np.savez(d / "fractional_indices.npz", indptr=np.array([0, 1, 2]), indices=np.array([0.7, 1.2]),
+             data=np.array([1.0, 2.0]), shape=np.array([2, 2]))
     (d / "matrix.txt").write_text("1 2 3\n")
     (d / "folder.npz").mkdir()
     os.mkfifo(d / "fifo.npz")  # reading it would wait forever
@@ -71,7 +78,8 @@ def bad(tmp_path_factory):
 
 BAD_MATRICES = ["random.npz", "empty.npz", "zero.npz", "no_rows.npz", "no_nonzeros.npz", "not_a_matrix.npz",
                 "array.npz", "column_out_of_range.npz", "bad_indptr.npz", "negative_shape.npz", "complex.npz",
-                "strings.npz", "garbage.mtx", "matrix.txt", "folder.npz", "fifo.npz", "zeros.npz",
+                "strings.npz", "garbage.mtx", "promises_too_much.mtx", "too_many_rows.mtx",
+                "fractional_indices.npz", "matrix.txt", "folder.npz", "fifo.npz", "zeros.npz",
                 "no-such-file.npz", "no-such-shipped-matrix"]
 MATRIX_COMMANDS = {"demo": ["demo", "--device", "cpu", "--matrix"], "tune": ["tune"], "bench": ["bench"],
                    "explain": ["explain"]}
