@@ -73,6 +73,7 @@ def bad(tmp_path_factory):
     os.mkfifo(d / "fifo.npz")  # reading it would wait forever
     os.symlink("/dev/zero", d / "zeros.npz")  # reading it would never end
     (d / "a_file").write_text("not a folder\n")
+    sp.save_npz(d / "not_square.npz", sp.random(30, 50, density=0.1, format="csr", random_state=0))
     return d
 
 
@@ -130,6 +131,36 @@ def test_a_missing_gpu_is_one_line(capsys):
     code, out, err = _run(["bench", "cora"], capsys)
     _assert_one_line(code, err, "bench")
     assert "needs a CUDA GPU" in err
+
+
+def test_demo_refuses_a_non_square_matrix_before_any_output(bad, capsys):
+    code, out, err = _run(["demo", "--device", "cpu", "--matrix", str(bad / "not_square.npz")], capsys)
+    _assert_one_line(code, err, "demo")
+    assert "expected a square matrix" in err and "(got 30 x 50 in" in err and out == "", (out, err)
+
+
+def test_tune_without_nvcc_says_so_before_any_work(monkeypatch, capsys):
+    """The compile tier needs nvcc: without one, one line saying what is missing and how to get
+    it, exit 2, instead of 0/30 candidates compiled and exit 1."""
+    from torch_sparserl.evaluate import compile_tier
+    from torch_sparserl.toolchain import nvcc
+
+    def compile_only(spec, *args, **kwargs):
+        raise AssertionError("compiled a candidate without nvcc")
+
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: None)
+    monkeypatch.setattr(compile_tier, "compile_only", compile_only)
+    code, out, err = _run(["tune", "cora", "--compile-only"], capsys)
+    _assert_one_line(code, err, "tune")
+    assert "needs nvcc" in err and "install the CUDA toolkit" in err and "CUDA_HOME" in err and out == "", err
+
+
+def test_fastpath_without_a_cuda_torch_is_status_2_like_bench(capsys):
+    if torch.version.cuda is not None:
+        pytest.skip("this torch has CUDA")
+    code, out, err = _run(["fastpath"], capsys)
+    _assert_one_line(code, err, "fastpath")
+    assert "needs a CUDA build of torch" in err and "this torch has no CUDA" in err, err
 
 
 @pytest.mark.parametrize("families, expected", [
@@ -287,3 +318,6 @@ def test_the_installed_command_prints_one_line(bad):
 def test_the_help_names_sparserl_debug(capsys):
     code, out, err = _run(["--help"], capsys)
     assert code == 0 and "SPARSERL_DEBUG=1" in out
+    epilog = " ".join(out.split())  # argparse wraps it
+    assert "Exit status: 0 done; 1 a check failed" in epilog
+    assert "2 a bad invocation, or a command that needs what this machine lacks (a CUDA GPU" in epilog

@@ -36,6 +36,12 @@ from pathlib import Path
 from .. import config
 from ..data.datasets import DEFAULT_MATRIX
 
+# The help's epilog: what every command's exit status means.
+EXIT_STATUSES = ("Exit status: 0 done; 1 a check failed (a wrong result, a kernel that did not compile) or an "
+                 "internal error; 2 a bad invocation, or a command that needs what this machine lacks (a CUDA "
+                 "GPU, a CUDA build of torch, nvcc), one line on stderr saying what; 130 interrupted. "
+                 "SPARSERL_DEBUG=1 shows the traceback of any error.")
+
 MAX_N = 65536  # dense columns: --n beyond this is a typo, not a product anyone runs
 
 
@@ -204,6 +210,9 @@ def demo(args) -> int:
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     M = _matrix(args.matrix, "--matrix")
+    if M.shape[0] != M.shape[1]:  # checked before any output: the GCN step multiplies by it twice
+        raise CommandError(f"--matrix: expected a square matrix, the graph's adjacency of the GCN step "
+                           f"(got {M.shape[0]} x {M.shape[1]} in {args.matrix!r})")
     lengths = np.diff(M.indptr)
     print(f"matrix   {args.matrix}: {M.shape[0]} x {M.shape[1]}, nnz {M.nnz}, "
           f"row length mean {lengths.mean():.1f} max {lengths.max()}")
@@ -291,18 +300,18 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
 
 def _demo_compile_tier(M, n: int, k: int) -> int:
     """No GPU: the policy picks its K likeliest kernels on the CPU; each is compiled by nvcc."""
-    import shutil
     import time
 
     from ..evaluate.compile_tier import compile_only
     from ..specialize.policy import load_default
+    from ..toolchain import nvcc
     from ..specialize.policy.propose import propose
 
     start = time.monotonic()
     proposals = propose(load_default("cpu"), M.indptr, M.indices, M.shape, op="spmm", n=n, k=k)
     print(f"rank     the policy's {len(proposals)} likeliest kernels, scored on the CPU in "
           f"{time.monotonic() - start:.1f} s; the first would be tried first")
-    if shutil.which("nvcc") is None:
+    if nvcc.nvcc_path() is None:
         print("note     no GPU and no nvcc: kernels are neither built nor run here")
         return 0
     bad, seen = 0, set()
@@ -360,6 +369,9 @@ def fastpath_command(args) -> int:
     """Build (once per machine and torch version) and load the C++ fast path of compiled products."""
     from ..jit import fastpath
 
+    why = fastpath.unavailable()
+    if why is not None:
+        raise CommandError(f"needs a CUDA build of torch, with the fast path not turned off (here: {why})")
     started = time.perf_counter()
     ok = fastpath.ensure(wait=True)
     print(f"C++ fast path: {fastpath.status()} ({time.perf_counter() - started:.1f} s)")
@@ -393,6 +405,7 @@ def tune_command(args) -> int:
     from ..specialize.autotune import candidates, tune
 
     from ..specialize.families import FAMILIES
+    from ..toolchain import nvcc
 
     A = _matrix(args.matrix)
     n = 1 if args.op == "spmv" else args.n
@@ -400,10 +413,15 @@ def tune_command(args) -> int:
     if args.families and not set(args.families) <= set(serving):
         raise CommandError(f"--families: expected families that serve {args.op} ({', '.join(serving)}) "
                            f"(got {', '.join(f for f in args.families if f not in serving)})")
+    on_gpu = torch.cuda.is_available() and not args.compile_only
+    if not on_gpu and nvcc.nvcc_path() is None:
+        raise CommandError(f"needs nvcc to compile the candidates {'(--compile-only)' if args.compile_only else 'without a GPU'}"
+                           " (none in $CUDA_HOME/bin or on PATH): install the CUDA toolkit "
+                           "(https://developer.nvidia.com/cuda-downloads), then put its bin/ on PATH or set CUDA_HOME")
     features = structural_features(A.indptr, A.indices, A.shape)
     print(f"matrix   {args.matrix}: {A.shape[0]} x {A.shape[1]}, {A.nnz} nonzeros, "
           f"row mean {features['row_mean']:.1f}, max {features['row_max']}, cv {features['row_cv']:.2f}")
-    if torch.cuda.is_available() and not args.compile_only:
+    if on_gpu:
         result = tune(A, op=args.op, n=n, dtype=args.dtype, budget_s=args.budget_s,
                       families=args.families, progress=_progress("screening"))
         finals = sorted((r for r in result.table if r.timing.get("stage") == "final" and r.ok),
@@ -577,8 +595,7 @@ def _run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="sparserl", description=__doc__.splitlines()[0],
-                     epilog="A bad invocation prints one line and exits with status 2; "
-                            "SPARSERL_DEBUG=1 shows the traceback of any error.")
+                     epilog=EXIT_STATUSES)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="check, compile and time the operators on a shipped matrix")
     p.add_argument("--matrix", default=DEFAULT_MATRIX, help=f"shipped name or .npz/.mtx path (default {DEFAULT_MATRIX})")
