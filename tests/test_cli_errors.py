@@ -195,7 +195,7 @@ def test_a_bad_folder_or_output_is_one_line(bad, capsys, argv, command):
 
 @pytest.mark.parametrize("argv, command", [
     ([], ""), (["nosuchcommand"], ""), (["tune"], "tune"), (["tune", "cora", "--op", "sddmm"], "tune"),
-    (["tune", "cora", "--dtype", "f64"], "tune"), (["bench", "cora", "--dtype", "f32"], "bench"),
+    (["tune", "cora", "--dtype", "f64"], "tune"), (["bench", "cora", "--dtype", "f64"], "bench"),
     (["bench"], "bench"), (["explain", "cora", "--op", "spmv2"], "explain"), (["cache"], "cache"),
     (["cache", "purge"], "cache"), (["info", "extra"], ""), (["demo", "--no-such-flag"], ""),
 ])
@@ -316,8 +316,48 @@ def test_the_installed_command_prints_one_line(bad):
 
 
 def test_the_help_names_sparserl_debug(capsys):
+    """The top-level help is plain text (no reST markup) and its epilog documents the exit statuses."""
     code, out, err = _run(["--help"], capsys)
     assert code == 0 and "SPARSERL_DEBUG=1" in out
+    assert "``" not in out and ":mod:" not in out, out
     epilog = " ".join(out.split())  # argparse wraps it
     assert "Exit status: 0 done; 1 a check failed" in epilog
     assert "2 a bad invocation, or a command that needs what this machine lacks (a CUDA GPU" in epilog
+
+
+def test_every_command_and_option_has_a_help_text():
+    """Each command: a line in the command list and a description in its own --help; each of its
+    options and arguments: a help text."""
+    import argparse
+
+    parser = cli._parser()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    listed = {choice.dest: choice.help for choice in commands._choices_actions}
+    assert set(listed) == set(commands.choices) and len(listed) >= 7
+    for name, command in commands.choices.items():
+        assert listed[name] and command.description, name
+        for action in command._actions:
+            assert action.help, (name, action.option_strings or action.dest)
+
+
+@pytest.mark.parametrize("command", [["tune", "cora"], ["bench", "cora"]])
+@pytest.mark.parametrize("given, meant", [("float32", "float32"), ("f32", "float32"), ("float16", "float16"),
+                                          ("f16", "float16"), ("bfloat16", "bfloat16"), ("bf16", "bfloat16")])
+def test_dtype_has_one_documented_spelling_and_takes_both(command, given, meant):
+    """tune took f32, bench float32: both take both, and document float32."""
+    parser = cli._parser()
+    assert parser.parse_args(command + ["--dtype", given]).dtype == meant
+    assert parser.parse_args(command).dtype == "float32"
+
+
+def test_tune_hands_the_abi_its_dtype_name(monkeypatch, capsys):
+    from torch_sparserl.specialize import autotune
+    from torch_sparserl.toolchain import nvcc
+
+    asked = []
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: "nvcc")
+    monkeypatch.setattr(autotune, "candidates", lambda op, n, dtype, *rest: asked.append(dtype) or [])
+    for given in ("bfloat16", "bf16"):
+        code, out, err = _run(["tune", "cora", "--compile-only", "--dtype", given], capsys)
+        assert code == 0 and "0/0 candidates compile cleanly" in out, (out, err)
+    assert asked == ["bf16", "bf16"]

@@ -36,6 +36,11 @@ from pathlib import Path
 from .. import config
 from ..data.datasets import DEFAULT_MATRIX
 
+# The help's first paragraph (plain text: argparse prints it as it is).
+DESCRIPTION = ("sparserl: sparse CSR products for PyTorch on CUDA kernels specialized to each matrix's sparsity "
+               "pattern. The commands check them, tune and time them, and show what the runtime decided "
+               "(also run as python -m torch_sparserl).")
+
 # The help's epilog: what every command's exit status means.
 EXIT_STATUSES = ("Exit status: 0 done; 1 a check failed (a wrong result, a kernel that did not compile) or an "
                  "internal error; 2 a bad invocation, or a command that needs what this machine lacks (a CUDA "
@@ -116,6 +121,21 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a CUDA device this machine has ({torch.cuda.device_count()} "
                                          f"visible) (got {text!r})")
     return text
+
+
+# --dtype: the documented names, and the ABI's short ones, which tune once took (accepted as well).
+DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_DTYPE_METAVAR = "{" + ",".join(DTYPES) + "}"
+_DTYPE_HELP = "value dtype (default float32; f32, f16, bf16 are accepted too)"
+_OP_HELP = "the product: spmm (A @ X, the default) or spmv (A @ x)"
+
+
+def _dtype(text: str) -> str:
+    """--dtype: a documented name (float32, float16, bfloat16), or its short form, as the documented name."""
+    for name, short in DTYPES.items():
+        if text in (name, short):
+            return name
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)} (got {text!r})")
 
 
 def _families(text: str) -> list[str]:
@@ -422,7 +442,7 @@ def tune_command(args) -> int:
     print(f"matrix   {args.matrix}: {A.shape[0]} x {A.shape[1]}, {A.nnz} nonzeros, "
           f"row mean {features['row_mean']:.1f}, max {features['row_max']}, cv {features['row_cv']:.2f}")
     if on_gpu:
-        result = tune(A, op=args.op, n=n, dtype=args.dtype, budget_s=args.budget_s,
+        result = tune(A, op=args.op, n=n, dtype=DTYPES[args.dtype], budget_s=args.budget_s,
                       families=args.families, progress=_progress("screening"))
         finals = sorted((r for r in result.table if r.timing.get("stage") == "final" and r.ok),
                         key=lambda r: r.runtime_us)
@@ -437,7 +457,7 @@ def tune_command(args) -> int:
 
     from ..evaluate.compile_tier import compile_only
 
-    specs = candidates(args.op, n, args.dtype, features, args.families)
+    specs = candidates(args.op, n, DTYPES[args.dtype], features, args.families)
     print(f"note     no GPU{' (or --compile-only)' if torch.cuda.is_available() else ''}: compiling the "
           f"{len(specs)} candidates with nvcc for sm_90, not running them")
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -593,38 +613,52 @@ def _run(args) -> int:
         return 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="sparserl", description=__doc__.splitlines()[0],
-                     epilog=EXIT_STATUSES)
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("demo", help="check, compile and time the operators on a shipped matrix")
+def _parser() -> _Parser:
+    """The command line: every command and option with its help text."""
+    parser = _Parser(prog="sparserl", description=DESCRIPTION, epilog=EXIT_STATUSES)
+    commands = parser.add_subparsers(dest="command", required=True, help="sparserl COMMAND --help describes each")
+    p = commands.add_parser("demo", help="check, compile and time the operators on a shipped matrix", description=(
+        "Check A @ X against a float64 reference on a shipped matrix (or a .npz/.mtx file), compile a two-layer "
+        "GCN with torch.compile(backend='sparserl') and compare its output and gradient with the same model run "
+        "without compiling, then run the JIT: on a GPU it specializes A @ X and times it against torch.sparse.mm; "
+        "without one the learned policy picks its kernels on the CPU and nvcc, if present, compiles them."))
     p.add_argument("--matrix", default=DEFAULT_MATRIX, help=f"shipped name or .npz/.mtx path (default {DEFAULT_MATRIX})")
     p.add_argument("--n", type=_columns, default=32, help=f"dense columns N, 1 to {MAX_N} (default 32)")
     p.add_argument("--device", type=_device, default="auto", help="cpu, cuda, cuda:INDEX or auto (default)")
     p.add_argument("--budget-s", type=_seconds, default=20.0, help="autotuning budget of the JIT (default 20)")
     p.add_argument("--show-source", action="store_true", help="print the whole specialized kernel")
     p.set_defaults(run=demo)
-    p = commands.add_parser("info", help="versions, operators and shipped matrices")
+    p = commands.add_parser("info", help="versions, operators and shipped matrices", description=(
+        "Versions, the registered operators, the shipped matrices, the C++ fast path's state, the JIT runtime's "
+        "settings from the environment, and the caches' folders and sizes."))
     p.set_defaults(run=info)
-    p = commands.add_parser("tune", help="search the kernel space for a matrix (GPU), or compile it (no GPU)")
+    p = commands.add_parser("tune", help="search the kernel space for a matrix (GPU), or compile it (no GPU)",
+                            description=(
+        "Search the kernel space for one matrix. On a GPU: the exhaustive autotuner, each candidate run in a "
+        "sandbox, checked against float64 and timed against cuSPARSE. Without one (or with --compile-only): each "
+        "candidate compiled with nvcc for sm_90 and not run, which needs nvcc."))
     p.add_argument("matrix", help="shipped name or .npz/.mtx path")
-    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
+    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm", help=_OP_HELP)
     p.add_argument("--n", type=_columns, default=32, help=f"dense columns for spmm, 1 to {MAX_N} (default 32)")
-    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    p.add_argument("--dtype", type=_dtype, default="float32", metavar=_DTYPE_METAVAR, help=_DTYPE_HELP)
     p.add_argument("--budget-s", type=_seconds, default=60.0, help="screening budget in seconds (default 60)")
     p.add_argument("--families", type=_families, help="comma-separated families to search (default: all)")
     p.add_argument("--compile-only", action="store_true", help="only the compile tier, even with a GPU")
     p.add_argument("--show-source", action="store_true", help="print the best kernel's source")
     p.set_defaults(run=tune_command)
-    p = commands.add_parser("bench", help="the runtime end to end against torch.sparse.mm (GPU)")
+    p = commands.add_parser("bench", help="the runtime end to end against torch.sparse.mm (GPU)", description=(
+        "Needs a CUDA GPU. For each matrix: the first A @ X with its specialization (cold start), the result "
+        "against float64, and the time per call of A @ X against torch.sparse.mm, dispatch included."))
     p.add_argument("matrices", nargs="+", help="shipped names or .npz/.mtx paths")
-    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
+    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm", help=_OP_HELP)
     p.add_argument("--n", type=_columns, default=32, help=f"dense columns for spmm, 1 to {MAX_N} (default 32)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--dtype", type=_dtype, default="float32", metavar=_DTYPE_METAVAR, help=_DTYPE_HELP)
     p.add_argument("--budget-s", type=_seconds, default=20.0, help="autotuning budget per product (default 20)")
     p.add_argument("--json", type=_output_file, help="write the results to this file")
     p.set_defaults(run=bench_command)
-    p = commands.add_parser("explain", help="why a kernel was or was not installed for a matrix")
+    p = commands.add_parser("explain", help="why a kernel was or was not installed for a matrix", description=(
+        "Which kernel the specialization cache says serves each product of a matrix's pattern, and why; or that "
+        "none was decided yet."))
     p.add_argument("matrix", help="shipped name or .npz/.mtx path")
     p.add_argument("--op", choices=["spmm", "spmv"], help="only this op")
     p.add_argument("--n", type=_columns, help="only this N")
@@ -632,10 +666,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=_folder,
                    help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
     p.set_defaults(run=explain_command)
-    p = commands.add_parser("fastpath", help="build and load the C++ fast path of compiled products now (CUDA torch)")
+    p = commands.add_parser("fastpath", help="build and load the C++ fast path of compiled products now (CUDA torch)",
+                            description=(
+        "Build (once per machine and torch version) and load the C++ library that serves products once Python "
+        "has served the same call; needs a CUDA build of torch."))
     p.set_defaults(run=fastpath_command)
-    p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear, prune")
-    p.add_argument("action", choices=["list", "info", "clear", "prune"])
+    p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear, prune", description=(
+        "The specialization cache's decisions: list them, show one (info KEY), remove them all (clear), or "
+        "remove the least recently used down to a size (prune)."))
+    p.add_argument("action", choices=["list", "info", "clear", "prune"], help="what to do")
     p.add_argument("key", nargs="?", help="entry digest (or its prefix) for info")
     p.add_argument("--dir", type=_folder,
                    help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
@@ -643,8 +682,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="prune: keep at most this many megabytes of entries (default: cache.max_mb, "
                         "$SPARSERL_CACHE_MAX_MB)")
     p.set_defaults(run=cache_command)
-    return _run(parser.parse_args(argv))
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    return _run(_parser().parse_args(argv))
 
 if __name__ == "__main__":
     sys.exit(main())
