@@ -69,10 +69,21 @@ def test_info():
 
 @pytest.mark.slow
 def test_demo_runs_on_cpu():
+    """And says what starts before each slow step (on stderr, here merged with stdout in the
+    order the lines were written)."""
     out = subprocess.run([sys.executable, "-m", "torch_sparserl", "demo", "--device", "cpu", "--n", "16"],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout + out.stderr
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout
     assert "all checks passed" in out.stdout and "0 graph breaks" in out.stdout
+    lines = out.stdout.splitlines()
+
+    def first(start):
+        return next(i for i, line in enumerate(lines) if line.startswith(start))
+
+    assert first("rank     the policy writes its likeliest kernels") < first("rank     the policy's")
+    assert first("compile  torch.compile of a 2-layer GCN") < first("compile  2-layer GCN")
+    if shutil.which("nvcc"):
+        assert first("compile  4 kernels with nvcc") < first("compile  1/4 ") < first("compile  4/4 ")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -80,8 +91,56 @@ def test_tune_without_a_gpu_runs_the_compile_tier(capsys):
     from torch_sparserl.cli import main
 
     assert main(["tune", "cora", "--op", "spmv", "--families", "vector_row", "--compile-only"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "compiling the" in out and "candidates compile cleanly" in out and "vector_row(" in out
+    total = int(re.search(r"result   \d+/(\d+) candidates", out).group(1))
+    # what starts (on stderr), then a numbered line per candidate (on stdout) as each is done
+    assert f"compile  {total} candidates with nvcc, " in err and "under a second each" in err, err
+    numbered = [line.split()[1] for line in out.splitlines() if line.startswith("compile  ")]
+    assert [n.strip() for n in numbered] == [f"{i}/{total}" for i in range(1, total + 1)], out
+
+
+def test_progress_reports_lines_when_stderr_is_not_a_terminal(capsys):
+    """The GPU screening's progress, in a log: a line at most every every_s seconds, and the last."""
+    from torch_sparserl.cli import _progress
+
+    report = _progress("screening", every_s=3600)
+    for done in range(1, 31):
+        report(done, 30)
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1].startswith("screening 30/30, ") and len(err.splitlines()) == 1, err
+    report = _progress("screening", every_s=0)
+    for done in range(1, 4):
+        report(done, 3)
+    assert [line.split(",")[0] for line in capsys.readouterr().err.splitlines()] == [
+        "screening 1/3", "screening 2/3", "screening 3/3"]
+
+
+def test_bench_says_what_starts_before_each_matrix(monkeypatch, capsys):
+    """On a GPU each matrix's specialization takes up to the budget: a line on stderr says so first."""
+    import torch
+
+    from torch_sparserl.cli import main, measure
+    from torch_sparserl.jit import runtime as rt
+
+    errs, outs = [], []
+
+    def product(M, op, n, dtype, *, runtime):
+        captured = capsys.readouterr()  # what was written when the work began
+        errs.append(captured.err)
+        outs.append(captured.out)
+        return {"cold_s": 1.0, "hot_us": 10.0, "torch_sparse_us": 20.0, "speedup": 2.0, "correct": True,
+                "decision": "a kernel"}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rt, "configure", lambda **settings: None)
+    monkeypatch.setattr(measure, "product", product)
+    assert main(["bench", "cora", "citeseer", "--budget-s", "7"]) == 0
+    assert errs == [
+        "bench    cora: specializing spmm (within the 7 s budget), then timing it\n",
+        "bench    citeseer: specializing spmm (within the 7 s budget), then timing it\n"]
+    out = "".join(outs) + capsys.readouterr().out
+    assert out.startswith("cora ") and "\nciteseer " in out and "2.00x" in out, out
 
 
 def test_cache_commands(tmp_path, capsys):

@@ -264,6 +264,8 @@ def demo(args) -> int:
     model.zero_grad()
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(model, backend="sparserl", fullgraph=True)
+    _note("compile  torch.compile of a 2-layer GCN, forward and backward (tens of seconds the first time; "
+          "Inductor caches it)")
     t0 = time.perf_counter()
     out = compiled(X, A)
     out.square().mean().backward()
@@ -302,6 +304,8 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     if device.type != "cuda":
         return _demo_compile_tier(M, args.n, settings.k)
     runtime = rt.configure(mode="sync", budget_s=args.budget_s)
+    _note(f"jit      specializing A @ X: loading the policy, starting the sandbox, checking and timing its "
+          f"kernels (within the {args.budget_s:g} s budget)")
     result = measure.product(M, "spmm", args.n, runtime=runtime)
     failures = 0 if result["correct"] else 1
     print(f"jit      first A @ X specialized in {result['cold_s']:.1f} s (one-time: loading the policy and "
@@ -327,6 +331,7 @@ def _demo_compile_tier(M, n: int, k: int) -> int:
     from ..toolchain import nvcc
     from ..specialize.policy.propose import propose
 
+    _note("rank     the policy writes its likeliest kernels for this pattern on the CPU (5-20 s on a small CPU)")
     start = time.monotonic()
     proposals = propose(load_default("cpu"), M.indptr, M.indices, M.shape, op="spmm", n=n, k=k)
     print(f"rank     the policy's {len(proposals)} likeliest kernels, scored on the CPU in "
@@ -334,16 +339,18 @@ def _demo_compile_tier(M, n: int, k: int) -> int:
     if nvcc.nvcc_path() is None:
         print("note     no GPU and no nvcc: kernels are neither built nor run here")
         return 0
-    bad, seen = 0, set()
+    first: dict = {}  # each kernel once: the policy may write one kernel twice
     for p in proposals:
-        if p.spec.key in seen:
-            continue
-        seen.add(p.spec.key)
+        first.setdefault(p.spec.key, p)
+    distinct = list(first.values())
+    _note(f"compile  {len(distinct)} kernels with nvcc for sm_90 (usually under a second each)")
+    bad = 0
+    for done, p in enumerate(distinct, 1):
         record = compile_only(p.spec) if p.error is None else None
         ok = record is not None and record.compiled and record.error_kind is None
         bad += not ok
         why = p.error if record is None else record.error_kind
-        print(f"compile  {p.spec.describe():64s} {'ok' if ok else why} (nvcc, sm_90, "
+        print(f"compile  {_count(done, len(distinct))} {p.spec.describe():64s} {'ok' if ok else why} (nvcc, sm_90, "
               f"{record.registers if record else '-'} registers)")
     print(f"plan     {proposals[0].spec.source.splitlines()[0]}")
     print("note     no GPU: kernels compiled for sm_90 but not run; on a GPU the runtime validates "
@@ -398,17 +405,35 @@ def fastpath_command(args) -> int:
     return 0 if ok else 1
 
 
-def _progress(what: str):
-    """A one-line progress bar on stderr for long work (only when stderr is a terminal)."""
+# Results go to stdout, a line as soon as it is known; a line before each slow step, saying what
+# starts and roughly how long it takes, goes to stderr, as does the progress of a loop that prints
+# nothing per item (_progress). A loop that prints a line per item counts in it ("12/30").
+def _note(text: str) -> None:
+    """A line on stderr before a slow step: what starts and roughly how long it takes."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def _count(done: int, total: int) -> str:
+    """``done/total``, as wide for every ``done``."""
+    return f"{done:>{len(str(total))}}/{total}"
+
+
+def _progress(what: str, *, every_s: float = 10.0):
+    """``report(done, total)`` for a loop's progress on stderr: a bar rewritten in place on a
+    terminal; elsewhere (a log) a line at most every ``every_s`` seconds and at the end."""
     start = time.monotonic()
+    last = [start]
 
     def report(done: int, total: int) -> None:
-        if not sys.stderr.isatty():
-            return
-        width = 30
-        filled = width * done // max(total, 1)
-        sys.stderr.write(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                         f"{time.monotonic() - start:5.1f} s" + ("\n" if done >= total else ""))
+        now = time.monotonic()
+        if sys.stderr.isatty():
+            width = 30
+            filled = width * done // max(total, 1)
+            sys.stderr.write(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                             f"{now - start:5.1f} s" + ("\n" if done >= total else ""))
+        elif done >= total or now - last[0] >= every_s:
+            last[0] = now
+            sys.stderr.write(f"{what} {done}/{total}, {now - start:.1f} s\n")
         sys.stderr.flush()
 
     return report
@@ -442,6 +467,8 @@ def tune_command(args) -> int:
     print(f"matrix   {args.matrix}: {A.shape[0]} x {A.shape[1]}, {A.nnz} nonzeros, "
           f"row mean {features['row_mean']:.1f}, max {features['row_max']}, cv {features['row_cv']:.2f}")
     if on_gpu:
+        _note(f"tune     screening the candidates on the GPU, each checked and timed in the sandbox "
+              f"(within the {args.budget_s:g} s budget), then timing the finalists")
         result = tune(A, op=args.op, n=n, dtype=DTYPES[args.dtype], budget_s=args.budget_s,
                       families=args.families, progress=_progress("screening"))
         finals = sorted((r for r in result.table if r.timing.get("stage") == "final" and r.ok),
@@ -460,11 +487,15 @@ def tune_command(args) -> int:
     specs = candidates(args.op, n, DTYPES[args.dtype], features, args.families)
     print(f"note     no GPU{' (or --compile-only)' if torch.cuda.is_available() else ''}: compiling the "
           f"{len(specs)} candidates with nvcc for sm_90, not running them")
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        records = list(pool.map(compile_only, specs))
-    for spec, record in zip(specs, records):
-        status = "ok" if record.compiled and record.error_kind is None else str(record.error_kind)
-        print(f"compile  {spec.describe():70s} {status:9s} regs={record.registers} spills={record.spill_bytes}")
+    workers = max(1, min(4, os.cpu_count() or 1))
+    _note(f"compile  {len(specs)} candidates with nvcc, {workers} at a time (usually under a second each)")
+    records = []
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for spec, record in zip(specs, pool.map(compile_only, specs)):  # in order, each as soon as it is done
+            records.append(record)
+            status = "ok" if record.compiled and record.error_kind is None else str(record.error_kind)
+            print(f"compile  {_count(len(records), len(specs))} {spec.describe():70s} {status:9s} "
+                  f"regs={record.registers} spills={record.spill_bytes}")
     bad = [r for r in records if not r.compiled or r.error_kind is not None]
     print(f"result   {len(records) - len(bad)}/{len(records)} candidates compile cleanly")
     return 1 if bad else 0
@@ -488,6 +519,7 @@ def bench_command(args) -> int:
     n = 1 if args.op == "spmv" else args.n
     rows, failures = [], 0
     for name in args.matrices:
+        _note(f"bench    {name}: specializing {args.op} (within the {args.budget_s:g} s budget), then timing it")
         result = {"matrix": name, **measure.product(matrices[name], args.op, n, dtype, runtime=runtime)}
         rows.append(result)
         failures += not result["correct"]
@@ -596,6 +628,8 @@ def _run(args) -> int:
     except ValueError as exc:  # SPARSERL_DEBUG itself cannot be read
         print(f"{command}: {exc}", file=sys.stderr)
         return 2
+    if hasattr(sys.stdout, "reconfigure"):  # each result line as it is printed, also into a pipe
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         from .. import ops  # noqa: F401  the operators: ``import torch_sparserl`` defers them in the command
         return args.run(args)
