@@ -75,6 +75,8 @@ def test_demo_runs_on_cpu():
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert out.returncode == 0, out.stdout
     assert "all checks passed" in out.stdout and "0 graph breaks" in out.stdout
+    assert ("check    compiled GCN against the same model run without compiling (float32 tolerance): output ok, "
+            "lin1.weight's gradient ok") in out.stdout
     lines = out.stdout.splitlines()
 
     def first(start):
@@ -249,3 +251,25 @@ def test_the_command_registers_the_operators_once_its_arguments_parse(tmp_path):
     done, imported = _imports(["-c", "import torch, torch_sparserl; print(torch.ops.sparserl.spmm.default)"],
                               tmp_path)
     assert done.returncode == 0 and "sparserl.spmm.default" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_demo_times_the_fast_path_with_a_fresh_cache(tmp_path):
+    """With an empty cache folder the demo builds the C++ fast path before it times A @ X (it
+    used to time the Python path while the library built, without saying so), and says which
+    path served the timed calls."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    env = {**os.environ, "SPARSERL_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("SPARSERL_FAST_PATH", None)
+    out = subprocess.run([sys.executable, "-m", "torch_sparserl", "demo", "--n", "32"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout
+    lines = out.stdout.splitlines()
+    timed = next(i for i, line in enumerate(lines) if line.startswith("time     A @ X "))
+    assert lines[timed].endswith("A @ X served by the C++ fast path"), out.stdout
+    built = [i for i, line in enumerate(lines) if line.startswith("fastpath ")]  # absent if loaded already
+    assert all(i < timed for i in built) and all("loaded from" in lines[i] for i in built), out.stdout
