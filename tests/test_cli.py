@@ -189,6 +189,22 @@ def test_explain_reads_the_decisions_for_a_matrix(tmp_path, capsys):
     assert "no decision in" in capsys.readouterr().out  # rajat01 is not symmetric
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_explain_suggests_only_what_runs_on_this_machine(tmp_path, monkeypatch, capsys, gpu):
+    import torch
+
+    from torch_sparserl.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert main(["explain", "cora", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no decision in" in out
+    if gpu:
+        assert "(or run `sparserl bench cora` now)" in out, out
+    else:
+        assert "run `sparserl bench" not in out and "this machine has none" in out and "needs one" in out, out
+
+
 def test_bench_says_it_needs_a_gpu(capsys):
     import torch
 

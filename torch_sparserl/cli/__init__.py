@@ -585,9 +585,12 @@ def explain_command(args) -> int:
         print(f"{key.op} n={key.n} {key.dtype} {hashes[key.pattern]} indices, {key.arch}, policy {key.policy}, "
               f"torch {key.torch_version}: {what} because {entry.reason}{timing}  [{path.stem[:12]}]")
     if not found:
+        # only a command that runs here: bench needs a GPU
+        now = (f"(or run `sparserl bench {args.matrix}` now)" if torch.cuda.is_available() else
+               "(this machine has none: `sparserl bench`, which decides it now, needs one)")
         print(f"no decision in {cache.root} for this pattern"
               f"{' and ' + args.op if args.op else ''}{f' n={args.n}' if args.n else ''}: it is decided the first "
-              f"time the product runs on a GPU (or run `sparserl bench {args.matrix}`)")
+              f"time the product runs on a GPU {now}")
     return 0
 
 
