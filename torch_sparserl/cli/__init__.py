@@ -7,9 +7,10 @@ ops, tensor, compiler, integrations, torch_sparserl.
 
 ``sparserl demo`` is the README's main job: on a shipped matrix it checks the operators
 against a float64 reference, compiles a two-layer GCN whole with the ``sparserl`` backend
-(forward and backward, compared with eager), and runs the JIT pipeline: on a GPU it
-specializes ``A @ X``, shows the kernel and times it against ``torch.sparse.mm``; without
-one it generates the candidate kernels and compiles them with nvcc.
+(its output and gradient compared with the same model run without compiling), and runs the
+JIT pipeline: on a GPU it specializes ``A @ X``, shows the kernel and times it against
+``torch.sparse.mm`` (the C++ fast path built first); without one it generates the candidate
+kernels and compiles them with nvcc.
 
 ``tune`` searches the kernel space for a matrix; ``bench`` measures the runtime end to end;
 ``explain`` says which kernel serves a matrix's products and why; ``cache`` manages the
@@ -17,7 +18,12 @@ specialization cache. ``SPARSERL_LOG=info`` (or ``debug``) logs the runtime's de
 
 A bad invocation (an argument out of range, a file that is not a matrix, a broken cache
 folder) prints one line, ``sparserl COMMAND: what was expected (got what came)``, and exits
-with status 2; ``SPARSERL_DEBUG=1`` shows the traceback instead.
+with status 2, as does a command that needs what the machine lacks (a CUDA GPU, a CUDA build
+of torch, nvcc); ``SPARSERL_DEBUG=1`` shows the traceback instead (:data:`EXIT_STATUSES`).
+
+Results go to stdout; a line on stderr before each slow step says what starts (:func:`_note`).
+Parsing imports neither torch nor NumPy: ``--help`` and usage errors answer at once, and the
+package defers its operators to the command (``torch_sparserl/__init__.py``, :func:`_run`).
 """
 
 from __future__ import annotations
