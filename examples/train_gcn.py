@@ -11,12 +11,14 @@ product (the first epoch waits for it: ``mode="sync"``). Prints both losses and 
 On small graphs (tens of thousands of nodes) an epoch is a few milliseconds of CPU work
 (Python, dispatch, launches) and the GPU mostly waits: ``--mode reduce-overhead`` compiles with
 CUDA graphs, which replay the epoch's kernels without that work.
-Needs ``torch_geometric`` (``pip install torch_geometric``).
+Needs ``torch_geometric`` (``pip install torch_geometric``). What each phase is doing is said on
+stderr as it starts; the results are printed on stdout at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -26,6 +28,11 @@ from torch_geometric.nn import GCNConv
 
 import torch_sparserl as ts
 import torch_sparserl.integrations.pyg  # noqa: F401  (teaches PyG's layers to take a CSRMatrix)
+
+
+def note(text):
+    """A line on stderr as a slow phase starts (stdout holds the results)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 class GCN(torch.nn.Module):
@@ -38,10 +45,11 @@ class GCN(torch.nn.Module):
         return self.conv2(F.relu(self.conv1(x, adj)), adj)
 
 
-def run(model, adj, x, y, nodes, epochs):
+def run(model, adj, x, y, nodes, epochs, name):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     times, losses = [], []
-    for _ in range(epochs):
+    started = shown = time.perf_counter()
+    for epoch in range(1, epochs + 1):
         if x.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -52,6 +60,9 @@ def run(model, adj, x, y, nodes, epochs):
         opt.step()
         losses.append(loss.item())  # synchronizes
         times.append(time.perf_counter() - start)
+        if epoch == epochs or time.perf_counter() - shown > 5:  # on a CPU an epoch can take seconds
+            shown = time.perf_counter()
+            note(f"{name}: epoch {epoch}/{epochs}, {shown - started:.1f} s")
     return losses, times
 
 
@@ -84,6 +95,8 @@ def main(argv=None):
         model = GCN(128, args.hidden, 16).to(device)
         model.load_state_dict(start)
         if name == "sparserl":
+            note(f"sparserl: one eager forward{' (the runtime decides its kernels here: up to a minute)' if x.is_cuda else ''}, "
+                 f"then torch.compile and {args.epochs} epochs (the first compiles: tens of seconds)")
             # One eager forward fills GCNConv's cached normalized adjacency before compiling: the
             # compiled model then never computes it, and under CUDA graphs a tensor cached from
             # inside a graph would live in memory that the next replay overwrites.
@@ -94,9 +107,10 @@ def main(argv=None):
                 torch.cuda.synchronize()
             prepared[name] = time.perf_counter() - started
             model = torch.compile(model, backend="sparserl", mode=None if args.mode == "default" else args.mode)
-            results[name] = run(model, adj, x, y, nodes, args.epochs)
+            results[name] = run(model, adj, x, y, nodes, args.epochs, name)
         else:
-            results[name] = run(model, edge_index, x, y, nodes, args.epochs)
+            note(f"pyg: {args.epochs} epochs on PyG's default path (edge_index)")
+            results[name] = run(model, edge_index, x, y, nodes, args.epochs, name)
     warm = max(1, args.epochs // 5)
     for name, (losses, times) in results.items():
         before = f"eager warm-up {prepared[name]:.2f} s, " if name in prepared else ""

@@ -226,5 +226,8 @@ def test_train_gcn_example_on_cpu(tmp_path, mode):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("pyg") and lines[1].startswith("sparserl"), result.stdout
+    # each phase says on stderr what it starts, and the epochs' progress
+    assert "pyg: 4 epochs on PyG's default path" in result.stderr and "sparserl: epoch 4/4, " in result.stderr
+    assert "sparserl: one eager forward" in result.stderr, result.stderr
     diff = float(lines[2].split("differ by ")[1])
     assert diff < 1e-4, result.stdout

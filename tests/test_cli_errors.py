@@ -61,17 +61,26 @@ def bad(tmp_path_factory):
     np.savez(d / "strings.npz", indptr=np.array([0, 1]), indices=np.array([0]), data=np.array(["x"]),
              shape=np.array([1, 1]))
     (d / "garbage.mtx").write_text("hello\n")
+    # 60-odd bytes whose header promises 10**12 entries, or 10**12 rows: SciPy would allocate them first
+    (d / "promises_too_much.mtx").write_text("%%MatrixMarket matrix coordinate real general\n"
+                                             "1000000 1000000 1000000000000\n1 1 1.0\n")
+    (d / "too_many_rows.mtx").write_text("%%MatrixMarket matrix coordinate real general\n"
+                                         "1000000000000 1000000000000 1\n1 1 1.0\n")
+    np.savez(d / "fractional_indices.npz", indptr=np.array([0, 1, 2]), indices=np.array([0.7, 1.2]),
+             data=np.array([1.0, 2.0]), shape=np.array([2, 2]))
     (d / "matrix.txt").write_text("1 2 3\n")
     (d / "folder.npz").mkdir()
     os.mkfifo(d / "fifo.npz")  # reading it would wait forever
     os.symlink("/dev/zero", d / "zeros.npz")  # reading it would never end
     (d / "a_file").write_text("not a folder\n")
+    sp.save_npz(d / "not_square.npz", sp.random(30, 50, density=0.1, format="csr", random_state=0))
     return d
 
 
 BAD_MATRICES = ["random.npz", "empty.npz", "zero.npz", "no_rows.npz", "no_nonzeros.npz", "not_a_matrix.npz",
                 "array.npz", "column_out_of_range.npz", "bad_indptr.npz", "negative_shape.npz", "complex.npz",
-                "strings.npz", "garbage.mtx", "matrix.txt", "folder.npz", "fifo.npz", "zeros.npz",
+                "strings.npz", "garbage.mtx", "promises_too_much.mtx", "too_many_rows.mtx",
+                "fractional_indices.npz", "matrix.txt", "folder.npz", "fifo.npz", "zeros.npz",
                 "no-such-file.npz", "no-such-shipped-matrix"]
 MATRIX_COMMANDS = {"demo": ["demo", "--device", "cpu", "--matrix"], "tune": ["tune"], "bench": ["bench"],
                    "explain": ["explain"]}
@@ -124,6 +133,36 @@ def test_a_missing_gpu_is_one_line(capsys):
     assert "needs a CUDA GPU" in err
 
 
+def test_demo_refuses_a_non_square_matrix_before_any_output(bad, capsys):
+    code, out, err = _run(["demo", "--device", "cpu", "--matrix", str(bad / "not_square.npz")], capsys)
+    _assert_one_line(code, err, "demo")
+    assert "expected a square matrix" in err and "(got 30 x 50 in" in err and out == "", (out, err)
+
+
+def test_tune_without_nvcc_says_so_before_any_work(monkeypatch, capsys):
+    """The compile tier needs nvcc: without one, one line saying what is missing and how to get
+    it, exit 2, instead of 0/30 candidates compiled and exit 1."""
+    from torch_sparserl.evaluate import compile_tier
+    from torch_sparserl.toolchain import nvcc
+
+    def compile_only(spec, *args, **kwargs):
+        raise AssertionError("compiled a candidate without nvcc")
+
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: None)
+    monkeypatch.setattr(compile_tier, "compile_only", compile_only)
+    code, out, err = _run(["tune", "cora", "--compile-only"], capsys)
+    _assert_one_line(code, err, "tune")
+    assert "needs nvcc" in err and "install the CUDA toolkit" in err and "CUDA_HOME" in err and out == "", err
+
+
+def test_fastpath_without_a_cuda_torch_is_status_2_like_bench(capsys):
+    if torch.version.cuda is not None:
+        pytest.skip("this torch has CUDA")
+    code, out, err = _run(["fastpath"], capsys)
+    _assert_one_line(code, err, "fastpath")
+    assert "needs a CUDA build of torch" in err and "this torch has no CUDA" in err, err
+
+
 @pytest.mark.parametrize("families, expected", [
     ("nosuchfamily", "expected comma-separated names among"),
     ("group_row,nosuchfamily", "(got 'nosuchfamily')"),
@@ -156,7 +195,7 @@ def test_a_bad_folder_or_output_is_one_line(bad, capsys, argv, command):
 
 @pytest.mark.parametrize("argv, command", [
     ([], ""), (["nosuchcommand"], ""), (["tune"], "tune"), (["tune", "cora", "--op", "sddmm"], "tune"),
-    (["tune", "cora", "--dtype", "f64"], "tune"), (["bench", "cora", "--dtype", "f32"], "bench"),
+    (["tune", "cora", "--dtype", "f64"], "tune"), (["bench", "cora", "--dtype", "f64"], "bench"),
     (["bench"], "bench"), (["explain", "cora", "--op", "spmv2"], "explain"), (["cache"], "cache"),
     (["cache", "purge"], "cache"), (["info", "extra"], ""), (["demo", "--no-such-flag"], ""),
 ])
@@ -277,8 +316,13 @@ def test_the_installed_command_prints_one_line(bad):
 
 
 def test_the_help_names_sparserl_debug(capsys):
+    """The top-level help is plain text (no reST markup) and its epilog documents the exit statuses."""
     code, out, err = _run(["--help"], capsys)
     assert code == 0 and "SPARSERL_DEBUG=1" in out
+    assert "``" not in out and ":mod:" not in out, out
+    epilog = " ".join(out.split())  # argparse wraps it
+    assert "Exit status: 0 done; 1 a check failed" in epilog
+    assert "2 a bad invocation, or a command that needs what this machine lacks (a CUDA GPU" in epilog
 
 
 # ---------------------------------------------------------------- the cache commands (issue 50)
@@ -417,3 +461,41 @@ def test_cache_clear_says_which_built_kernels_it_could_not_remove(tmp_path, monk
     finally:
         paths.forget_checks()
         trust.forget_keys()
+
+
+def test_every_command_and_option_has_a_help_text():
+    """Each command: a line in the command list and a description in its own --help; each of its
+    options and arguments: a help text."""
+    import argparse
+
+    parser = cli._parser()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    listed = {choice.dest: choice.help for choice in commands._choices_actions}
+    assert set(listed) == set(commands.choices) and len(listed) >= 7
+    for name, command in commands.choices.items():
+        assert listed[name] and command.description, name
+        for action in command._actions:
+            assert action.help, (name, action.option_strings or action.dest)
+
+
+@pytest.mark.parametrize("command", [["tune", "cora"], ["bench", "cora"]])
+@pytest.mark.parametrize("given, meant", [("float32", "float32"), ("f32", "float32"), ("float16", "float16"),
+                                          ("f16", "float16"), ("bfloat16", "bfloat16"), ("bf16", "bfloat16")])
+def test_dtype_has_one_documented_spelling_and_takes_both(command, given, meant):
+    """tune took f32, bench float32: both take both, and document float32."""
+    parser = cli._parser()
+    assert parser.parse_args(command + ["--dtype", given]).dtype == meant
+    assert parser.parse_args(command).dtype == "float32"
+
+
+def test_tune_hands_the_abi_its_dtype_name(monkeypatch, capsys):
+    from torch_sparserl.specialize import autotune
+    from torch_sparserl.toolchain import nvcc
+
+    asked = []
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: "nvcc")
+    monkeypatch.setattr(autotune, "candidates", lambda op, n, dtype, *rest: asked.append(dtype) or [])
+    for given in ("bfloat16", "bf16"):
+        code, out, err = _run(["tune", "cora", "--compile-only", "--dtype", given], capsys)
+        assert code == 0 and "0/0 candidates compile cleanly" in out, (out, err)
+    assert asked == ["bf16", "bf16"]

@@ -110,3 +110,32 @@ def test_the_constraints_pin_every_dependency():
     assert not names - pins.keys(), f"unpinned: {sorted(names - pins.keys())}"
     assert pins["torch"].startswith("2.13.0")
     assert CONSTRAINTS.read_text().lstrip().startswith("#"), "its header says how and when to update it"
+
+
+def _requirements() -> list[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project["dependencies"] + [spec for extra in project["optional-dependencies"].values() for spec in extra]
+
+
+def test_every_runtime_dependency_has_a_lower_bound_the_pins_satisfy():
+    """A user's older numpy, scipy, tokenizers or safetensors either works or is upgraded by pip;
+    CI's pins (.ci/constraints.txt) lie inside every bound."""
+    from packaging.requirements import Requirement
+
+    def canonical(name):
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    unbounded = [spec for spec in project["dependencies"] if not any(
+        s.operator == ">=" for s in Requirement(spec).specifier)]
+    assert not unbounded, unbounded
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[canonical(name)] = version
+    for spec in map(Requirement, _requirements()):
+        pinned = pins.get(canonical(spec.name))
+        if pinned is not None:
+            assert spec.specifier.contains(pinned, prereleases=True), f"{spec} excludes CI's pin {pinned}"

@@ -1,10 +1,13 @@
 """The install's build of the C++ fast path (setup.py): where it cannot build, it says why and
-never fails the install (CPU)."""
+never fails the install (CPU); and the metadata setuptools builds from pyproject.toml."""
 
 from __future__ import annotations
 
+import email.parser
 import importlib.util
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,27 @@ def test_a_failed_build_never_fails_the_install(setup_module, failure):
     assert said.startswith("not built (") and said.endswith("the first CUDA product builds it")
     if failure == "exit":
         assert "RuntimeError: nvcc not found" in said
+
+
+def test_setuptools_builds_the_metadata_with_one_version_and_an_spdx_license(tmp_path):
+    """The version comes from torch_sparserl.__version__ alone; the license is an SPDX expression
+    (the LICENSE file's own) with its file; the pyg extra exists. Built by this machine's
+    setuptools, from a copy of the project's top files, so the checkout stays clean."""
+    import torch_sparserl
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    (source / "torch_sparserl").symlink_to(ROOT / "torch_sparserl")
+    done = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                           "print(build_meta.prepare_metadata_for_build_wheel(sys.argv[1]))", str(tmp_path)],
+                          cwd=source, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    info = tmp_path / done.stdout.split()[-1]
+    metadata = email.parser.Parser().parsestr((info / "METADATA").read_text())
+    assert metadata["Version"] == torch_sparserl.__version__
+    assert (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause License")
+    assert metadata["License-Expression"] == "BSD-3-Clause" and (info / "licenses" / "LICENSE").is_file()
+    assert not any(c.startswith("License ::") for c in metadata.get_all("Classifier"))  # PEP 639: not both
+    assert 'torch_geometric>=2.6; extra == "pyg"' in metadata.get_all("Requires-Dist")

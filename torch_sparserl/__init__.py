@@ -33,15 +33,38 @@ command); ``_compat``, which keeps the old module names of the flat layout (``ru
 ``pyg``, ...) importable as deprecated aliases.
 """
 
+import os
+import sys
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 from . import _compat
-from . import config, ops  # ops: registers the torch.ops.sparserl operators
+from . import config
 from .config import Settings
-from .tensor.intercept import intercept_sparse
 
 __version__ = "0.1.0"
+
+
+def _started_as_the_command() -> bool:
+    """Whether this process is the ``sparserl`` command or ``python -m torch_sparserl``, this
+    import being the one that starts it."""
+    if sys.argv and sys.argv[0] == "-m":  # python -m: set so while the module to run is being found
+        names = {"torch_sparserl", "torch_sparserl.__main__"}
+        line = getattr(sys, "orig_argv", [])
+        return any((arg == "-m" and following in names) or (arg.startswith("-m") and arg[2:] in names)
+                   for arg, following in zip(line, line[1:] + [""]))
+    launcher = os.path.basename(sys.argv[0]) if sys.argv else ""
+    for suffix in ("-script.pyw", "-script.py", ".exe"):  # the console script's names on Windows
+        launcher = launcher.removesuffix(suffix)
+    return launcher == "sparserl"
+
+
+# The command answers --help and usage errors without importing torch (seconds on some hosts):
+# there the operators are registered by the command once its arguments parse (cli._run), and
+# ``ops`` and ``intercept_sparse`` load on first use like the names below.
+if not _started_as_the_command():
+    from . import ops  # registers the torch.ops.sparserl operators
+    from .tensor.intercept import intercept_sparse
 
 _compat.install()  # the old module names (``runtime``, ``pyg``, ...) stay importable, deprecated
 config.warn_unknown_variables()  # a mistyped SPARSERL_* variable is named, not ignored
@@ -52,20 +75,24 @@ __all__ = ["CSRMatrix", "Settings", "compile", "config", "csr", "intercept_spars
 # Loaded on first use: the tensor subclass imports torch._dynamo (seconds on some hosts), which
 # the sandbox's worker, a process of this package that never compiles, should not wait for.
 _LAZY = {"CSRMatrix": "tensor.csr_matrix", "csr": "tensor.csr_matrix", "compile": "compiler.convert",
-         "list_matrices": "data.datasets", "load_matrix": "data.datasets"}
+         "list_matrices": "data.datasets", "load_matrix": "data.datasets", "ops": "ops",
+         "intercept_sparse": "tensor.intercept"}
 
 
 if TYPE_CHECKING:  # the lazy names, for type checkers and editors
+    from . import ops
     from .compiler.convert import compile
     from .data.datasets import list_matrices, load_matrix
     from .tensor.csr_matrix import CSRMatrix, csr
+    from .tensor.intercept import intercept_sparse
 
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         return _compat.old_module(name)  # ts.runtime and the like, as before (deprecated); else AttributeError
-    value = getattr(import_module(f".{module}", __name__), name)
+    value = import_module(f".{module}", __name__)
+    value = value if module == name else getattr(value, name)  # ``ops`` is the module itself
     globals()[name] = value
     return value
 

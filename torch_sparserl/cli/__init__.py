@@ -7,9 +7,10 @@ ops, tensor, compiler, integrations, torch_sparserl.
 
 ``sparserl demo`` is the README's main job: on a shipped matrix it checks the operators
 against a float64 reference, compiles a two-layer GCN whole with the ``sparserl`` backend
-(forward and backward, compared with eager), and runs the JIT pipeline: on a GPU it
-specializes ``A @ X``, shows the kernel and times it against ``torch.sparse.mm``; without
-one it generates the candidate kernels and compiles them with nvcc.
+(its output and gradient compared with the same model run without compiling), and runs the
+JIT pipeline: on a GPU it specializes ``A @ X``, shows the kernel and times it against
+``torch.sparse.mm`` (the C++ fast path built first); without one it generates the candidate
+kernels and compiles them with nvcc.
 
 ``tune`` searches the kernel space for a matrix; ``bench`` measures the runtime end to end;
 ``explain`` says which kernel serves a matrix's products and why; ``cache`` manages the
@@ -17,7 +18,12 @@ specialization cache. ``SPARSERL_LOG=info`` (or ``debug``) logs the runtime's de
 
 A bad invocation (an argument out of range, a file that is not a matrix, a broken cache
 folder) prints one line, ``sparserl COMMAND: what was expected (got what came)``, and exits
-with status 2; ``SPARSERL_DEBUG=1`` shows the traceback instead.
+with status 2, as does a command that needs what the machine lacks (a CUDA GPU, a CUDA build
+of torch, nvcc); ``SPARSERL_DEBUG=1`` shows the traceback instead (:data:`EXIT_STATUSES`).
+
+Results go to stdout; a line on stderr before each slow step says what starts (:func:`_note`).
+Parsing imports neither torch nor NumPy: ``--help`` and usage errors answer at once, and the
+package defers its operators to the command (``torch_sparserl/__init__.py``, :func:`_run`).
 """
 
 from __future__ import annotations
@@ -27,17 +33,25 @@ import json
 import math
 import os
 import stat
-import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
+# Only what parsing needs is imported here: ``sparserl --help`` and a usage error answer without
+# importing torch, NumPy or SciPy (tests/test_cli.py checks it); each command imports its own.
 from .. import config
-from ..data.datasets import DEFAULT_MATRIX, list_matrices, load_matrix
-from ..dtypes import close_to_reference
+from ..data.datasets import DEFAULT_MATRIX
+
+# The help's first paragraph (plain text: argparse prints it as it is).
+DESCRIPTION = ("sparserl: sparse CSR products for PyTorch on CUDA kernels specialized to each matrix's sparsity "
+               "pattern. The commands check them, tune and time them, and show what the runtime decided "
+               "(also run as python -m torch_sparserl).")
+
+# The help's epilog: what every command's exit status means.
+EXIT_STATUSES = ("Exit status: 0 done; 1 a check failed (a wrong result, a kernel that did not compile) or an "
+                 "internal error; 2 a bad invocation, or a command that needs what this machine lacks (a CUDA "
+                 "GPU, a CUDA build of torch, nvcc), one line on stderr saying what; 130 interrupted. "
+                 "SPARSERL_DEBUG=1 shows the traceback of any error.")
 
 MAX_N = 65536  # dense columns: --n beyond this is a typo, not a product anyone runs
 
@@ -54,6 +68,8 @@ _EXPECTED = (CommandError, ValueError, TypeError, OSError, EOFError, RecursionEr
 def _matrix(name: str, what: str = "matrix"):
     """A matrix named on the command line, loaded and checked: a real-valued CSR matrix with at
     least one row, one column and one nonzero."""
+    from ..data.datasets import load_matrix
+
     try:
         M = load_matrix(name).tocsr()
     except (FileNotFoundError, ValueError) as exc:
@@ -104,6 +120,8 @@ def _megabytes(text: str) -> float:
 def _device(text: str) -> str:
     if text == "auto":
         return text
+    import torch
+
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
@@ -114,6 +132,21 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a CUDA device this machine has ({torch.cuda.device_count()} "
                                          f"visible) (got {text!r})")
     return text
+
+
+# --dtype: the documented names, and the ABI's short ones, which tune once took (accepted as well).
+DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_DTYPE_METAVAR = "{" + ",".join(DTYPES) + "}"
+_DTYPE_HELP = "value dtype (default float32; f32, f16, bf16 are accepted too)"
+_OP_HELP = "the product: spmm (A @ X, the default) or spmv (A @ x)"
+
+
+def _dtype(text: str) -> str:
+    """--dtype: a documented name (float32, float16, bfloat16), or its short form, as the documented name."""
+    for name, short in DTYPES.items():
+        if text in (name, short):
+            return name
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)} (got {text!r})")
 
 
 def _families(text: str) -> list[str]:
@@ -193,44 +226,36 @@ def _describe(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _time_ms(fn, device: torch.device, repeats: int = 50) -> float:
-    """Median milliseconds per call after a warm-up (CUDA events on a GPU)."""
-    for _ in range(5):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(repeats):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _gcn(features: int, hidden: int, classes: int):
+    """A two-layer GCN (``adj @ lin(x)``, twice) for the demo's compile step."""
+    import torch
 
+    class GCN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1 = torch.nn.Linear(features, hidden)
+            self.lin2 = torch.nn.Linear(hidden, classes)
 
-class _GCN(torch.nn.Module):
-    def __init__(self, features: int, hidden: int, classes: int):
-        super().__init__()
-        self.lin1 = torch.nn.Linear(features, hidden)
-        self.lin2 = torch.nn.Linear(hidden, classes)
+        def forward(self, x, adj):
+            h = (adj @ self.lin1(x)).relu()
+            return adj @ self.lin2(h)
 
-    def forward(self, x, adj):
-        h = (adj @ self.lin1(x)).relu()
-        return adj @ self.lin2(h)
+    return GCN()
 
 
 def demo(args) -> int:
+    import numpy as np
+    import torch
+
     import torch_sparserl as ts
+
+    from ..dtypes import close_to_reference
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     M = _matrix(args.matrix, "--matrix")
+    if M.shape[0] != M.shape[1]:  # checked before any output: the GCN step multiplies by it twice
+        raise CommandError(f"--matrix: expected a square matrix, the graph's adjacency of the GCN step "
+                           f"(got {M.shape[0]} x {M.shape[1]} in {args.matrix!r})")
     lengths = np.diff(M.indptr)
     print(f"matrix   {args.matrix}: {M.shape[0]} x {M.shape[1]}, nnz {M.nnz}, "
           f"row length mean {lengths.mean():.1f} max {lengths.max()}")
@@ -255,13 +280,15 @@ def demo(args) -> int:
         print("note     the GCN below runs with the JIT runtime off (cuSPARSE), to keep the demo short")
 
     torch.manual_seed(0)
-    model = _GCN(args.n, 64, 8).to(device)
+    model = _gcn(args.n, 64, 8).to(device)
     eager_out = model(X, A)
     eager_out.square().mean().backward()
     eager_grad = model.lin1.weight.grad.clone()
     model.zero_grad()
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(model, backend="sparserl", fullgraph=True)
+    _note("compile  torch.compile of a 2-layer GCN, forward and backward (tens of seconds the first time; "
+          "Inductor caches it)")
     t0 = time.perf_counter()
     out = compiled(X, A)
     out.square().mean().backward()
@@ -271,8 +298,9 @@ def demo(args) -> int:
     ok_bwd, why_bwd = close_to_reference(model.lin1.weight.grad, eager_grad.double(), torch.float32)
     failures += not (ok_fwd and ok_bwd and breaks == 0)
     print(f"compile  2-layer GCN, torch.compile(backend='sparserl', fullgraph=True): {compile_s:.1f} s, "
-          f"{breaks} graph breaks; forward {'= eager' if ok_fwd else 'FAILED: ' + why_fwd}, "
-          f"backward {'= eager' if ok_bwd else 'FAILED: ' + why_bwd}")
+          f"{breaks} graph breaks")
+    print(f"check    compiled GCN against the same model run without compiling (float32 tolerance): output "
+          f"{'ok' if ok_fwd else 'FAILED: ' + why_fwd}, lin1.weight's gradient {'ok' if ok_bwd else 'FAILED: ' + why_bwd}")
 
     print("result   " + ("all checks passed" if not failures else f"{failures} check(s) FAILED"))
     return 1 if failures else 0
@@ -282,6 +310,8 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     """The JIT pipeline on the demo matrix: on a GPU, specialize ``A @ X`` with the learned
     policy and time it against ``torch.sparse.mm``; without one, sample the policy's kernels on
     the CPU and compile them with nvcc."""
+    import torch
+
     from .. import pattern as patterns
     from ..jit import runtime as rt
     from ..pattern.features import structural_features
@@ -289,57 +319,79 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     from . import measure
 
     features = structural_features(M.indptr, M.indices, M.shape)
-    entry = patterns.lookup(A.crow, A.col, M.shape[1])
-    print(f"pattern  fingerprint {fingerprint(entry, A.crow, A.col)}; row mean {features['row_mean']:.1f}, "
+    entry = patterns.lookup(A._crow, A._col, M.shape[1])
+    print(f"pattern  fingerprint {fingerprint(entry, A._crow, A._col)}; row mean {features['row_mean']:.1f}, "
           f"max {features['row_max']}, cv {features['row_cv']:.2f}")
     settings = rt.RuntimeSettings(mode="sync", budget_s=args.budget_s)
     print(f"policy   {rt.settings_policy_id(settings)}: its {settings.k} likeliest kernels per product, "
           f"validated, the fastest installed if it beats cuSPARSE by {settings.margin}x")
     if device.type != "cuda":
         return _demo_compile_tier(M, args.n, settings.k)
+    fast = _demo_fast_path()
     runtime = rt.configure(mode="sync", budget_s=args.budget_s)
+    _note(f"jit      specializing A @ X: loading the policy, starting the sandbox, checking and timing its "
+          f"kernels (within the {args.budget_s:g} s budget)")
     result = measure.product(M, "spmm", args.n, runtime=runtime)
     failures = 0 if result["correct"] else 1
     print(f"jit      first A @ X specialized in {result['cold_s']:.1f} s (one-time: loading the policy and "
           f"starting the sandbox): {result['decision']}")
     print(f"check    specialized A @ X against float64: {'ok' if result['correct'] else 'FAILED: ' + str(result['error'])}")
-    cached = runtime.cache.get(runtime._key("spmm", args.n, entry, A.crow, A.col, torch.float32))
+    cached = runtime.cache.get(runtime._key("spmm", args.n, entry, A._crow, A._col, torch.float32))
     if cached is not None and cached.spec_source:
         source = cached.spec_source.splitlines()
         shown = source if args.show_source else source[:12]
         print("kernel   " + "\n         ".join(shown) + ("" if args.show_source else
                                                        f"\n         ... ({len(source)} lines; --show-source for all)"))
     print(f"time     A @ X {result['hot_us']:.1f} us, torch.sparse.mm {result['torch_sparse_us']:.1f} us per call "
-          f"(dispatch included): {result['speedup']:.2f}x; torch.ops.sparserl.spmm {result['op_us']:.1f} us")
+          f"(dispatch included): {result['speedup']:.2f}x; torch.ops.sparserl.spmm {result['op_us']:.1f} us; "
+          f"A @ X served {fast}")
     return failures
+
+
+def _demo_fast_path() -> str:
+    """Build and load the C++ fast path before the demo times ``A @ X`` (else, with a fresh cache,
+    the Python path would be timed while it builds); which path the timing measures."""
+    from ..jit import fastpath
+
+    if fastpath.unavailable() is None and not fastpath.loaded:
+        _note("fastpath building the C++ fast path of CUDA products (once per machine and torch version, "
+              "about a minute), so that the timing below measures it")
+        started = time.perf_counter()
+        fastpath.ensure(wait=True)
+        print(f"fastpath {fastpath.status()} ({time.perf_counter() - started:.1f} s)")
+    return ("by the C++ fast path" if fastpath.loaded else
+            f"by the Python path (C++ fast path: {fastpath.status()})")
 
 
 def _demo_compile_tier(M, n: int, k: int) -> int:
     """No GPU: the policy picks its K likeliest kernels on the CPU; each is compiled by nvcc."""
-    import shutil
     import time
 
     from ..evaluate.compile_tier import compile_only
     from ..specialize.policy import load_default
+    from ..toolchain import nvcc
     from ..specialize.policy.propose import propose
 
+    _note("rank     the policy writes its likeliest kernels for this pattern on the CPU (5-20 s on a small CPU)")
     start = time.monotonic()
     proposals = propose(load_default("cpu"), M.indptr, M.indices, M.shape, op="spmm", n=n, k=k)
     print(f"rank     the policy's {len(proposals)} likeliest kernels, scored on the CPU in "
           f"{time.monotonic() - start:.1f} s; the first would be tried first")
-    if shutil.which("nvcc") is None:
+    if nvcc.nvcc_path() is None:
         print("note     no GPU and no nvcc: kernels are neither built nor run here")
         return 0
-    bad, seen = 0, set()
+    first: dict = {}  # each kernel once: the policy may write one kernel twice
     for p in proposals:
-        if p.spec.key in seen:
-            continue
-        seen.add(p.spec.key)
+        first.setdefault(p.spec.key, p)
+    distinct = list(first.values())
+    _note(f"compile  {len(distinct)} kernels with nvcc for sm_90 (usually under a second each)")
+    bad = 0
+    for done, p in enumerate(distinct, 1):
         record = compile_only(p.spec) if p.error is None else None
         ok = record is not None and record.compiled and record.error_kind is None
         bad += not ok
         why = p.error if record is None else record.error_kind
-        print(f"compile  {p.spec.describe():64s} {'ok' if ok else why} (nvcc, sm_90, "
+        print(f"compile  {_count(done, len(distinct))} {p.spec.describe():64s} {'ok' if ok else why} (nvcc, sm_90, "
               f"{record.registers if record else '-'} registers)")
     print(f"plan     {proposals[0].spec.source.splitlines()[0]}")
     print("note     no GPU: kernels compiled for sm_90 but not run; on a GPU the runtime validates "
@@ -348,7 +400,11 @@ def _demo_compile_tier(M, n: int, k: int) -> int:
 
 
 def info(args) -> int:
+    import torch
+
     import torch_sparserl as ts
+
+    from ..data.datasets import list_matrices
 
     print(f"torch-sparserl {ts.__version__}, torch {torch.__version__}, "
           f"CUDA {'available: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}")
@@ -381,23 +437,44 @@ def fastpath_command(args) -> int:
     """Build (once per machine and torch version) and load the C++ fast path of compiled products."""
     from ..jit import fastpath
 
+    why = fastpath.unavailable()
+    if why is not None:
+        raise CommandError(f"needs a CUDA build of torch, with the fast path not turned off (here: {why})")
     started = time.perf_counter()
     ok = fastpath.ensure(wait=True)
     print(f"C++ fast path: {fastpath.status()} ({time.perf_counter() - started:.1f} s)")
     return 0 if ok else 1
 
 
-def _progress(what: str):
-    """A one-line progress bar on stderr for long work (only when stderr is a terminal)."""
+# Results go to stdout, a line as soon as it is known; a line before each slow step, saying what
+# starts and roughly how long it takes, goes to stderr, as does the progress of a loop that prints
+# nothing per item (_progress). A loop that prints a line per item counts in it ("12/30").
+def _note(text: str) -> None:
+    """A line on stderr before a slow step: what starts and roughly how long it takes."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def _count(done: int, total: int) -> str:
+    """``done/total``, as wide for every ``done``."""
+    return f"{done:>{len(str(total))}}/{total}"
+
+
+def _progress(what: str, *, every_s: float = 10.0):
+    """``report(done, total)`` for a loop's progress on stderr: a bar rewritten in place on a
+    terminal; elsewhere (a log) a line at most every ``every_s`` seconds and at the end."""
     start = time.monotonic()
+    last = [start]
 
     def report(done: int, total: int) -> None:
-        if not sys.stderr.isatty():
-            return
-        width = 30
-        filled = width * done // max(total, 1)
-        sys.stderr.write(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                         f"{time.monotonic() - start:5.1f} s" + ("\n" if done >= total else ""))
+        now = time.monotonic()
+        if sys.stderr.isatty():
+            width = 30
+            filled = width * done // max(total, 1)
+            sys.stderr.write(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                             f"{now - start:5.1f} s" + ("\n" if done >= total else ""))
+        elif done >= total or now - last[0] >= every_s:
+            last[0] = now
+            sys.stderr.write(f"{what} {done}/{total}, {now - start:.1f} s\n")
         sys.stderr.flush()
 
     return report
@@ -408,10 +485,13 @@ def tune_command(args) -> int:
     run in the sandbox, timed against cuSPARSE); without one, the compile tier with nvcc."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import torch
+
     from ..pattern.features import structural_features
     from ..specialize.autotune import candidates, tune
 
     from ..specialize.families import FAMILIES
+    from ..toolchain import nvcc
 
     A = _matrix(args.matrix)
     n = 1 if args.op == "spmv" else args.n
@@ -419,11 +499,18 @@ def tune_command(args) -> int:
     if args.families and not set(args.families) <= set(serving):
         raise CommandError(f"--families: expected families that serve {args.op} ({', '.join(serving)}) "
                            f"(got {', '.join(f for f in args.families if f not in serving)})")
+    on_gpu = torch.cuda.is_available() and not args.compile_only
+    if not on_gpu and nvcc.nvcc_path() is None:
+        raise CommandError(f"needs nvcc to compile the candidates {'(--compile-only)' if args.compile_only else 'without a GPU'}"
+                           " (none in $CUDA_HOME/bin or on PATH): install the CUDA toolkit "
+                           "(https://developer.nvidia.com/cuda-downloads), then put its bin/ on PATH or set CUDA_HOME")
     features = structural_features(A.indptr, A.indices, A.shape)
     print(f"matrix   {args.matrix}: {A.shape[0]} x {A.shape[1]}, {A.nnz} nonzeros, "
           f"row mean {features['row_mean']:.1f}, max {features['row_max']}, cv {features['row_cv']:.2f}")
-    if torch.cuda.is_available() and not args.compile_only:
-        result = tune(A, op=args.op, n=n, dtype=args.dtype, budget_s=args.budget_s,
+    if on_gpu:
+        _note(f"tune     screening the candidates on the GPU, each checked and timed in the sandbox "
+              f"(within the {args.budget_s:g} s budget), then timing the finalists")
+        result = tune(A, op=args.op, n=n, dtype=DTYPES[args.dtype], budget_s=args.budget_s,
                       families=args.families, progress=_progress("screening"))
         finals = sorted((r for r in result.table if r.timing.get("stage") == "final" and r.ok),
                         key=lambda r: r.runtime_us)
@@ -438,14 +525,18 @@ def tune_command(args) -> int:
 
     from ..evaluate.compile_tier import compile_only
 
-    specs = candidates(args.op, n, args.dtype, features, args.families)
+    specs = candidates(args.op, n, DTYPES[args.dtype], features, args.families)
     print(f"note     no GPU{' (or --compile-only)' if torch.cuda.is_available() else ''}: compiling the "
           f"{len(specs)} candidates with nvcc for sm_90, not running them")
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        records = list(pool.map(compile_only, specs))
-    for spec, record in zip(specs, records):
-        status = "ok" if record.compiled and record.error_kind is None else str(record.error_kind)
-        print(f"compile  {spec.describe():70s} {status:9s} regs={record.registers} spills={record.spill_bytes}")
+    workers = max(1, min(4, os.cpu_count() or 1))
+    _note(f"compile  {len(specs)} candidates with nvcc, {workers} at a time (usually under a second each)")
+    records = []
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for spec, record in zip(specs, pool.map(compile_only, specs)):  # in order, each as soon as it is done
+            records.append(record)
+            status = "ok" if record.compiled and record.error_kind is None else str(record.error_kind)
+            print(f"compile  {_count(len(records), len(specs))} {spec.describe():70s} {status:9s} "
+                  f"regs={record.registers} spills={record.spill_bytes}")
     bad = [r for r in records if not r.compiled or r.error_kind is not None]
     print(f"result   {len(records) - len(bad)}/{len(records)} candidates compile cleanly")
     return 1 if bad else 0
@@ -454,6 +545,8 @@ def tune_command(args) -> int:
 def bench_command(args) -> int:
     """The runtime end to end on a GPU: cold specialization, correctness, and the time per call
     of ``A @ X`` against ``torch.sparse.mm``, dispatch included."""
+    import torch
+
     from ..dtypes import VALUE_DTYPES
     from ..jit import runtime as rt
     from . import measure
@@ -467,6 +560,7 @@ def bench_command(args) -> int:
     n = 1 if args.op == "spmv" else args.n
     rows, failures = [], 0
     for name in args.matrices:
+        _note(f"bench    {name}: specializing {args.op} (within the {args.budget_s:g} s budget), then timing it")
         result = {"matrix": name, **measure.product(matrices[name], args.op, n, dtype, runtime=runtime)}
         rows.append(result)
         failures += not result["correct"]
@@ -481,6 +575,9 @@ def bench_command(args) -> int:
 
 def explain_command(args) -> int:
     """What the cache says about a matrix: which kernel serves each product, or why none does."""
+    import numpy as np
+    import torch
+
     from ..pattern.fingerprint import pattern_hash
 
     M = _matrix(args.matrix)
@@ -511,9 +608,12 @@ def explain_command(args) -> int:
         print(f"{key.op} n={key.n} {key.dtype} {hashes[key.pattern]} indices, {key.arch}, policy {key.policy}, "
               f"torch {key.torch_version}: {what} because {entry.reason}{timing}  [{path.stem[:12]}]")
     if not found:
+        # only a command that runs here: bench needs a GPU
+        now = (f"(or run `sparserl bench {args.matrix}` now)" if torch.cuda.is_available() else
+               "(this machine has none: `sparserl bench`, which decides it now, needs one)")
         print(f"no decision in {cache.root} for this pattern"
               f"{' and ' + args.op if args.op else ''}{f' n={args.n}' if args.n else ''}: it is decided the first "
-              f"time the product runs on a GPU (or run `sparserl bench {args.matrix}`)")
+              f"time the product runs on a GPU {now}")
     return 0
 
 
@@ -607,7 +707,10 @@ def _run(args) -> int:
     except ValueError as exc:  # a variable cannot be read, or is out of its range
         print(f"{command}: {exc}", file=sys.stderr)
         return 2
+    if hasattr(sys.stdout, "reconfigure"):  # each result line as it is printed, also into a pipe
+        sys.stdout.reconfigure(line_buffering=True)
     try:
+        from .. import ops  # noqa: F401  the operators: ``import torch_sparserl`` defers them in the command
         return args.run(args)
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
@@ -623,39 +726,52 @@ def _run(args) -> int:
         return 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="sparserl", description=__doc__.splitlines()[0],
-                     epilog="A bad invocation prints one line and exits with status 2; "
-                            "SPARSERL_DEBUG=1 shows the traceback of any error.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("demo", help="check, compile and time the operators on a shipped matrix")
+def _parser() -> _Parser:
+    """The command line: every command and option with its help text."""
+    parser = _Parser(prog="sparserl", description=DESCRIPTION, epilog=EXIT_STATUSES)
+    commands = parser.add_subparsers(dest="command", required=True, help="sparserl COMMAND --help describes each")
+    p = commands.add_parser("demo", help="check, compile and time the operators on a shipped matrix", description=(
+        "Check A @ X against a float64 reference on a shipped matrix (or a .npz/.mtx file), compile a two-layer "
+        "GCN with torch.compile(backend='sparserl') and compare its output and gradient with the same model run "
+        "without compiling, then run the JIT: on a GPU it specializes A @ X and times it against torch.sparse.mm; "
+        "without one the learned policy picks its kernels on the CPU and nvcc, if present, compiles them."))
     p.add_argument("--matrix", default=DEFAULT_MATRIX, help=f"shipped name or .npz/.mtx path (default {DEFAULT_MATRIX})")
     p.add_argument("--n", type=_columns, default=32, help=f"dense columns N, 1 to {MAX_N} (default 32)")
     p.add_argument("--device", type=_device, default="auto", help="cpu, cuda, cuda:INDEX or auto (default)")
     p.add_argument("--budget-s", type=_seconds, default=20.0, help="autotuning budget of the JIT (default 20)")
     p.add_argument("--show-source", action="store_true", help="print the whole specialized kernel")
     p.set_defaults(run=demo)
-    p = commands.add_parser("info", help="versions, operators and shipped matrices")
+    p = commands.add_parser("info", help="versions, operators and shipped matrices", description=(
+        "Versions, the registered operators, the shipped matrices, the C++ fast path's state, the JIT runtime's "
+        "settings from the environment, and the caches' folders and sizes."))
     p.set_defaults(run=info)
-    p = commands.add_parser("tune", help="search the kernel space for a matrix (GPU), or compile it (no GPU)")
+    p = commands.add_parser("tune", help="search the kernel space for a matrix (GPU), or compile it (no GPU)",
+                            description=(
+        "Search the kernel space for one matrix. On a GPU: the exhaustive autotuner, each candidate run in a "
+        "sandbox, checked against float64 and timed against cuSPARSE. Without one (or with --compile-only): each "
+        "candidate compiled with nvcc for sm_90 and not run, which needs nvcc."))
     p.add_argument("matrix", help="shipped name or .npz/.mtx path")
-    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
+    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm", help=_OP_HELP)
     p.add_argument("--n", type=_columns, default=32, help=f"dense columns for spmm, 1 to {MAX_N} (default 32)")
-    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    p.add_argument("--dtype", type=_dtype, default="float32", metavar=_DTYPE_METAVAR, help=_DTYPE_HELP)
     p.add_argument("--budget-s", type=_seconds, default=60.0, help="screening budget in seconds (default 60)")
     p.add_argument("--families", type=_families, help="comma-separated families to search (default: all)")
     p.add_argument("--compile-only", action="store_true", help="only the compile tier, even with a GPU")
     p.add_argument("--show-source", action="store_true", help="print the best kernel's source")
     p.set_defaults(run=tune_command)
-    p = commands.add_parser("bench", help="the runtime end to end against torch.sparse.mm (GPU)")
+    p = commands.add_parser("bench", help="the runtime end to end against torch.sparse.mm (GPU)", description=(
+        "Needs a CUDA GPU. For each matrix: the first A @ X with its specialization (cold start), the result "
+        "against float64, and the time per call of A @ X against torch.sparse.mm, dispatch included."))
     p.add_argument("matrices", nargs="+", help="shipped names or .npz/.mtx paths")
-    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm")
+    p.add_argument("--op", choices=["spmm", "spmv"], default="spmm", help=_OP_HELP)
     p.add_argument("--n", type=_columns, default=32, help=f"dense columns for spmm, 1 to {MAX_N} (default 32)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--dtype", type=_dtype, default="float32", metavar=_DTYPE_METAVAR, help=_DTYPE_HELP)
     p.add_argument("--budget-s", type=_seconds, default=20.0, help="autotuning budget per product (default 20)")
     p.add_argument("--json", type=_output_file, help="write the results to this file")
     p.set_defaults(run=bench_command)
-    p = commands.add_parser("explain", help="why a kernel was or was not installed for a matrix")
+    p = commands.add_parser("explain", help="why a kernel was or was not installed for a matrix", description=(
+        "Which kernel the specialization cache says serves each product of a matrix's pattern, and why; or that "
+        "none was decided yet."))
     p.add_argument("matrix", help="shipped name or .npz/.mtx path")
     p.add_argument("--op", choices=["spmm", "spmv"], help="only this op")
     p.add_argument("--n", type=_columns, help="only this N")
@@ -663,10 +779,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=_folder,
                    help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
     p.set_defaults(run=explain_command)
-    p = commands.add_parser("fastpath", help="build and load the C++ fast path of compiled products now (CUDA torch)")
+    p = commands.add_parser("fastpath", help="build and load the C++ fast path of compiled products now (CUDA torch)",
+                            description=(
+        "Build (once per machine and torch version) and load the C++ library that serves products once Python "
+        "has served the same call; needs a CUDA build of torch."))
     p.set_defaults(run=fastpath_command)
-    p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear, prune")
-    p.add_argument("action", choices=["list", "info", "clear", "prune"])
+    p = commands.add_parser("cache", help="the specialization cache: list, info KEY, clear, prune", description=(
+        "The specialization cache's decisions: list them, show one (info KEY), remove them all (clear), or "
+        "remove the least recently used down to a size (prune)."))
+    p.add_argument("action", choices=["list", "info", "clear", "prune"], help="what to do")
     p.add_argument("key", nargs="?", help="entry digest (or its prefix) for info")
     p.add_argument("--dir", type=_folder,
                    help="cache folder (default: $SPARSERL_CACHE_DIR or ~/.cache/torch_sparserl/kernels)")
@@ -674,8 +795,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="prune: keep at most this many megabytes of entries (default: cache.max_mb, "
                         "$SPARSERL_CACHE_MAX_MB)")
     p.set_defaults(run=cache_command)
-    return _run(parser.parse_args(argv))
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    return _run(_parser().parse_args(argv))
 
 if __name__ == "__main__":
     sys.exit(main())
