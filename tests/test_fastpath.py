@@ -80,8 +80,8 @@ def test_the_cli_says_why_it_is_not_there(capsys, monkeypatch):
     from torch_sparserl import cli
 
     monkeypatch.delenv("SPARSERL_FAST_PATH", raising=False)
-    assert cli.main(["fastpath"]) == 1
-    assert "C++ fast path: not available: this torch has no CUDA" in capsys.readouterr().out
+    assert cli.main(["fastpath"]) == 2  # what this machine lacks, as bench says it
+    assert "sparserl fastpath: needs a CUDA build of torch" in capsys.readouterr().err
     assert cli.main(["info"]) == 0
     assert "C++ fast path: not available" in capsys.readouterr().out
 
@@ -529,8 +529,8 @@ def test_record_hands_cpp_the_installed_kernels_launch_once(tmp_path, registry):
 
 
 def test_record_hands_cpp_cusparse_where_the_runtime_decided_it(tmp_path, registry):
-    """A decided fallback is recorded as cuSPARSE (no launcher); not for half precision (its
-    cuSPARSE products widen in Python) nor for an SDDMM (C++ serves only its kernels)."""
+    """A decided fallback is recorded as cuSPARSE (no launcher), for half precision too (C++ runs
+    cuSPARSE with float32 sums); not for an SDDMM (C++ serves only its kernels)."""
     runtime = _recording_runtime(tmp_path, kernel=False)
     try:
         A, entry, crow, col, val, X = _decided(runtime)
@@ -541,12 +541,13 @@ def test_record_hands_cpp_cusparse_where_the_runtime_decided_it(tmp_path, regist
         assert (got["launcher"], got["function"], got["geometry"], got["ints"]) == (0, 0, [0, 0, 0], [0] * 5)
         A, entry, crow, col, val, X = _decided(runtime, dtype=torch.float16, seed=22)
         fastpath.record(runtime, "spmm", crow, col, val, A.shape[1], X)
+        assert len(registry.installs) == 2 and registry.installs[1]["launcher"] == 0
         A, entry, crow, col, _, X = _validated(seed=23)
         Y = torch.randn(A.shape[0], 8)
         runtime.call("sddmm", entry, crow, col, Y, X)
         assert isinstance(runtime.state("sddmm", entry, 8, torch.float32), rt.Fallback)
         fastpath.record(runtime, "sddmm", crow, col, Y, A.shape[1], X)
-        assert len(registry.installs) == 1
+        assert len(registry.installs) == 2
     finally:
         runtime.close()
 

@@ -468,8 +468,8 @@ def test_runtime_without_a_checkpoint_falls_back_to_the_autotuner(tmp_path, capl
 
 
 @pytest.mark.parametrize("changes,match", [({"policy": "oracle"}, "policy must be one of"),
-                                           ({"k": 0}, "k must be an integer"),
-                                           ({"k": True}, "k must be an integer")])
+                                           ({"k": 0}, r"k must be a whole number >= 1 and <= 64 \(got 0\)"),
+                                           ({"k": True}, r"k must be a whole number >= 1 and <= 64 \(got True\)")])
 def test_runtime_settings_name_bad_policy_options(changes, match):
     from torch_sparserl.jit.runtime import RuntimeSettings
 
