@@ -377,10 +377,15 @@ VendorPlan::~VendorPlan() {
 // the type it computes in, with alpha and beta of that type. The half types compute in float32,
 // so that their sums are float32 sums, rounded once (torch's own half products through cuSPARSE
 // sum in the half type); nothing for a type the vendor path does not take.
+//
+// A half-type SpMM writes float32, narrowed once afterwards (`wide_out`): cuSPARSE's bfloat16
+// SpMM, float32 compute type or not, sums a row of 4096 ones to 4768 (its partial sums meet in
+// the output's type). Its operands stay half, so the gather of X, the cost, is half-width.
 struct VendorTypes {
   cudaDataType data, compute;
   const void* one;
   const void* zero;
+  bool half() const { return data != compute; }
 };
 std::optional<VendorTypes> vendor_types(at::ScalarType scalar) {
   static const float one32 = 1.0f, zero32 = 0.0f;
@@ -415,7 +420,10 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
   VendorPlan& p = *e.plan;
   std::lock_guard<std::mutex> hold(p.lock);
   if (p.failed) return std::nullopt;
-  at::Tensor out = matrix ? at::empty({e.out_rows, e.n}, X.options()) : at::empty({e.out_rows}, X.options());
+  const bool wide_out = matrix && types->half();
+  const cudaDataType out_dt = wide_out ? CUDA_R_32F : dt;
+  at::Tensor out = matrix ? at::empty({e.out_rows, e.n}, X.options().dtype(wide_out ? at::kFloat : X.scalar_type()))
+                          : at::empty({e.out_rows}, X.options());
   const void* alpha = types->one;
   const void* beta = types->zero;
   cusparseHandle_t handle = at::cuda::getCurrentCUDASparseHandle();  // on the current stream
@@ -429,7 +437,7 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
   if (matrix) {
     if (ok && p.X == nullptr) {
       check(api->create_dnmat(&p.X, X.size(0), e.n, e.n, X.data_ptr(), dt, CUSPARSE_ORDER_ROW));
-      check(api->create_dnmat(&p.Y, e.out_rows, e.n, e.n, out.data_ptr(), dt, CUSPARSE_ORDER_ROW));
+      check(api->create_dnmat(&p.Y, e.out_rows, e.n, e.n, out.data_ptr(), out_dt, CUSPARSE_ORDER_ROW));
     } else if (ok) {
       check(api->dnmat_set(p.X, X.data_ptr()));
       check(api->dnmat_set(p.Y, out.data_ptr()));
@@ -483,7 +491,7 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
     p.failed = true;
     return std::nullopt;
   }
-  return out;
+  return wide_out ? out.to(X.scalar_type()) : out;
 }
 // A @ X, or Aᵀ @ X (opA = transpose), by cuSPARSE on A's own CSR arrays, with descriptors made
 // for this call: the products of a pattern met once (a sampled mini-batch's, torch_sparserl/ops:
@@ -515,7 +523,9 @@ std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return std::nullopt;
   c10::cuda::CUDAGuard guard(X_in.device());
   const at::Tensor X = X_in.contiguous();
-  at::Tensor out = matrix ? at::empty({out_rows, n}, X.options()) : at::empty({out_rows}, X.options());
+  const bool wide_out = matrix && types->half();  // see VendorTypes
+  at::Tensor out = matrix ? at::empty({out_rows, n}, X.options().dtype(wide_out ? at::kFloat : X.scalar_type()))
+                          : at::empty({out_rows}, X.options());
   const cusparseIndexType_t index = crow.scalar_type() == at::kInt ? CUSPARSE_INDEX_32I : CUSPARSE_INDEX_64I;
   const void* alpha = types->one;
   const void* beta = types->zero;
@@ -541,7 +551,8 @@ std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor
   size_t bytes = 0;
   if (matrix) {
     if (ok) check(api->create_dnmat(&d.B, in_rows, n, n, X.data_ptr(), dt, CUSPARSE_ORDER_ROW));
-    if (ok) check(api->create_dnmat(&d.C, out_rows, n, n, out.data_ptr(), dt, CUSPARSE_ORDER_ROW));
+    if (ok) check(api->create_dnmat(&d.C, out_rows, n, n, out.data_ptr(), wide_out ? CUDA_R_32F : dt,
+                                    CUSPARSE_ORDER_ROW));
     if (ok)
       check(api->spmm_size(handle, opA, CUSPARSE_OPERATION_NON_TRANSPOSE, alpha, d.A, d.B, beta, d.C, compute,
                            CUSPARSE_SPMM_ALG_DEFAULT, &bytes));
@@ -558,7 +569,7 @@ std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor
   else
     check(api->spmv(handle, opA, alpha, d.A, d.x, beta, d.y, compute, CUSPARSE_SPMV_ALG_DEFAULT, buffer.data_ptr()));
   if (!ok) return std::nullopt;
-  return out;
+  return wide_out ? out.to(X.scalar_type()) : out;
 }
 #endif
 

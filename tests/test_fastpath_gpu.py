@@ -893,15 +893,17 @@ def test_a_staged_young_pattern_is_served_by_cusparse_in_cxx(tmp_path, monkeypat
         X = _operand("spmm", M, 16, 0)
         G = _operand("spmm_transposed", M, 16, 1)
         before = fastpath.COUNTS.clone()
+        # the operators on the matrix's own parts, as a compiled graph of it passes them
         got = {"A @ X": (A @ X, "spmm", X), "A @ x": (A @ X[:, 0].contiguous(), "spmv", X[:, 0]),
-               "sparserl::spmm": (torch.ops.sparserl.spmm(A.crow, A.col, A.val, ncols, X), "spmm", X),
-               "sparserl_fast::spmv": (FAST.spmv(A.crow, A.col, A.val, ncols, X[:, 1].contiguous()), "spmv", X[:, 1])}
+               "sparserl::spmm": (torch.ops.sparserl.spmm(A._crow, A._col, A.val, ncols, X), "spmm", X),
+               "sparserl_fast::spmv": (FAST.spmv(A._crow, A._col, A.val, ncols, X[:, 1].contiguous()), "spmv",
+                                       X[:, 1])}
         torch.cuda.synchronize()
         for name, (out, op, operand) in got.items():
             assert_close_to_reference(out, _want(op, A.crow, A.col, A.val, ncols, operand), torch.float32), name
         assert asked == [] and (fastpath.COUNTS - before).tolist() == [0, 4, 4]
         assert runtime.stats["young_calls"] == 4 and runtime.stats["fallback_calls"] == 4
-        transposed = lambda: FAST.spmm_transposed(A.crow, A.col, A.val, ncols, G)  # noqa: E731
+        transposed = lambda: FAST.spmm_transposed(A._crow, A._col, A.val, ncols, G)  # noqa: E731
         want_t = _want("spmm_transposed", A.crow, A.col, A.val, ncols, G)
         torch.use_deterministic_algorithms(False)  # cuSPARSE's transposed products are not deterministic
         assert_close_to_reference(transposed(), want_t, torch.float32)  # the first: C++
