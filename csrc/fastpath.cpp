@@ -378,14 +378,17 @@ VendorPlan::~VendorPlan() {
 // so that their sums are float32 sums, rounded once (torch's own half products through cuSPARSE
 // sum in the half type); nothing for a type the vendor path does not take.
 //
-// A half-type SpMM writes float32, narrowed once afterwards (`wide_out`): cuSPARSE's bfloat16
-// SpMM, float32 compute type or not, sums a row of 4096 ones to 4768 (its partial sums meet in
-// the output's type). Its operands stay half, so the gather of X, the cost, is half-width.
+// A bfloat16 SpMM writes float32, narrowed once afterwards (`wide_out`): with a bfloat16 output
+// cuSPARSE's SpMM sums a row of 4096 ones to 4768 under its default and CSR_ALG2 algorithms
+// (their partial sums meet in the output's type; CSR_ALG1 and ALG3 are exact but 1.5-6x slower),
+// while with a float32 output every algorithm is exact and the product itself no slower; the
+// operands stay bfloat16, so the gather of X keeps its half width. A float16 output is exact
+// (benchmarks/probe_half_cusparse.py).
 struct VendorTypes {
   cudaDataType data, compute;
   const void* one;
   const void* zero;
-  bool half() const { return data != compute; }
+  bool wide_spmm_out() const { return data == CUDA_R_16BF; }
 };
 std::optional<VendorTypes> vendor_types(at::ScalarType scalar) {
   static const float one32 = 1.0f, zero32 = 0.0f;
@@ -420,7 +423,7 @@ std::optional<at::Tensor> cusparse_product(Entry& e, const at::Tensor& rowptr, c
   VendorPlan& p = *e.plan;
   std::lock_guard<std::mutex> hold(p.lock);
   if (p.failed) return std::nullopt;
-  const bool wide_out = matrix && types->half();
+  const bool wide_out = matrix && types->wide_spmm_out();
   const cudaDataType out_dt = wide_out ? CUDA_R_32F : dt;
   at::Tensor out = matrix ? at::empty({e.out_rows, e.n}, X.options().dtype(wide_out ? at::kFloat : X.scalar_type()))
                           : at::empty({e.out_rows}, X.options());
@@ -523,7 +526,7 @@ std::optional<at::Tensor> cusparse_once(const at::Tensor& crow, const at::Tensor
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return std::nullopt;
   c10::cuda::CUDAGuard guard(X_in.device());
   const at::Tensor X = X_in.contiguous();
-  const bool wide_out = matrix && types->half();  // see VendorTypes
+  const bool wide_out = matrix && types->wide_spmm_out();  // see VendorTypes
   at::Tensor out = matrix ? at::empty({out_rows, n}, X.options().dtype(wide_out ? at::kFloat : X.scalar_type()))
                           : at::empty({out_rows}, X.options());
   const cusparseIndexType_t index = crow.scalar_type() == at::kInt ? CUSPARSE_INDEX_32I : CUSPARSE_INDEX_64I;
