@@ -1,4 +1,4 @@
-"""The device-only scanner's comment stripper and tokenizer (abi/__init__.py) against the
+"""The device-only scanner's comment stripper and tokenizer (abi/device_scan.py) against the
 straightforward implementations they replaced: the same output, the same errors, on every
 family source and on random strings made of the characters that matter."""
 
@@ -10,7 +10,8 @@ import re
 import pytest
 
 import torch_sparserl as ts
-from torch_sparserl.abi import PlanError, _strip_comments, _tokens, check_source
+from torch_sparserl.abi import PlanError, check_source
+from torch_sparserl.abi.device_scan import _strip_comments, _tokens
 from torch_sparserl.pattern.features import structural_features
 from torch_sparserl.specialize.autotune import candidates
 

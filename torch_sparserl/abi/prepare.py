@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import MAX_SMEM_BYTES, Plan, PlanError
+from .plan import MAX_SMEM_BYTES, Plan, PlanError
 
 _INT32_MAX = 2**31 - 1
 _MAX_GRID = 2**31 - 1
