@@ -275,7 +275,7 @@ def test_interception_keeps_nothing_alive():
     import gc
     import weakref
 
-    from torch_sparserl import pattern
+    from torch_sparserl.pattern import cache as pattern_table
 
     raw = torch.eye(6).to_sparse_csr()
     ref = weakref.ref(raw)
@@ -284,7 +284,7 @@ def test_interception_keeps_nothing_alive():
     del raw
     gc.collect()
     assert ref() is None and len(intercept._views) == 0
-    assert all(entry.nrows != 6 for entry in pattern._CACHE.values())
+    assert all(entry.nrows != 6 for entry in pattern_table._CACHE.values())
 
 
 def test_a_transpose_under_compile_breaks_the_graph_with_a_reason_and_stays_correct(device):

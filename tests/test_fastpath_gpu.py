@@ -19,6 +19,7 @@ import torch
 
 import torch_sparserl as ts
 from torch_sparserl import pattern as patterns
+from torch_sparserl.pattern import cache as pattern_table
 from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.jit import fastpath
 from torch_sparserl.jit import runtime as rt
@@ -860,7 +861,7 @@ def test_host_arrays_travel_checked_in_one_pass(poison_uninitialized, monkeypatc
         ts.csr((torch.tensor(M.indptr, dtype=index_dtype), bad, torch.ones(M.nnz)), M.shape, device="cuda")
     assert python_checks == [1]  # declined by C++, named by Python
     device_checks = []
-    monkeypatch.setattr(patterns, "check_csr_values", lambda *a: device_checks.append(1))
+    monkeypatch.setattr(pattern_table, "check_csr_values", lambda *a: device_checks.append(1))
     step = torch.compile(lambda A, X: A @ X, backend="sparserl", dynamic=True)
     for seed in range(3):  # a new matrix each step, as in mini-batch training
         B = ts.csr(make_pattern("random", seed=10 + seed), dtype=torch.float32, device="cuda")

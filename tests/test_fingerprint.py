@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from torch_sparserl import pattern as pattern_cache
+from torch_sparserl.pattern import cache as pattern_table
+from torch_sparserl.pattern import streams
 from torch_sparserl.pattern.fingerprint import SpecializationKey, fingerprint, pattern_hash
 
 from helpers import make_pattern, to_parts
@@ -96,7 +98,7 @@ def test_cuda_patterns_hash_as_on_the_cpu_and_small_ones_share_one_host_copy(mon
     from torch_sparserl.jit.runtime import RuntimeSettings, autotune_specializer
 
     if kept_max is not None:
-        monkeypatch.setattr(pattern_cache, "HOST_KEPT_MAX", kept_max)
+        monkeypatch.setattr(pattern_table, "HOST_KEPT_MAX", kept_max)
     A, crow, col = _parts(device="cuda")
     expected = pattern_hash(crow.cpu(), col.cpu(), A.shape[1])
     entry = pattern_cache.lookup(crow, col, A.shape[1])
@@ -115,7 +117,7 @@ def test_cuda_patterns_hash_as_on_the_cpu_and_small_ones_share_one_host_copy(mon
 
 def test_registering_a_cpu_pattern_makes_no_cuda_stream(monkeypatch):
     made = []
-    monkeypatch.setattr(pattern_cache, "_side_stream", made.append)
+    monkeypatch.setattr(streams, "_side_stream", made.append)
     A, crow, col = _parts()
     pattern_cache.lookup(crow, col, A.shape[1])
     assert made == []
@@ -125,16 +127,16 @@ def test_registering_a_cpu_pattern_makes_no_cuda_stream(monkeypatch):
 def test_registering_a_cuda_pattern_makes_its_side_stream_on_the_registering_thread(monkeypatch):
     # The first side stream of a process sets up torch's stream pool, holding the interpreter
     # lock for milliseconds: it must not fall to the runtime's background thread (to_host).
-    monkeypatch.setattr(pattern_cache, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(streams, "_SIDE_STREAMS", {})
     A, crow, col = _parts(device="cuda")
     entry = pattern_cache.lookup(crow, col, A.shape[1])
-    assert set(pattern_cache._SIDE_STREAMS) == {crow.device.index or torch.cuda.current_device()}
-    side = pattern_cache._SIDE_STREAMS[crow.device.index or torch.cuda.current_device()]
+    assert set(streams._SIDE_STREAMS) == {crow.device.index or torch.cuda.current_device()}
+    side = streams._SIDE_STREAMS[crow.device.index or torch.cuda.current_device()]
     assert pattern_cache.lookup(crow, col, A.shape[1]) is entry  # a hit makes nothing new
-    assert list(pattern_cache._SIDE_STREAMS.values()) == [side]
+    assert list(streams._SIDE_STREAMS.values()) == [side]
     host_crow, host_col = entry.host_indices(crow, col)
     assert torch.equal(host_crow, crow.cpu()) and torch.equal(host_col, col.cpu())
-    assert list(pattern_cache._SIDE_STREAMS.values()) == [side]
+    assert list(streams._SIDE_STREAMS.values()) == [side]
 
 
 def test_fingerprint_is_computed_once_per_pattern_and_redone_after_an_in_place_change(monkeypatch):

@@ -19,6 +19,7 @@ import torch
 
 import torch_sparserl as ts
 from torch_sparserl import pattern as patterns
+from torch_sparserl.pattern import cache as pattern_table
 
 ops = torch.ops.sparserl
 
@@ -212,7 +213,7 @@ def test_the_private_copy_dies_with_the_callers_tensors():
     the caller's tensors die, so nothing accumulates."""
     import gc
 
-    before = len(patterns._CACHE)
+    before = len(pattern_table._CACHE)
     S = _random_csr(10, 10, 0.3, seed=10)
     crow, col, val = _parts(S, "cpu")
     ops.spmm(crow, col, val, 10, torch.randn(10, 2, dtype=torch.float64))
@@ -221,4 +222,4 @@ def test_the_private_copy_dies_with_the_callers_tensors():
     assert frozen[0] is not crow and patterns.lookup(*frozen, 10) is entry
     del crow, col, val, entry, frozen
     gc.collect()
-    assert len(patterns._CACHE) <= before
+    assert len(pattern_table._CACHE) <= before

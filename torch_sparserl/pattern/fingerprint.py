@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .. import pattern as patterns
-from . import Pattern
+from . import cache
+from .cache import Pattern
 
 _MASK64 = (1 << 64) - 1
 _CHUNK = 1 << 24  # elements per step: bounds the int64 temporaries on huge patterns
@@ -108,7 +108,7 @@ def pattern_hash(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> str:
 def fingerprint(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor) -> str:
     """The pattern hash, computed once per :class:`Pattern` entry (identity and version)."""
     if pattern.fingerprint is None:
-        if crow.is_cuda and crow.numel() + col.numel() <= patterns.HOST_KEPT_MAX:
+        if crow.is_cuda and crow.numel() + col.numel() <= cache.HOST_KEPT_MAX:
             crow, col = pattern.host_indices(crow, col)
         pattern.fingerprint = pattern_hash(crow, col, pattern.ncols)
     return pattern.fingerprint
