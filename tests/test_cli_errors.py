@@ -288,7 +288,9 @@ def test_a_bug_is_one_line_with_status_1_and_its_traceback_under_sparserl_debug(
     def broken(args):
         raise AttributeError("a bug")
 
-    monkeypatch.setattr(cli, "info", broken)
+    from torch_sparserl.cli import info as info_command
+
+    monkeypatch.setattr(info_command, "info", broken)
     code, out, err = _run(["info"], capsys)
     assert code == 1 and err.splitlines() == [
         "sparserl info: internal error, AttributeError: a bug (SPARSERL_DEBUG=1 shows its traceback)"]
