@@ -40,7 +40,6 @@ from .cache import (HOST_KEPT_MAX, Pattern, count, host_indices, lookup, own, ow
                     validated, versions)
 from .derived import row_indices
 from .streams import run_kept, to_host
-from .validation import check_csr_values
 
-__all__ = ["HOST_KEPT_MAX", "Pattern", "check_csr_values", "count", "host_indices", "lookup", "own", "owned",
-           "private_copy", "row_indices", "run_kept", "staged", "stats", "to_host", "validated", "versions"]
+__all__ = ["HOST_KEPT_MAX", "Pattern", "count", "host_indices", "lookup", "own", "owned", "private_copy",
+           "row_indices", "run_kept", "staged", "stats", "to_host", "validated", "versions"]
