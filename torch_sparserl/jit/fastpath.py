@@ -4,13 +4,14 @@ A compiled GNN epoch on a small graph waits on the CPU, and each product's Pytho
 implementation (checks, pattern lookup, the runtime's state, a ctypes launch) costs tens to
 hundreds of microseconds of it. The backend's post-grad pass points a graph's ``spmm``,
 ``spmv`` and their transposes at ``sparserl_fast::<op>`` (:data:`~torch_sparserl.ops.FAST_OPS`):
-the implementation-only operators, whose CUDA kernel is C++ (``csrc/fastpath.cpp``) once this
-module has built and loaded it. That kernel serves a call from a registry, without Python,
-when the Python implementation has served the same call before: the same ``crow`` and ``col``
-tensors (alive, unmodified), op, ``ncols``, N and dtype, operands of the same sizes. It then
-launches the installed kernel through its library's C launcher (or, while that library is
-built, the NVRTC build's CUfunction through the driver), or runs cuSPARSE where the runtime
-decided that no kernel beats it. Anything else goes to ``sparserl_direct::<op>``, the Python
+the implementation-only operators, whose CUDA kernel is C++ (``csrc/fastpath.cpp`` and the parts
+it includes, ``csrc/fastpath/*.h``: :func:`sources`) once this module has built and loaded it.
+That kernel serves a call from a registry, without Python, when the Python implementation has
+served the same call before: the same ``crow`` and ``col`` tensors (alive, unmodified), op,
+``ncols``, N and dtype, operands of the same sizes. It then launches the installed kernel
+through its library's C launcher (or, while that library is built, the NVRTC build's
+CUfunction through the driver), or runs cuSPARSE where the runtime decided that no kernel
+beats it. Anything else goes to ``sparserl_direct::<op>``, the Python
 implementation, which checks, raises the operators' errors, decides, and records what served
 the call (:func:`record`), cuSPARSE too while a decision is still pending. Nothing is decided
 in C++: an entry repeats one of the runtime's decision records
@@ -62,9 +63,10 @@ log = logging.getLogger("torch_sparserl.jit.fastpath")
 
 CSRC = Path(__file__).resolve().parents[1] / "_csrc"
 SOURCE = CSRC / "fastpath.cpp"
-"""The library's translation unit; :func:`sources` lists it with the files it includes."""
-OPS = ("spmm", "spmv", "spmm_transposed", "spmv_transposed")  # in csrc/fastpath.cpp's order
-SDDMM = 4  # csrc/fastpath.cpp's op of sparserl::sddmm (crow, col, Y, X): installed kernels only
+"""The library's one translation unit, which includes its parts (``csrc/fastpath/*.h``, one
+concern each: csrc/README.md maps them); :func:`sources` lists them all."""
+OPS = ("spmm", "spmv", "spmm_transposed", "spmv_transposed")  # in csrc/fastpath/registry.h's order (enum Op)
+SDDMM = 4  # csrc/fastpath/registry.h's op of sparserl::sddmm (crow, col, Y, X): installed kernels only
 
 loaded = False
 """Whether the library is loaded in this process (the ops' Python implementations read it on
