@@ -4,6 +4,8 @@ the GPU (tests/test_fastpath_gpu.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -43,11 +45,70 @@ def test_the_library_is_named_by_its_source_and_torch(tmp_path, monkeypatch):
     assert fastpath.library()[0] != path
 
 
-def test_the_source_ships_with_the_package():
-    text = fastpath.SOURCE.read_text()
+def test_the_sources_are_the_unit_and_every_part_it_includes():
+    """fastpath.cpp includes each file of csrc/fastpath/ once, and sources() lists them all, the
+    unit first: none is left out of the library's name, its build folder or the package data
+    (test_setup.py)."""
+    found = fastpath.sources()
+    assert found[0] == fastpath.SOURCE and len(found) == len(set(found))
+    assert sorted(found[1:]) == sorted((fastpath.CSRC / "fastpath").iterdir())
+    text = "".join(source.read_text() for source in found)
     for op in fastpath.OPS:  # the C++ kernels are registered for each of the Python operators
         assert f'm.impl("{op}", &product<' in text
         assert any(t._name == f"sparserl_fast::{op}" for t in FAST_OPS.values())
+
+
+@pytest.fixture
+def csrc_copy(tmp_path, monkeypatch):
+    """A copy of csrc/ that the fast path reads as its sources."""
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(fastpath.CSRC, copy)
+    monkeypatch.setattr(fastpath, "CSRC", copy)
+    monkeypatch.setattr(fastpath, "SOURCE", copy / fastpath.SOURCE.name)
+    return copy
+
+
+def test_a_change_to_any_source_names_another_library(csrc_copy):
+    """The library's name covers the unit and each part: an edit to any one builds a new library."""
+    first = fastpath._name()
+    sources = fastpath.sources()
+    assert len(sources) > 1
+    for source in sources:
+        text = source.read_text()
+        source.write_text(text + "// edited\n")
+        assert fastpath._name() != first, source
+        source.write_text(text)
+    assert fastpath._name() == first
+
+
+def test_a_missing_part_is_named(csrc_copy):
+    (csrc_copy / "fastpath" / "staging.h").unlink()
+    with pytest.raises(FileNotFoundError, match="staging.h"):
+        fastpath._name()
+
+
+def test_the_build_folder_holds_every_source_as_csrc_does(tmp_path, monkeypatch):
+    """build() lays the unit and its parts out in the library's folder as under csrc/ (so that the
+    unit's includes resolve there) and compiles the unit alone (torch's builder stubbed)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path))
+    seen = {}
+
+    def load(name, sources, build_directory, **kwargs):
+        folder = Path(build_directory)
+        seen["sources"] = sources
+        seen["files"] = {path.relative_to(folder).as_posix(): path.read_text() for path in folder.rglob("*")
+                         if path.suffix in (".cpp", ".h")}
+        (folder / f"{name}.so").write_bytes(b"a stand-in library")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    path = fastpath.build()
+    assert seen["sources"] == [str(path.parent / fastpath.SOURCE.name)]
+    assert seen["files"] == {source.relative_to(fastpath.CSRC).as_posix(): source.read_text()
+                             for source in fastpath.sources()}
 
 
 def test_fast_ops_are_the_python_implementation_where_cxx_is_not_loaded(device):
@@ -429,7 +490,7 @@ def test_young_patterns_are_left_to_cpp_where_the_runtime_leaves_them_to_cuspars
 
 INSTALL_ARGS = ("crow", "col", "ncols", "op", "n", "dtype", "nnz", "x_rows", "rows", "rowptr", "colidx", "perm",
                 "launcher", "geometry", "aux", "ints", "init_zero", "work_numel", "cols", "function", "work_once")
-"""The arguments of ``sparserl_fastpath::install`` (csrc/fastpath.cpp), in order."""
+"""The arguments of ``sparserl_fastpath::install`` (csrc/fastpath/library.h), in order."""
 
 FAST = dict(launcher=1234, function=0, grid=7, block=128, smem=96, aux=None, ints=(11, 12, 13, 14, 15),
             init_zero=True, work_numel=0, work_once=False, copies=None)

@@ -80,3 +80,16 @@ def test_setuptools_builds_the_metadata_with_one_version_and_an_spdx_license(tmp
     assert metadata["License-Expression"] == "BSD-3-Clause" and (info / "licenses" / "LICENSE").is_file()
     assert not any(c.startswith("License ::") for c in metadata.get_all("Classifier"))  # PEP 639: not both
     assert 'torch_geometric>=2.6; extra == "pyg"' in metadata.get_all("Requires-Dist")
+
+
+def test_the_package_data_ships_every_source_of_the_fast_path():
+    """Each file the fast path's library is built from (the unit and the parts it includes)
+    matches a package-data pattern of pyproject.toml: an installed package can build it."""
+    import tomllib
+
+    from torch_sparserl.jit import fastpath
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {path for pattern in data["torch_sparserl"] for path in (ROOT / "torch_sparserl").glob(pattern)}
+    sources = fastpath.sources()
+    assert len(sources) > 1 and [str(source) for source in sources if source not in shipped] == []

@@ -4,13 +4,14 @@ A compiled GNN epoch on a small graph waits on the CPU, and each product's Pytho
 implementation (checks, pattern lookup, the runtime's state, a ctypes launch) costs tens to
 hundreds of microseconds of it. The backend's post-grad pass points a graph's ``spmm``,
 ``spmv`` and their transposes at ``sparserl_fast::<op>`` (:data:`~torch_sparserl.ops.FAST_OPS`):
-the implementation-only operators, whose CUDA kernel is C++ (``csrc/fastpath.cpp``) once this
-module has built and loaded it. That kernel serves a call from a registry, without Python,
-when the Python implementation has served the same call before: the same ``crow`` and ``col``
-tensors (alive, unmodified), op, ``ncols``, N and dtype, operands of the same sizes. It then
-launches the installed kernel through its library's C launcher (or, while that library is
-built, the NVRTC build's CUfunction through the driver), or runs cuSPARSE where the runtime
-decided that no kernel beats it. Anything else goes to ``sparserl_direct::<op>``, the Python
+the implementation-only operators, whose CUDA kernel is C++ (``csrc/fastpath.cpp`` and the parts
+it includes, ``csrc/fastpath/*.h``: :func:`sources`) once this module has built and loaded it.
+That kernel serves a call from a registry, without Python, when the Python implementation has
+served the same call before: the same ``crow`` and ``col`` tensors (alive, unmodified), op,
+``ncols``, N and dtype, operands of the same sizes. It then launches the installed kernel
+through its library's C launcher (or, while that library is built, the NVRTC build's
+CUfunction through the driver), or runs cuSPARSE where the runtime decided that no kernel
+beats it. Anything else goes to ``sparserl_direct::<op>``, the Python
 implementation, which checks, raises the operators' errors, decides, and records what served
 the call (:func:`record`), cuSPARSE too while a decision is still pending. Nothing is decided
 in C++: an entry repeats one of the runtime's decision records
@@ -46,6 +47,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -59,9 +61,12 @@ from .decisions import Fallback, Installed, Pending
 
 log = logging.getLogger("torch_sparserl.jit.fastpath")
 
-SOURCE = Path(__file__).resolve().parents[1] / "_csrc" / "fastpath.cpp"
-OPS = ("spmm", "spmv", "spmm_transposed", "spmv_transposed")  # in csrc/fastpath.cpp's order
-SDDMM = 4  # csrc/fastpath.cpp's op of sparserl::sddmm (crow, col, Y, X): installed kernels only
+CSRC = Path(__file__).resolve().parents[1] / "_csrc"
+SOURCE = CSRC / "fastpath.cpp"
+"""The library's one translation unit, which includes its parts (``csrc/fastpath/*.h``, one
+concern each: csrc/README.md maps them); :func:`sources` lists them all."""
+OPS = ("spmm", "spmv", "spmm_transposed", "spmv_transposed")  # in csrc/fastpath/registry.h's order (enum Op)
+SDDMM = 4  # csrc/fastpath/registry.h's op of sparserl::sddmm (crow, col, Y, X): installed kernels only
 
 loaded = False
 """Whether the library is loaded in this process (the ops' Python implementations read it on
@@ -117,9 +122,31 @@ def unavailable() -> str | None:
 CFLAGS = ("-O3", "-std=c++17", "-fvisibility=hidden")
 
 
+_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)
+
+
+def sources() -> list[Path]:
+    """Every file the library is compiled from: :data:`SOURCE`, then each file it includes with
+    ``#include "..."`` (relative to the including file, followed into the parts' own includes),
+    in the order the compiler meets them. A missing one raises FileNotFoundError."""
+    found: list[Path] = []
+
+    def visit(path: Path) -> None:
+        if path in found:
+            return
+        found.append(path)
+        for name in _INCLUDE.findall(path.read_text()):
+            visit(path.parent / name)
+
+    visit(SOURCE)
+    return found
+
+
 def _name() -> str:
+    # every source by its place under csrc/ and its text: a change to any part is a new library
     h = hashlib.sha256()
-    for part in (SOURCE.read_text(), torch.__version__, str(torch.version.cuda), " ".join(CFLAGS)):
+    texts = [f"{path.relative_to(CSRC).as_posix()}\n{path.read_text()}" for path in sources()]
+    for part in (*texts, torch.__version__, str(torch.version.cuda), " ".join(CFLAGS)):
         h.update(part.encode() + b"\0")
     return f"sparserl_fastpath_{h.hexdigest()[:16]}"
 
@@ -163,10 +190,12 @@ def build() -> Path:
     def compile_library() -> None:
         from torch.utils.cpp_extension import load
 
-        source = path.parent / "fastpath.cpp"
-        source.write_text(SOURCE.read_text())
-        load(name=path.stem, sources=[str(source)], build_directory=str(path.parent), with_cuda=True,
-             is_python_module=False, extra_cflags=list(CFLAGS), verbose=False)
+        for source in sources():  # laid out in the build folder as under csrc/, for the includes
+            copy = path.parent / source.relative_to(CSRC)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_text(source.read_text())
+        load(name=path.stem, sources=[str(path.parent / SOURCE.name)], build_directory=str(path.parent),
+             with_cuda=True, is_python_module=False, extra_cflags=list(CFLAGS), verbose=False)
 
     with exclusive(path.parent):
         verified_build(path, done, compile_library)
