@@ -390,8 +390,12 @@ def test_bench_eager_summary_markdown_and_plot():
     assert "| default float32 spmv | 1 | 3.00× | 3.00× | 0 | 1.50× | 5.0 (20.0) | 2.5, 2.5 µs | 1.5 µs | 1 | 1/1 |" in text
     assert "| b | 32 | float32 | off | 0.50× | 20.0 (10.0) |" in text
     assert "| a | 32 | bfloat16 | off | 1.25× | 8.0 (10.0) |" in text
-    svg = ET.fromstring(eager.svg(doc))
-    assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 4
+    picture = ET.fromstring(eager.plot(doc))
+    columns = {e.get("id"): e for e in picture.iter() if (e.get("id") or "").startswith("points-")}
+    # a column per (dtype, product, runtime) that ran, a point per cell
+    assert sorted(len([u for u in g.iter() if u.tag.endswith("use")]) for g in columns.values()) == [1, 1, 2]
+    texts = " ".join(t.text or "" for t in picture.iter() if t.tag.endswith("text"))
+    assert "spmv default" in texts and "n=32 off" in texts and "n=32 off bf16" in texts
 
 
 def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
@@ -415,7 +419,10 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     assert "| sparserl_compiled |" in text and "after 3 untimed steps of torch's way" in text
     assert "in 2 round(s)" in text and "| 1.00× / 1.00× |" in text  # torch against itself
     picture = ET.fromstring(out.with_suffix(".svg").read_text())
-    assert len([e for e in picture.iter() if e.tag.endswith("circle")]) == 3 * 2 * 2  # ways x rounds x epochs
+    def points(prefix):
+        return sum(len([u for u in g.iter() if u.tag.endswith("use")]) for g in picture.iter()
+                   if (g.get("id") or "").startswith(prefix))
+    assert (points("first-"), points("later-")) == (3 * 2, 3 * 2)  # ways x rounds, each round's first and second
     # --breakdown: the sparserl ways' per-pattern host work, one ts.csr and its check per step
     parts = doc["ways"]["sparserl"]["host_ms_per_step"]
     assert parts["ts.csr"]["calls"] == 1 and parts["index check"]["calls"] == 1 and parts["index check"]["ms"] > 0
@@ -488,7 +495,7 @@ def test_bench_classes_markdown_and_refusal_without_a_gpu(monkeypatch):
 
 
 def test_profile_cell_refuses_without_a_gpu(monkeypatch, capsys):
-    profile = load_benchmark("profile_cell")
+    profile = load_benchmark("probes/profile_cell")
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
