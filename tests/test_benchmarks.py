@@ -1,18 +1,21 @@
-"""The benchmarks on the CPU: the kernel benchmark's runner and reports with a fake autotuner, and
-the other scripts' summaries, Markdown, plots and smoke runs."""
+"""The benchmarks on the CPU: the kernel benchmark's runner and reports with a fake autotuner, the
+other scripts' summaries, Markdown, plots and smoke runs, and the folder's rules (every script
+imports the common core, never another script, and answers --help)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import statistics
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.sparse
 
-from helpers import load_benchmark
+from helpers import BENCHMARKS, load_benchmark
 
 common = load_benchmark("common")
 bench = load_benchmark("bench_kernels")
@@ -505,3 +508,67 @@ def test_profile_cell_refuses_without_a_gpu(monkeypatch, capsys):
         profile.main(["results.json", "cora", "spmm", "32"])
     assert "no CUDA device here" in capsys.readouterr().err
 
+
+# ------------------------------------------------------------------------- the folder's rules
+
+# The evaluator's kernel timing has no public name: common/timing.py is the one place that
+# reaches it (the probes time kernels as the evaluator times candidates).
+PRIVATE_IMPORTS_ALLOWED = {("common/timing.py", "torch_sparserl.evaluate.harness"): {"_flush_buffer", "_time"}}
+
+
+def _benchmark_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "results" not in p.relative_to(root).parts)
+
+
+def import_violations(root: Path) -> list[str]:
+    """Imports under ``root`` (a benchmarks folder) of another script, or of a private name."""
+    scripts = {p.stem for p in _benchmark_files(root) if p.relative_to(root).parts[0] != "common"}
+    found = []
+    for path in _benchmark_files(root):
+        where = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=where)):
+            if isinstance(node, ast.Import):
+                imported = [(alias.name, []) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+                imported = [(node.module, [alias.name for alias in node.names])]
+            else:
+                continue
+            for module, names in imported:
+                top = module.split(".")[0]
+                if top in scripts and top != path.stem:
+                    found.append(f"{where}:{node.lineno}: imports the script {top}")
+                private = {name for name in names if name.startswith("_")}
+                private -= PRIVATE_IMPORTS_ALLOWED.get((where, module), set())
+                if private:
+                    found.append(f"{where}:{node.lineno}: imports {', '.join(sorted(private))} from {module}")
+    return found
+
+
+def test_scripts_share_code_through_the_common_core_only():
+    """No script imports another script (the shared code is in benchmarks/common), and nothing
+    imports a private name of another module."""
+    assert import_violations(BENCHMARKS) == []
+
+
+def test_the_rule_finds_a_sibling_and_a_private_import(tmp_path):
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "bench_a.py").write_text("import sys\nfrom common import geomean\n")
+    (tmp_path / "bench_b.py").write_text("def main():\n    from bench_a import _helper\n")
+    (tmp_path / "probes" / "probe_c.py").write_text("import bench_a\nfrom torch_sparserl.evaluate.harness import _time\n")
+    assert import_violations(tmp_path) == [
+        "bench_b.py:2: imports the script bench_a", "bench_b.py:2: imports _helper from bench_a",
+        "probes/probe_c.py:1: imports the script bench_a",
+        "probes/probe_c.py:2: imports _time from torch_sparserl.evaluate.harness"]
+
+
+SCRIPTS = [p.relative_to(BENCHMARKS).with_suffix("").as_posix() for p in _benchmark_files(BENCHMARKS)
+           if p.relative_to(BENCHMARKS).parts[0] != "common"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_imports_and_answers_help(script, capsys):
+    module = load_benchmark(script)
+    with pytest.raises(SystemExit) as info:
+        module.main(["--help"])
+    assert info.value.code == 0
+    assert "-h, --help" in capsys.readouterr().out
