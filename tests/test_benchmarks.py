@@ -1,12 +1,14 @@
 """The benchmarks on the CPU: the kernel benchmark's runner and reports with a fake autotuner, the
-other scripts' summaries, Markdown, plots and smoke runs, and the folder's rules (every script
-imports the common core, never another script, and answers --help)."""
+other scripts' summaries, Markdown, plots and smoke runs, and the folder's rules: every script
+imports the common core, never another script, and answers --help; results/ holds only what the
+documents quote, under 5 MB."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import json
+import re
 import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -572,3 +574,49 @@ def test_every_script_imports_and_answers_help(script, capsys):
         module.main(["--help"])
     assert info.value.code == 0
     assert "-h, --help" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------ results
+
+REPO = BENCHMARKS.parent
+RESULTS = BENCHMARKS / "results"
+RESULTS_MAX_BYTES = 5 * 2**20
+# The documents that quote results: a file in benchmarks/results that none of them names is a
+# run nobody reads (older runs belong to the git history).
+DOCS = [REPO / "README.md", BENCHMARKS / "README.md", REPO / "training" / "README.md",
+        *sorted((REPO / "docs").glob("*.md"))]
+FILE_NAME = re.compile(r"[\w.+-]+\.(?:md|json|svg|jsonl)\b")
+
+
+def quoted_names(docs: list[Path]) -> set[str]:
+    return set(FILE_NAME.findall("\n".join(p.read_text() for p in docs)))
+
+
+def unquoted_results(results: Path, docs: list[Path]) -> list[str]:
+    """Files under ``results`` that no document names; a named summary (``x.md``) covers its run's
+    JSON and plot (``x.json``, ``x.svg``)."""
+    quoted = quoted_names(docs)
+    summaries = {Path(name).stem for name in quoted if name.endswith(".md")}
+    return sorted(p.name for p in results.rglob("*") if p.is_file()
+                  and p.name not in quoted and p.stem not in summaries)
+
+
+def test_results_hold_only_quoted_summaries_under_5_mb():
+    size = sum(p.stat().st_size for p in RESULTS.rglob("*") if p.is_file())
+    assert size <= RESULTS_MAX_BYTES, f"benchmarks/results holds {size / 2**20:.1f} MB (at most 5 MB)"
+    assert unquoted_results(RESULTS, DOCS) == []
+
+
+def test_an_unquoted_result_is_found(tmp_path):
+    (tmp_path / "results").mkdir()
+    for name in ("gnn-x-2026-01-01.json", "gnn-x-2026-01-01.md", "gnn-x-2026-01-01.svg", "old-2025-01-01.json",
+                 "eager-2026-01-02.json"):
+        (tmp_path / "results" / name).write_text("{}")
+    (tmp_path / "README.md").write_text("See `results/gnn-x-2026-01-01.md` and results/eager-2026-01-02.json.")
+    assert unquoted_results(tmp_path / "results", [tmp_path / "README.md"]) == ["old-2025-01-01.json"]
+
+
+def test_the_docs_quote_results_that_exist():
+    dated = {name for name in quoted_names(DOCS) if re.search(r"-20\d\d-\d\d-\d\d", name)}
+    places = [RESULTS, REPO / "training" / "labels", REPO / "training" / "results"]
+    assert sorted(name for name in dated if not any((place / name).exists() for place in places)) == []
