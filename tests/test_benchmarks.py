@@ -264,6 +264,29 @@ def test_report_cli_rerenders(tmp_path, two_matrices):
     bench.companion(path, ".svg").unlink()
     assert bench.main(["--report", str(path)]) == 0
     assert bench.companion(path, ".md").exists() and bench.companion(path, ".svg").exists()
+    document = json.loads(path.read_text())
+    assert bench.plot(document) == bench.companion(path, ".svg").read_text()  # the same plot, drawn again
+
+
+@pytest.mark.parametrize("content", ['{"schema": "torch_sparserl.bench_gnn/1", "rows": []}', "not json", None])
+def test_report_refuses_what_is_not_a_kernel_results_file(tmp_path, capsys, content):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--report", str(path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and f"--report {path}" in err
+
+
+def test_the_environment_names_the_checkout_and_its_commit():
+    import subprocess
+
+    env = common.environment()
+    head = subprocess.run(["git", "-C", str(BENCHMARKS), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert env["commit"] is None if not head else env["commit"].rstrip("+") == head  # None outside a checkout
+    assert env["gpu_slug"] == common.gpu_slug(env["gpu"])
 
 
 # -------------------------------------------------------------------------------- grid, CLI

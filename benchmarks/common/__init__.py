@@ -9,7 +9,7 @@ another script.
 * :mod:`.tables` — Markdown rows, headers and the runs line;
 * :mod:`.results` — results files: names, JSON, the summary and the plot beside it;
 * :mod:`.plots` — matplotlib figures as SVG (the ``bench`` extra);
-* :mod:`.gnn` — GNN models, ways and batches (``import common.gnn``: it needs torch and SciPy);
+* :mod:`.gnn` — GNN models, ways and batches (``from common import gnn``; not re-exported);
 * :mod:`.spmv_probe` — the SpMV kernel the x-gather probes vary;
 * :mod:`.errors` — bad command-line input.
 """
