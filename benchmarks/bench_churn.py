@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import environment, results_path, rss_mb, tables, write_json_md  # noqa: E402
+
 SCHEMA = "torch_sparserl.bench_churn/1"
 
 
@@ -75,7 +77,6 @@ def random_pattern(rng, rows: int, nnz: int):
 
 def snapshot(step: int, started: float, cache, runtime, folder: Path) -> dict:
     import torch
-    from bench_minibatch import rss_mb
 
     from torch_sparserl import pattern as patterns
     from torch_sparserl.jit import fastpath
@@ -96,13 +97,13 @@ def run(args) -> dict:
     import torch
 
     import torch_sparserl as ts
-    from bench_minibatch import rss_mb
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import KernelCache
 
     folder = Path(tempfile.mkdtemp(prefix="sparserl-churn-"))
     cache = KernelCache(folder, max_bytes=int(args.cache_max_mb * (1 << 20)))
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", admit_calls=1), cache=cache,
+    runtime = rt.Runtime(JitOptions(mode="sync", admit_calls=1), cache=cache,
                          specializer=specializer_with_real_sources(), installer=torch_installer, devices=("cpu",))
     previous = rt.set_active(runtime)
     rng = np.random.default_rng(0)
@@ -164,13 +165,14 @@ def markdown(doc: dict) -> str:
     if s["us_per_pattern_first"] is not None:
         lines += [f"- host time per step: {s['us_per_pattern_first']:.0f} µs over the first checkpoint's "
                   f"steps, {s['us_per_pattern_last']:.0f} µs over the last's", ""]
-    lines += ["| patterns | s | RSS MB | cache MB | entries | lock files | in-memory entries | pattern table | "
-              "decision table | C++ entries |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += tables.header(["patterns", "s", "RSS MB", "cache MB", "entries", "lock files", "in-memory entries",
+                            "pattern table", "decision table", "C++ entries"], "r" * 10)
     for p in doc["result"]["points"]:
-        lines.append(f"| {p['patterns']:,} | {p['seconds']:.1f} | {p['rss_mb']:.1f} | {p['cache_bytes'] / 2**20:.2f} | "
-                     f"{p['cache_entries']} | {p['lock_files']} | {p['memory_entries']} | {p['pattern_table']} | "
-                     f"{p['decision_table']} | {'–' if p['cxx_entries'] is None else p['cxx_entries']} |")
-    lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
+        lines.append(tables.row([f"{p['patterns']:,}", f"{p['seconds']:.1f}", f"{p['rss_mb']:.1f}",
+                                 f"{p['cache_bytes'] / 2**20:.2f}", p["cache_entries"], p["lock_files"],
+                                 p["memory_entries"], p["pattern_table"], p["decision_table"],
+                                 "–" if p["cxx_entries"] is None else p["cxx_entries"]]))
+    lines += ["", tables.runs_line(doc["runs"])]
     return "\n".join(lines) + "\n"
 
 
@@ -186,9 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.patterns, args.every, args.rows, args.nnz, args.n) < 1 or args.cache_max_mb <= 0:
         parser.error("--patterns, --every, --rows, --nnz and --n must be >= 1 and --cache-max-mb > 0")
-
-    from bench_kernels import environment
-    from report import results_path, write_json_md
 
     env = environment()
     doc = {"schema": SCHEMA, "env": env,

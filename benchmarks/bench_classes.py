@@ -28,33 +28,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import environment, gpu_us, host_us, load_graph, results_path, tables, write_json_md  # noqa: E402
+from common.gnn import PreparedBatch  # noqa: E402
+
 SCHEMA = "torch_sparserl.bench_classes/1"
 WAYS = ("torch", "young", "class")
 
 
-def _host_us(products, fn, repeats: int) -> float:
-    import torch
-
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
+def _per_product(products, fn):
+    """A call of ``fn`` on every product's operands in turn (timed whole, divided by their count)."""
+    def loop():
         for operands in products:
             fn(*operands)
-        best = min(best, (time.perf_counter() - started) / len(products) * 1e6)
-        torch.cuda.synchronize()
-    return best
-
-
-def _gpu_us(products, fn) -> float:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for operands in products:
-            fn(*operands)
-        torch.cuda.synchronize()
-    return sum(event.device_time_total for event in prof.key_averages()) / len(products)
+    return loop
 
 
 def measure(batches, n: int, repeats: int, budget_s: float) -> dict:
@@ -62,13 +48,14 @@ def measure(batches, n: int, repeats: int, budget_s: float) -> dict:
     import torch
 
     import torch_sparserl as ts
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import KernelCache
 
     device = torch.device("cuda")
-    classed = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=1e9, class_after=3, budget_s=budget_s),
+    classed = rt.Runtime(JitOptions(mode="background", admit_age_s=1e9, class_after=3, budget_s=budget_s),
                          cache=KernelCache(tempfile.mkdtemp(prefix="sparserl-classes-")))
-    plain = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=1e9, class_after=0),
+    plain = rt.Runtime(JitOptions(mode="background", admit_age_s=1e9, class_after=0),
                        cache=KernelCache(tempfile.mkdtemp(prefix="sparserl-young-")))
     previous = rt.set_active(classed)
     try:
@@ -85,14 +72,14 @@ def measure(batches, n: int, repeats: int, budget_s: float) -> dict:
         out = {"n": n, "decision_wait_s": decided_s, "classes": classes, "host_us": {}, "gpu_us": {}}
         before = classed.stats["class_calls"]
         for way in ("torch", "class"):
-            out["host_us"][way] = _host_us(products, ways[way], repeats)
-            out["gpu_us"][way] = _gpu_us(products, ways[way])
+            out["host_us"][way] = host_us(_per_product(products, ways[way]), calls=1, repeats=repeats) / len(products)
+            out["gpu_us"][way] = gpu_us(_per_product(products, ways[way]), calls=1) / len(products)
         out["class_calls"] = classed.stats["class_calls"] - before
         out["max_abs_diff"] = max(float((A @ X - torch.sparse.mm(T, X)).abs().max()) for T, A, X in products)
         rt.set_active(plain)  # matrices staged under it: young in C++ (fastpath.young_ns)
         products = [(T, ts.csr(b.csr, (b.n, b.n), device=device), X) for (T, _, X), b in zip(products, batches)]
-        out["host_us"]["young"] = _host_us(products, ways["class"], repeats)
-        out["gpu_us"]["young"] = _gpu_us(products, ways["class"])
+        out["host_us"]["young"] = host_us(_per_product(products, ways["class"]), calls=1, repeats=repeats) / len(products)
+        out["gpu_us"]["young"] = gpu_us(_per_product(products, ways["class"]), calls=1) / len(products)
         out["young_calls"] = plain.stats["young_calls"]
         return out
     finally:
@@ -110,18 +97,19 @@ def markdown(doc: dict) -> str:
              "time under torch.profiler). `torch`: `torch.sparse.mm`; `young`: `ts.csr(...) @ X` with class "
              "kernels off (the default: cuSPARSE, called from C++ without Python); `class`: the same with the "
              "class's kernel.",
-             "", "| N | host µs torch / young / class | GPU µs torch / young / class | class GPU speedup over torch "
-                 "| class calls | decision waited s | max abs diff |", "|---:|---|---|---:|---:|---:|---:|"]
+             "", *tables.header(["N", "host µs torch / young / class", "GPU µs torch / young / class",
+                                 "class GPU speedup over torch", "class calls", "decision waited s", "max abs diff"],
+                                "rllrrrr")]
     for r in doc["widths"]:
         h, g = r["host_us"], r["gpu_us"]
-        lines.append(f"| {r['n']} | {h['torch']:.1f} / {h['young']:.1f} / {h['class']:.1f} | "
-                     f"{g['torch']:.1f} / {g['young']:.1f} / {g['class']:.1f} | "
-                     f"{g['torch'] / g['class']:.2f}× | {r['class_calls']} | {r['decision_wait_s']:.1f} | "
-                     f"{r['max_abs_diff']:.1e} |")
+        lines.append(tables.row([r["n"], f"{h['torch']:.1f} / {h['young']:.1f} / {h['class']:.1f}",
+                                 f"{g['torch']:.1f} / {g['young']:.1f} / {g['class']:.1f}",
+                                 f"{g['torch'] / g['class']:.2f}×", r["class_calls"], f"{r['decision_wait_s']:.1f}",
+                                 f"{r['max_abs_diff']:.1e}"]))
     lines += ["", "Classes decided:", ""]
     for r in doc["widths"]:
         lines += [f"- N={r['n']}: `{c['class']}` {c['op']} n={c['n']}: {c['served_by']}" for c in r["classes"]]
-    lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
+    lines += ["", tables.runs_line(doc["runs"])]
     return "\n".join(lines) + "\n"
 
 
@@ -142,10 +130,6 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         parser.error("bench_classes measures GPU products: no CUDA device here")
-    import bench_minibatch
-    from bench_gnn import load_graph
-    from bench_kernels import environment
-    from report import results_path, write_json_md
     from torch_sparserl.data.sampling import neighbor_batches
 
     A = load_graph(args.graph)
@@ -163,7 +147,7 @@ def main(argv=None) -> int:
         sampled = list(neighbor_batches(A, args.batch_size, fanouts, seed=i, limit=args.batches))
         doc["setup"].update(batches=len(sampled), mean_rows=float(np.mean([b.nodes.size for b in sampled])),
                             mean_nnz=float(np.mean([b.nnz for b in sampled])))
-        batches = [bench_minibatch._Prepared(b, "cuda") for b in sampled]
+        batches = [PreparedBatch(b, "cuda") for b in sampled]
         doc["widths"].append(measure(batches, n, args.repeats, args.budget_s))
         print(f"N={n}: {doc['widths'][-1]['host_us']} host us, {doc['widths'][-1]['gpu_us']} GPU us", flush=True)
     write_json_md(doc, path, markdown)

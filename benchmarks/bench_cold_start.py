@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import html
 import json
 import os
 import shutil
@@ -67,9 +66,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_gnn as bench  # noqa: E402
-from bench_gnn import _fmt  # noqa: E402
-from report import emit_markdown, geomean, results_path, write_json_md  # noqa: E402
+from common import (cuda_available, emit_markdown, environment, fmt, geomean, gnn, matrix_list, plots,  # noqa: E402
+                    results_path, tables, write_json_md)
 
 SCHEMA = "torch_sparserl.bench_cold_start/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000"]
@@ -79,7 +77,7 @@ TARGET_EPOCHS = 10  # the issue's target: the JIT repaid within the first 10 epo
 FIRST_EPOCHS = 10  # the report sums the epochs after the compile's over this many
 SLOW_START, SLOW_LAST, SLOW_SHOWN = 2.5, 1.3, 6  # the report's runs of slow epochs (slow_runs)
 EAGER_AFTER_EPOCHS = 100  # eager timed again after the compiled runs (the reference brackets them)
-SVG_POINTS = 400  # points per row in the plot (means of consecutive epochs)
+PLOT_POINTS = 400  # points per row in the plot (means of consecutive epochs)
 
 
 # ------------------------------------------------------------------------ analysis
@@ -201,7 +199,7 @@ def compare(paths: list[Path]) -> str:
     docs = [json.loads(Path(p).read_text()) for p in paths]
     keyed = [{(r["graph"], r["model"], r["hidden"]): row_metrics(r) for r in d.get("rows", [])} for d in docs]
     keys = [k for k in dict.fromkeys(k for runs in keyed for k in runs) if all(k in runs for runs in keyed)]
-    runs = " | ".join(f"run {i + 1}" for i in range(len(docs)))
+    runs = [f"run {i + 1}" for i in range(len(docs))]
     lines = [f"# First run on a graph: {len(docs)} runs compared", "",
              "Runs: " + ", ".join(f"`{Path(p).stem}` ({d['env'].get('gpu', '?')})" for p, d in zip(paths, docs))
              + f". Rows present in every run: {len(keys)}. Break-even in epochs (target: {TARGET_EPOCHS}; — : "
@@ -217,27 +215,27 @@ def compare(paths: list[Path]) -> str:
                                                           "0: during it)", ".1f", " s"),
                                       ("during_jit_vs_eager", "During JIT vs eager", ".2f", "×"),
                                       ("steady_speedup_vs_eager", "Steady vs eager", ".2f", "×")):
-        lines += [f"## {title}", "", f"| graph | model | hidden | {runs} |", "|---|---|---:|" + "---:|" * len(docs)]
+        lines += [f"## {title}", "", *tables.header(["graph", "model", "hidden", *runs], "llr" + "r" * len(docs))]
         # rows of older runs did not time eager over the cold run's span: nothing to show there
         timed = {"breakeven_measured_epochs": lambda m: m["eager_span"],
                  "off_breakeven_epochs": lambda m: "off_breakeven_epochs" in m,
                  "off_breakeven_measured_epochs": lambda m: m["eager_span"] and "off_breakeven_epochs" in m,
                  }.get(metric, lambda m: True)
         for k in keys:
-            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(
-                _fmt(r[k].get(metric), spec, unit) if timed(r[k]) else "not timed" for r in keyed) + " |")
+            lines.append(tables.row([*k, *(fmt(r[k].get(metric), spec, unit) if timed(r[k]) else "not timed"
+                                           for r in keyed)]))
         if "breakeven" in metric:
             repaid = [f"{sum(1 for k in keys if (r[k][metric] or TARGET_EPOCHS + 1) <= TARGET_EPOCHS)} of "
                       f"{sum(1 for k in keys if timed(r[k]))}" if any(timed(r[k]) for k in keys) else "not timed"
                       for r in keyed]
-            lines.append(f"| **repaid within {TARGET_EPOCHS}** | | | " + " | ".join(repaid) + " |")
+            lines.append(tables.row([f"**repaid within {TARGET_EPOCHS}**", "", "", *repaid]))
         elif metric == "decided_after_s":
-            lines.append("| **median** | | | " + " | ".join(
-                _fmt(statistics.median(v) if (v := [r[k][metric] for k in keys if r[k].get(metric) is not None])
-                     else None, spec, unit) for r in keyed) + " |")
+            lines.append(tables.row(["**median**", "", "", *(
+                fmt(statistics.median(v) if (v := [r[k][metric] for k in keys if r[k].get(metric) is not None])
+                    else None, spec, unit) for r in keyed)]))
         else:
-            lines.append("| **geometric mean** | | | " + " | ".join(
-                _fmt(geomean(r[k].get(metric) for k in keys), spec, unit) for r in keyed) + " |")
+            lines.append(tables.row(["**geometric mean**", "", "", *(
+                fmt(geomean(r[k].get(metric) for k in keys), spec, unit) for r in keyed)]))
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -246,16 +244,16 @@ def compare(paths: list[Path]) -> str:
 
 
 def _timed(epoch, device) -> tuple[float, float]:
-    bench._sync(device)
+    gnn.sync(device)
     start = time.perf_counter()
     loss = epoch()
-    bench._sync(device)
+    gnn.sync(device)
     return round((time.perf_counter() - start) * 1e3, 4), float(loss)
 
 
 def run_eager(model, hidden, graph, device, epochs: int) -> dict:
-    task = bench.build_task("eager", model, hidden, graph, device, SimpleNamespace(mode="default"))
-    epoch = bench.epoch_fn(task)
+    task = gnn.build_task("eager", model, hidden, graph, device, SimpleNamespace(mode="default"))
+    epoch = gnn.epoch_fn(task)
     stolen = steal_s()
     times, losses = zip(*(_timed(epoch, device) for _ in range(epochs)))
     return {"first_epoch_s": times[0] / 1e3, "epoch_ms": statistics.median(times[LOSS_EPOCHS:] or times[1:]),
@@ -264,17 +262,16 @@ def run_eager(model, hidden, graph, device, epochs: int) -> dict:
 
 def run_off(model, hidden, graph, device, epochs: int, mode: str = "default") -> dict:
     """Compiled with the runtime off: the compile alone, then cuSPARSE inside the graph."""
-    import torch
     from torch_sparserl.jit import runtime as rt
 
     rt.configure(mode="off")
-    bench.reset_compiled()
+    gnn.reset_compiled()
     A = graph[f"csr_matrix_{model}"]
-    task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode=mode),
-                            adjacency=bench.fresh_copy(A))
-    epoch = bench.epoch_fn(task)
+    task = gnn.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode=mode),
+                            adjacency=gnn.fresh_copy(A))
+    epoch = gnn.epoch_fn(task)
     times = [_timed(epoch, device)[0] for _ in range(epochs)]
-    bench.reset_compiled()
+    gnn.reset_compiled()
     return {"first_epoch_s": times[0] / 1e3, "epoch_ms": statistics.median(times[LOSS_EPOCHS:] or times[1:]),
             "epochs_ms": times[1:]}
 
@@ -290,17 +287,16 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
     product is decided, the runtime is no longer busy, and ``after`` epochs more have run (or
     ``max_s`` has passed).
     ``runtime``: use this one instead of configuring the process's (tests)."""
-    import torch
     from torch_sparserl.jit import runtime as rt
 
     if runtime is None:
         runtime = rt.configure(mode=jit)
     else:
         rt.set_active(runtime)
-    bench.reset_compiled()
-    A = bench.fresh_copy(graph[f"csr_matrix_{model}"])
-    task = bench.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode=mode), adjacency=A)
-    epoch = bench.epoch_fn(task)
+    gnn.reset_compiled()
+    A = gnn.fresh_copy(graph[f"csr_matrix_{model}"])
+    task = gnn.build_task("sparserl", model, hidden, graph, device, SimpleNamespace(mode=mode), adjacency=A)
+    epoch = gnn.epoch_fn(task)
     first_ms, first_loss = _timed(epoch, device)
     epochs_ms, pending, losses = [], [], [first_loss]
     decided_at, idle_at, started, stolen = None, None, time.perf_counter(), steal_s()
@@ -336,7 +332,7 @@ def run_cold(model, hidden, graph, device, *, jit: str, after: int, max_s: float
               "losses": losses[:LOSS_EPOCHS], "waited_s": runtime.stats["jit_s"],
               "background_s": runtime.stats["background_s"], "stats": dict(runtime.stats), "steal_s": stolen,
               "kernels": runtime.decisions(A.crow, A.col, A.shape[1])}
-    bench.reset_compiled()
+    gnn.reset_compiled()
     return result
 
 
@@ -346,7 +342,7 @@ def measure_row(name: str, model: str, hidden: int, device_name: str, *, jit: st
     import torch
 
     device = torch.device(device_name)
-    graph = graph or bench.prepare_graph(name, device)
+    graph = graph or gnn.prepare_graph(name, device)
     row = {"graph": name, "n": graph["n"], "nnz": graph["nnz"], "model": model, "hidden": hidden, "mode": mode,
            "order": ["eager", "cold"]}
     row["eager"] = run_eager(model, hidden, graph, device, eager_epochs)
@@ -389,7 +385,7 @@ def _within(metrics: list[dict], key: str) -> int:
 def _control(m: dict) -> str:
     if "off_breakeven_epochs" not in m:
         return "not timed"
-    return f"{_fmt(m['off_breakeven_epochs'], 'd')} / {_fmt(m.get('off_breakeven_measured_epochs'), 'd')}"
+    return f"{fmt(m['off_breakeven_epochs'], 'd')} / {fmt(m.get('off_breakeven_measured_epochs'), 'd')}"
 
 
 def markdown(doc: dict) -> str:
@@ -424,30 +420,28 @@ def markdown(doc: dict) -> str:
              + (" *Control*: the runtime-off run (no JIT to repay; cuSPARSE in the compiled graph), timed for as many "
                 "epochs as the cold run, by the same rule (against eager's epochs then its median / against eager "
                 "measured over the run): what the rule makes of the host's drift alone." if controls else ""), "",
-             "| graph | model | hidden | eager ms | compile s (runtime off / on) | waited ms "
-             f"| epochs 2–{FIRST_EPOCHS + 1} ms (eager / off / on) | decided after "
-             "| during JIT vs eager | steady vs eager | closed vs eager | off vs eager | break-even epochs"
-             + (" | vs eager measured over the run" if spans else "") + (" | control" if controls else "")
-             + " | kernels | losses equal |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|" + ("---:|" if spans else "")
-             + ("---:|" if controls else "") + "---|---|"]
+             *tables.header(["graph", "model", "hidden", "eager ms", "compile s (runtime off / on)", "waited ms",
+                             f"epochs 2–{FIRST_EPOCHS + 1} ms (eager / off / on)", "decided after",
+                             "during JIT vs eager", "steady vs eager", "closed vs eager", "off vs eager",
+                             "break-even epochs", *(["vs eager measured over the run"] if spans else []),
+                             *(["control"] if controls else []), "kernels", "losses equal"],
+                            "llrrrrrlrrrrr" + "r" * (spans + controls))]
     for row in rows:
         m, cold = row_metrics(row), row["cold"]
         first = m["first_epochs_ms"]
         installed = sum(v.startswith("installed") for v in cold["kernels"].values())
-        decided = (f"{cold['decided_after_epochs']} ({_fmt(cold['decided_after_s'], '.1f', ' s')})"
+        decided = (f"{cold['decided_after_epochs']} ({fmt(cold['decided_after_s'], '.1f', ' s')})"
                    if cold["all_decided"] else f"not within the run ({len(cold['epochs_ms'])} epochs)")
         bracket = f" ({row['eager']['epoch_ms']:.2f} / {row['eager_after']['epoch_ms']:.2f})" if "eager_after" in row else ""
-        lines.append(f"| {row['graph']} | {row['model']} | {row['hidden']} | {m['eager_ms']:.2f}{bracket} | "
-                     f"{_fmt(m.get('compile_s'), '.1f')} / {cold['first_epoch_s']:.1f} | {cold['waited_s'] * 1e3:.0f} | "
-                     f"{first['eager']:.0f} / {_fmt(first.get('off'), '.0f')} / {first['cold']:.0f} | {decided} | "
-                     f"{_fmt(m.get('during_jit_vs_eager'), '.2f', '×')} | {_fmt(m['steady_speedup_vs_eager'], '.2f', '×')} | "
-                     f"{_fmt(m.get('closed_speedup_vs_eager'), '.2f', '×')} | {_fmt(m.get('off_speedup_vs_eager'), '.2f', '×')} | "
-                     f"{_fmt(m['breakeven_epochs'], 'd')} | "
-                     + (f"{_fmt(m['breakeven_measured_epochs'], 'd')} | " if spans else "")
-                     + (f"{_control(m)} | " if controls else "")
-                     + f"{installed} of {len(cold['kernels'])} installed | "
-                     f"{'yes' if m['losses_equal'] else 'no'} ({m['loss_rel_diff']:.1e}) |")
+        lines.append(tables.row([
+            row["graph"], row["model"], row["hidden"], f"{m['eager_ms']:.2f}{bracket}",
+            f"{fmt(m.get('compile_s'), '.1f')} / {cold['first_epoch_s']:.1f}", f"{cold['waited_s'] * 1e3:.0f}",
+            f"{first['eager']:.0f} / {fmt(first.get('off'), '.0f')} / {first['cold']:.0f}", decided,
+            fmt(m.get("during_jit_vs_eager"), ".2f", "×"), fmt(m["steady_speedup_vs_eager"], ".2f", "×"),
+            fmt(m.get("closed_speedup_vs_eager"), ".2f", "×"), fmt(m.get("off_speedup_vs_eager"), ".2f", "×"),
+            fmt(m["breakeven_epochs"], "d"), *([fmt(m["breakeven_measured_epochs"], "d")] if spans else []),
+            *([_control(m)] if controls else []), f"{installed} of {len(cold['kernels'])} installed",
+            f"{'yes' if m['losses_equal'] else 'no'} ({m['loss_rel_diff']:.1e})"]))
     if rows:
         metrics = [row_metrics(r) for r in rows]
         within, measured = _within(metrics, "breakeven_epochs"), _within(metrics, "breakeven_measured_epochs")
@@ -459,9 +453,9 @@ def markdown(doc: dict) -> str:
             against += (f"; the control, {_within(controlled, 'off_breakeven_epochs')} of {len(controlled)} "
                         f"({_within(controlled, 'off_breakeven_measured_epochs')} against eager measured over the run)")
         lines += ["", f"Repaid within {TARGET_EPOCHS} epochs: {within} of {len(rows)} rows{against}. Geometric means: "
-                  f"during JIT {_fmt(geomean(m.get('during_jit_vs_eager') for m in metrics), '.2f', '×')} eager, "
-                  f"steady {_fmt(geomean(m['steady_speedup_vs_eager'] for m in metrics), '.2f', '×')} eager, "
-                  f"compiled with the runtime off {_fmt(geomean(m.get('off_speedup_vs_eager') for m in metrics), '.2f', '×')} eager."]
+                  f"during JIT {fmt(geomean(m.get('during_jit_vs_eager') for m in metrics), '.2f', '×')} eager, "
+                  f"steady {fmt(geomean(m['steady_speedup_vs_eager'] for m in metrics), '.2f', '×')} eager, "
+                  f"compiled with the runtime off {fmt(geomean(m.get('off_speedup_vs_eager') for m in metrics), '.2f', '×')} eager."]
         lines += ["", f"Runs of slow epochs in the cold run (one starts at an epoch over {SLOW_START}× the run's median and "
                   f"lasts while epochs stay over {SLOW_LAST}×; the {SLOW_SHOWN} largest, in order: ms over the median "
                   "at epoch k (the compile's is epoch 1), seconds into the timed epochs; † a decision landed within 3 "
@@ -481,54 +475,41 @@ def markdown(doc: dict) -> str:
         for row in rows:
             lines.append(f"- {row['graph']} {row['model']} {row['hidden']}: "
                          + "; ".join(f"{k}: {v}" for k, v in row["cold"]["kernels"].items()))
-    lines += ["", "Runs:", ""] + [f"- `{r['command']}` ({r['started']})" for r in doc.get("runs", [])]
+    lines += ["", "Runs:", ""] + tables.run_bullets(doc.get("runs", []))
     return "\n".join(lines) + "\n"
 
 
-def svg(doc: dict) -> str:
+def plot(doc: dict) -> str:
     """Each row's cold epochs as eager's epoch over them, against seconds since the first epoch."""
+    fig, (ax,) = plots.figure("First run, background JIT: eager epoch / cold epoch — "
+                              + str(doc.get("env", {}).get("gpu", "?")), width=9.0, height=4.4)
     rows = doc.get("rows", [])
-    left, top, w, h = 60, 40, 640, 300
-    series = []
-    for row in rows:
-        eager, t, points = eager_ms(row), 0.0, []
+    if not rows:
+        plots.no_results(ax)
+        return plots.to_svg(fig)
+    for i, row in enumerate(rows):
+        eager, t, times, ratios = eager_ms(row), 0.0, [], []
         epochs = row["cold"]["epochs_ms"]
-        step = max(1, len(epochs) // SVG_POINTS)  # one point per `step` epochs: their mean
-        for i in range(0, len(epochs), step):
-            chunk = epochs[i:i + step]
+        step = max(1, len(epochs) // PLOT_POINTS)  # one point per `step` epochs: their mean
+        for k in range(0, len(epochs), step):
+            chunk = epochs[k:k + step]
             t += sum(chunk) / 1e3
-            points.append((t, eager * len(chunk) / sum(chunk)))
-        series.append((f"{row['graph'][:16]} {row['model']} {row['hidden']}", points))
-    t_max = max([1.0] + [p[-1][0] for _, p in series if p])
-    y_max = max([2.0] + [y for _, p in series for _, y in p])
-    colors = ["#2b6cb0", "#e39b2d", "#38a169", "#c53030", "#805ad5", "#d69e2e", "#319795", "#718096"]
-
-    def xy(t, y):
-        return left + w * t / t_max, top + h * (1 - min(y, y_max) / y_max)
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + w + 220}" height="{top + h + 50}" '
-           'font-family="sans-serif" font-size="10"><rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{left}" y="20" font-size="13" font-weight="bold">'
-           f'{html.escape("First run, background JIT: eager epoch / cold epoch — " + str(doc.get("env", {}).get("gpu", "?")))}</text>']
-    for tick in range(0, int(y_max) + 1):
-        _, y = xy(0, tick)
-        out.append(f'<line x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="{"#000" if tick == 1 else "#ddd"}"/>'
-                   f'<text x="{left - 4}" y="{y + 3:.1f}" text-anchor="end">{tick}×</text>')
-    out.append(f'<text x="{left + w / 2}" y="{top + h + 30}" text-anchor="middle">seconds since the first epoch</text>')
-    for i, (label, points) in enumerate(series):
-        color = colors[i % len(colors)]
-        if points:
-            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(t, v) for t, v in points))
-            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.2" points="{path}">'
-                       f'<title>{html.escape(label)}</title></polyline>')
-        out.append(f'<rect x="{left + w + 12}" y="{top + i * 16}" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{left + w + 26}" y="{top + i * 16 + 9}">{html.escape(label)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+            times.append(t)
+            ratios.append(eager * len(chunk) / sum(chunk))
+        (line,) = ax.plot(times, ratios, color=plots.COLORS[i % len(plots.COLORS)], linewidth=1.2,
+                          label=f"{row['graph'][:16]} {row['model']} {row['hidden']}")
+        line.set_gid(f"row-{i}")
+    plots.times_axis(ax)
+    plots.unity(ax)
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, max([2.0] + [max(line.get_ydata(), default=0) for line in ax.get_lines()]))
+    ax.set_xlabel("seconds since the first epoch")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    return plots.to_svg(fig)
 
 
 def save(doc: dict, path: Path) -> None:
-    write_json_md(doc, path, markdown, svg)
+    write_json_md(doc, path, markdown, plot)
 
 
 # -------------------------------------------------------------------------- main
@@ -584,9 +565,7 @@ def main(argv=None) -> int:
     if args.compare:
         emit_markdown(compare([Path(p) for p in args.compare]), args.out)
         return 0
-    from bench_kernels import environment
-
-    device = args.device or ("cuda" if bench._cuda() else "cpu")
+    device = args.device or ("cuda" if cuda_available() else "cpu")
     if args.row:  # the child: one row, in this fresh process
         name, model, hidden = args.row
         row = measure_row(name, model, int(hidden), device, jit=args.jit, mode=args.mode, after=args.after,
@@ -606,7 +585,7 @@ def main(argv=None) -> int:
                                             + (argv if argv is not None else sys.argv[1:]))})
     done = {(r["graph"], r["model"], r["hidden"]) for r in doc["rows"]}
     fast = _fast_path_library(device)
-    for name in bench.split_graphs(args.graphs):
+    for name in matrix_list(args.graphs):
         for model in args.models.split(","):
             for hidden in map(int, args.hidden.split(",")):
                 if (name, model, hidden) in done:
@@ -631,8 +610,8 @@ def main(argv=None) -> int:
                 save(doc, path)
                 m = row_metrics(row)
                 print(f"{name} {model} h={hidden}: eager {m['eager_ms']:.2f} ms, compile "
-                      f"{_fmt(m.get('compile_s'), '.1f')} s, waited {row['cold']['waited_s'] * 1e3:.0f} ms, decided after "
-                      f"{row['cold']['decided_after_epochs']} epochs, steady {_fmt(m['steady_speedup_vs_eager'], '.2f')}x, "
+                      f"{fmt(m.get('compile_s'), '.1f')} s, waited {row['cold']['waited_s'] * 1e3:.0f} ms, decided after "
+                      f"{row['cold']['decided_after_epochs']} epochs, steady {fmt(m['steady_speedup_vs_eager'], '.2f')}x, "
                       f"break-even {m['breakeven_epochs']}", flush=True)
     save(doc, path)
     print(f"wrote {path}", flush=True)

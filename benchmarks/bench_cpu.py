@@ -20,31 +20,25 @@ import argparse
 import datetime as dt
 import json
 import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import command_line, cpu_model, fmt, select_matrices, tables, wall_us  # noqa: E402
+
 MATRICES = ["cora", "pubmed", "dblp-2010", "fb100_Cornell5"]
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Wall milliseconds of one call of ``fn``: the median of ``repeats`` calls after one untimed."""
+    return wall_us(fn, repeats=repeats) / 1e3
 
 
 def run(matrices, dtypes, ns, repeats: int) -> list[dict]:
     import torch
     import torch_sparserl as ts
-    from bench_kernels import select_matrices
     from torch_sparserl import pattern as patterns
     from torch_sparserl.kernels import reference, vendor
 
@@ -76,13 +70,9 @@ def run(matrices, dtypes, ns, repeats: int) -> list[dict]:
     return rows
 
 
-def _fmt(v, spec=".2f", suffix=""):
-    return "—" if v is None else f"{v:{spec}}{suffix}"
-
-
 def _line(row: dict) -> str:
     return (f"{row['matrix']:16s} {row['dtype']:9s} {row['op']} n={row['n']:3d}: operator {row['operator_ms']:8.2f} ms, "
-            f"torch {_fmt(row['torch_ms'])} ms, reference {row['reference_ms']:8.2f} ms")
+            f"torch {fmt(row['torch_ms'])} ms, reference {row['reference_ms']:8.2f} ms")
 
 
 def markdown(doc: dict) -> str:
@@ -92,14 +82,14 @@ def markdown(doc: dict) -> str:
              "(torch's sparse kernels behind the sparserl operator; for SDDMM the vendor kernel alone); "
              "*torch*: `torch.sparse.mm` on a torch CSR tensor with the same int32 indices; *reference*: the "
              "gather and `index_add_` that served CPU products before.", "",
-             "| matrix | nnz | dtype | op | N | operator ms | torch ms | reference ms | operator vs torch | reference / operator |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+             *tables.header(["matrix", "nnz", "dtype", "op", "N", "operator ms", "torch ms", "reference ms",
+                             "operator vs torch", "reference / operator"], "lrllrrrrrr")]
     for r in doc["rows"]:
         vs_torch = r["torch_ms"] / r["operator_ms"] if r["torch_ms"] else None
-        lines.append(f"| {r['matrix']} | {r['nnz']:,} | {r['dtype']} | {r['op']} | {r['n']} | {r['operator_ms']:.2f} | "
-                     f"{_fmt(r['torch_ms'])} | {r['reference_ms']:.2f} | {_fmt(vs_torch, '.2f', '×')} | "
-                     f"{r['reference_ms'] / r['operator_ms']:.2f}× |")
-    lines += ["", f"`{doc['command']}` ({doc['date']})", ""]
+        lines.append(tables.row([r["matrix"], f"{r['nnz']:,}", r["dtype"], r["op"], r["n"], f"{r['operator_ms']:.2f}",
+                                 fmt(r["torch_ms"]), f"{r['reference_ms']:.2f}", fmt(vs_torch, ".2f", "×"),
+                                 f"{r['reference_ms'] / r['operator_ms']:.2f}×"]))
+    lines += ["", command_line(doc["command"], doc["date"], label=None), ""]
     return "\n".join(lines)
 
 
@@ -115,9 +105,7 @@ def main(argv=None) -> int:
 
     warnings.simplefilter("ignore", UserWarning)  # torch's "sparse CSR support is in beta" notes
     rows = run(args.matrices.split(","), args.dtypes.split(","), [int(n) for n in args.n.split(",")], args.repeats)
-    from bench_kernels import _cpu_model
-
-    env = {"torch": torch.__version__, "cpu": _cpu_model() or platform.machine(),
+    env = {"torch": torch.__version__, "cpu": cpu_model() or platform.machine(),
            "threads": torch.get_num_threads(), "python": platform.python_version()}
     doc = {"schema": "torch_sparserl.bench_cpu/1", "env": env, "repeats": args.repeats, "rows": rows,
            "date": dt.datetime.now().isoformat(timespec="seconds"),

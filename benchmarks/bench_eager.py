@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import html
 import json
 import math
 import statistics
@@ -40,42 +39,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import (compare_us, environment, geomean, gpu_us, host_us, known_matrices, plots,  # noqa: E402
+                    results_path, tables, write_json_md)
+from common.timing import HOST_CALLS  # noqa: E402
+
 SCHEMA = "torch_sparserl.bench_eager/1"
 PRODUCTS = (1, 32, 128, 256)  # 1: SpMV
 MODES = ("off", "default")
 DTYPES = ("float32", "bfloat16", "float16")
-HOST_CALLS = 200  # under the GPU's launch queue: issuing is not held up by the device
-
-
-def gpu_us(fn, calls: int = 20) -> float:
-    """Device microseconds per call of everything ``fn`` launches (profiler)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
-                and not e.key.startswith("ProfilerStep"))
-    return total / calls
-
-
-def host_us(fn, calls: int = HOST_CALLS, repeats: int = 5) -> float:
-    """CPU microseconds per call of issuing ``fn``: the best of ``repeats`` loops."""
-    import torch
-
-    best = math.inf
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
 
 
 def measure_cell(M, name: str, n: int, mode: str, dtype_name: str = "float32") -> dict:
@@ -84,7 +55,6 @@ def measure_cell(M, name: str, n: int, mode: str, dtype_name: str = "float32") -
 
     import torch_sparserl as ts
     from torch_sparserl import pattern as patterns
-    from torch_sparserl.cli.measure import compare_us
     from torch_sparserl.dtypes import close_to_reference
     from torch_sparserl.jit import fastpath
     from torch_sparserl.jit import runtime as rt
@@ -154,11 +124,6 @@ def _host_rounds(A, operand, n: int, ours, theirs, served_by_cpp: bool, kernel_h
     return best
 
 
-def _geomean(values) -> float | None:
-    values = [v for v in values if v]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
-
 def _dtype(cell: dict) -> str:
     return cell.get("dtype", "float32")  # cells of runs before the dtype was recorded: float32
 
@@ -173,8 +138,8 @@ def summary(doc: dict) -> dict:
         over_bare = [c["host_us"] - c["bare_launch_us"] for c in bare]
         cpp_over_bare = [c["cpp_us"] - c["bare_launch_us"] for c in bare if c.get("cpp_us") is not None]
         out[f"{mode} {dtype} {'spmv' if n == 1 else f'spmm n={n}'}"] = {
-            "cells": len(cells), "geomean": _geomean(c["speedup"] for c in cells),
-            "min": min(c["speedup"] for c in cells), "gpu_geomean": _geomean(c["gpu_speedup"] for c in cells),
+            "cells": len(cells), "geomean": geomean(c["speedup"] for c in cells),
+            "min": min(c["speedup"] for c in cells), "gpu_geomean": geomean(c["gpu_speedup"] for c in cells),
             "below_0.97": sum(c["speedup"] < 0.97 for c in cells),
             "host_us_median": statistics.median(c["host_us"] for c in cells),
             "torch_host_us_median": statistics.median(c["torch_host_us"] for c in cells),
@@ -196,61 +161,49 @@ def markdown(doc: dict) -> str:
              "Host over bare = host µs a C++ kernel hit took over bare launches of the same kernel (median, most); "
              "C++ over bare = the same for the hits looped in C++ alone (the rest is the Python door).",
              "",
-             "| runtime, product | cells | geomean | min | < 0.97× | GPU geomean | host µs (torch) | "
-             "host over bare | C++ over bare | kernels | correct |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             *tables.header(["runtime, product", "cells", "geomean", "min", "< 0.97×", "GPU geomean", "host µs (torch)",
+                             "host over bare", "C++ over bare", "kernels", "correct"], "l" + "r" * 10)]
     for label, s in doc["summary"].items():
-        lines.append(f"| {label} | {s['cells']} | {s['geomean']:.2f}× | {s['min']:.2f}× | {s['below_0.97']} | "
-                     f"{s['gpu_geomean']:.2f}× | {s['host_us_median']:.1f} ({s['torch_host_us_median']:.1f}) | "
-                     + ("–" if s.get("over_bare_us_max") is None
-                        else f"{s['over_bare_us_median']:.1f}, {s['over_bare_us_max']:.1f} µs") + " | "
-                     + ("–" if s.get("cpp_over_bare_us_median") is None else f"{s['cpp_over_bare_us_median']:.1f} µs")
-                     + f" | {s['installed']} | {s['correct']}/{s['cells']} |")
-    lines += ["", "| matrix | n | dtype | runtime | speedup | wall µs (torch) | GPU µs (torch) | host µs (torch) | "
-              "served by |", "|---|---:|---|---|---:|---:|---:|---:|---|"]
+        lines.append(tables.row([
+            label, s["cells"], f"{s['geomean']:.2f}×", f"{s['min']:.2f}×", s["below_0.97"], f"{s['gpu_geomean']:.2f}×",
+            f"{s['host_us_median']:.1f} ({s['torch_host_us_median']:.1f})",
+            "–" if s.get("over_bare_us_max") is None else f"{s['over_bare_us_median']:.1f}, {s['over_bare_us_max']:.1f} µs",
+            "–" if s.get("cpp_over_bare_us_median") is None else f"{s['cpp_over_bare_us_median']:.1f} µs",
+            s["installed"], f"{s['correct']}/{s['cells']}"]))
+    lines += ["", *tables.header(["matrix", "n", "dtype", "runtime", "speedup", "wall µs (torch)", "GPU µs (torch)",
+                                  "host µs (torch)", "served by"], "lrllrrrrl")]
     for c in doc["cells"]:
-        lines.append(f"| {c['matrix']} | {c['n']} | {_dtype(c)} | {c['mode']} | {c['speedup']:.2f}× | {c['wall_us']:.1f} "
-                     f"({c['torch_wall_us']:.1f}) | {c['gpu_us']:.1f} ({c['torch_gpu_us']:.1f}) | {c['host_us']:.1f} "
-                     f"({c['torch_host_us']:.1f}) | {c['decision'][:60]}" + (" (C++)" if c["served_by_cpp"] else "")
-                     + " |")
-    lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']}" + (f"; {r['note']}" if r.get("note") else "")
-                                       + ")" for r in doc["runs"])]
+        lines.append(tables.row([c["matrix"], c["n"], _dtype(c), c["mode"], f"{c['speedup']:.2f}×",
+                                 f"{c['wall_us']:.1f} ({c['torch_wall_us']:.1f})",
+                                 f"{c['gpu_us']:.1f} ({c['torch_gpu_us']:.1f})",
+                                 f"{c['host_us']:.1f} ({c['torch_host_us']:.1f})",
+                                 c["decision"][:60] + (" (C++)" if c["served_by_cpp"] else "")]))
+    lines += ["", tables.runs_line(doc["runs"])]
     return "\n".join(lines) + "\n"
 
 
-def svg(doc: dict) -> str:
+def plot(doc: dict) -> str:
     """End-to-end speedup of every cell, one column per (dtype, product, runtime) that was run."""
     ran = {(_dtype(c), c["n"], c["mode"]) for c in doc["cells"]}
     columns = [(mode, n, d) for d in DTYPES for n in PRODUCTS for mode in MODES if (d, n, mode) in ran]
     colors = {"off": "#8c8c8c", "default": "#2b6cb0"}
-    values = {col: [c["speedup"] for c in doc["cells"] if (c["mode"], c["n"], _dtype(c)) == col] for col in columns}
-    hi = max([2.0] + [v for vs in values.values() for v in vs])
-    left, top, plot_h, col_w = 50, 40, 260, 60
-    width, height = left + len(columns) * col_w + 20, top + plot_h + 70
-
-    def y_of(v):
-        return top + plot_h * (1 - v / hi)
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="10"><rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{left}" y="20" font-size="13" font-weight="bold">'
-           f'{html.escape("ts.csr(A) @ X vs torch, end to end, per matrix — " + str(doc["env"].get("gpu")))}</text>']
-    tick = 0.0
-    while tick <= hi + 1e-9:
-        out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y_of(tick):.1f}" y2="{y_of(tick):.1f}" '
-                   f'stroke="{"#000" if tick == 1 else "#ddd"}"/><text x="{left - 4}" y="{y_of(tick) + 3:.1f}" '
-                   f'text-anchor="end">{tick:.1f}×</text>')
-        tick += 0.5
-    for i, col in enumerate(columns):
-        x = left + i * col_w + col_w / 2
-        for v in values[col]:
-            out.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3" fill="{colors[col[0]]}" fill-opacity="0.7"/>')
-        label = f"{'spmv' if col[1] == 1 else f'n={col[1]}'} {col[0]}"
-        if col[2] != "float32":
-            label += f" {'bf16' if col[2] == 'bfloat16' else 'f16'}"
-        out.append(f'<text x="{x:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{html.escape(label)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    fig, (ax,) = plots.figure("ts.csr(A) @ X vs torch, end to end, per matrix — " + str(doc["env"].get("gpu")),
+                              width=max(7.5, 1.5 + 0.6 * len(columns)), height=4.6)
+    if not columns:
+        plots.no_results(ax)
+        return plots.to_svg(fig)
+    strips = []
+    for mode, n, dtype in columns:
+        label = f"{'spmv' if n == 1 else f'n={n}'} {mode}"
+        if dtype != "float32":
+            label += f" {'bf16' if dtype == 'bfloat16' else 'f16'}"
+        speedups = [c["speedup"] for c in doc["cells"] if (c["mode"], c["n"], _dtype(c)) == (mode, n, dtype)]
+        strips.append((label, speedups, colors[mode]))
+    plots.strip(ax, strips)
+    plots.times_axis(ax)
+    plots.unity(ax)
+    ax.set_ylim(0, 1.05 * max([2.0] + [v for _, values, _ in strips for v in values]))
+    return plots.to_svg(fig)
 
 
 def main(argv=None) -> int:
@@ -274,8 +227,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench_kernels import environment, known_matrices
-    from report import results_path, write_json_md
     from torch_sparserl.data.datasets import load_matrix
 
     if not torch.cuda.is_available():
@@ -309,7 +260,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - started > args.max_time_s:
                 print("bench_eager: time is up; resume with --resume", path)
                 doc["summary"] = summary(doc)
-                write_json_md(doc, path, markdown, svg)
+                write_json_md(doc, path, markdown, plot)
                 return 0
             cell = measure_cell(M, name, n, mode, dtype)
             doc["cells"].append(cell)
@@ -317,7 +268,7 @@ def main(argv=None) -> int:
                   f"{cell['torch_wall_us']:.1f} us; host {cell['host_us']:.1f} vs {cell['torch_host_us']:.1f}) "
                   f"{cell['decision'][:50]}", flush=True)
             doc["summary"] = summary(doc)
-            write_json_md(doc, path, markdown, svg)
+            write_json_md(doc, path, markdown, plot)
     return 0
 
 

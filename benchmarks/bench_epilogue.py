@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import geomean, results_path, write_json_md  # noqa: E402
+from common import command_line, compare_us, geomean, load_graph, results_path, tables, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_epilogue/1"
 GRAPHS = ["cora", "citeseer", "pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000"]
@@ -36,7 +36,6 @@ NS = [32, 128]
 def run_row(name, M, n, runtime) -> dict:
     import torch_sparserl as ts
     from torch_sparserl import pattern as patterns
-    from torch_sparserl.cli import measure
     from torch_sparserl.compiler import passes
     from torch_sparserl.dtypes import close_to_reference
 
@@ -64,7 +63,7 @@ def run_row(name, M, n, runtime) -> dict:
         fused_lines[way] = [line for report in passes.REPORTS for line in report.fused]
         checks[way] = close_to_reference(out, torch.from_numpy(np.asarray(ref)), torch.float32)
         ways[way] = (lambda fn=fn: fn(H))
-    times = measure.compare_us(ways)  # nothing requires grad: the compiled graphs are inference graphs
+    times = compare_us(ways)  # nothing requires grad: the compiled graphs are inference graphs
     torch._dynamo.reset()
     return {
         "graph": name, "rows": M.shape[0], "nnz": int(M.nnz), "n": n,
@@ -80,19 +79,19 @@ def run_row(name, M, n, runtime) -> dict:
 
 def markdown(doc: dict) -> str:
     lines = [f"# Fused epilogue, one GCN layer tail: fused vs Inductor's pointwise kernel — {doc['device']}", "",
-             f"`{doc['command']}`", "",
+             command_line(doc["command"], label=None), "",
              f"torch {doc['torch']}, {doc['date']}. `relu((A @ H) * d[:, None] + b)` compiled with "
              "`backend=\"sparserl\"`, `fuse_epilogues` on and off; forward per call, medians of interleaved rounds.",
-             "", "| graph | nnz | N | product kernel | fused? | fused µs | unfused µs | fusion speedup |",
-             "|---|---:|---:|---|---|---:|---:|---:|"]
+             "", *tables.header(["graph", "nnz", "N", "product kernel", "fused?", "fused µs", "unfused µs",
+                                 "fusion speedup"], "lrrllrrr")]
     fused_rows = []
     for r in doc["rows"]:
         if "error" in r:
-            lines.append(f"| {r['graph']} | | {r['n']} | failed: {r['error'][:100]} | | | | |")
+            lines.append(tables.row([r["graph"], "", r["n"], f"failed: {r['error'][:100]}", "", "", "", ""]))
             continue
         kernel = r["kernel"].split(" (")[0].replace("installed: ", "")
-        lines.append(f"| {r['graph']} | {r['nnz']:,} | {r['n']} | {kernel[:70]} | {'yes' if r['fused_chains'] else 'no'} "
-                     f"| {r['us']['fused']:.1f} | {r['us']['unfused']:.1f} | {r['fusion_speedup']:.3f}× |")
+        lines.append(tables.row([r["graph"], f"{r['nnz']:,}", r["n"], kernel[:70], "yes" if r["fused_chains"] else "no",
+                                 f"{r['us']['fused']:.1f}", f"{r['us']['unfused']:.1f}", f"{r['fusion_speedup']:.3f}×"]))
         if r["fused_chains"]:
             fused_rows.append(r["fusion_speedup"])
     if fused_rows:
@@ -113,7 +112,6 @@ def main(argv=None) -> int:
         print("bench_epilogue: needs a CUDA GPU", file=sys.stderr)
         return 2
     import torch_sparserl as ts
-    from bench_gnn import load_graph
     from torch_sparserl.jit import runtime as rt
 
     device = torch.cuda.get_device_name()

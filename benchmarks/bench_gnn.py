@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import html
 import json
 import math
 import os
@@ -51,252 +50,23 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-import scipy.sparse as sp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import emit_markdown, geomean, write_json_md  # noqa: E402
+from common import (cuda_available, emit_markdown, environment, fmt, geomean, matrix_list, plots,  # noqa: E402
+                    tables, write_json_md)
+from common.gnn import (BOUND_WAYS, CLASSES, EXTRA_WAYS, FEATURES, SPARSERL_WAYS, WAYS, build_task,  # noqa: E402
+                        epoch_fn, fresh_copy, prepare_graph, reset_compiled, sync)
 
 SCHEMA = "torch_sparserl.bench_gnn/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000", "rmat:scale=22,edge_factor=16"]
 MODELS = ["gcn", "sage"]
 ALL_MODELS = [*MODELS, "gat"]  # gat on request (--models): PyG's GATConv in every way
-GAT_HEADS = 4
 HIDDEN = [128, 256]
-WAYS = ["eager", "inductor", "pyg", "sparserl"]
-# also available: sparserl with the fused epilogues (off by default), to measure what the
-# fusion is worth against Inductor's pointwise kernel after the product: --ways ...,sparserl,sparserl_fused;
-# sparserl_eager, the CSRMatrix model run eagerly (no torch.compile) on the same runtime and kernels;
-# and bound_inductor, the model compiled by Inductor with the adjacency product taken out (each
-# layer aggregates nothing): what an epoch of any compiled way would cost if its sparse products
-# were free, so eager / bound_inductor bounds a compiled way's speedup (its losses differ)
-# and sparserl_cudagraphs, the sparserl way compiled with mode="reduce-overhead" (CUDA graphs:
-# the path for small graphs, whose epochs are bound by the CPU); and sparserl_subclass, the
-# sparserl way with options={"flatten_matrices": False} (the CSRMatrix reaches AOTAutograd as
-# a tensor subclass), to measure what the flattening is worth per epoch; and sparserl_python, the
-# sparserl way with options={"fast_path": False} (every product through its Python
-# implementation: sparserl_direct), to measure what the C++ fast path is worth per epoch
-EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass", "sparserl_python",
-              "bound_inductor"]
-WAY_OPTIONS = {"sparserl_fused": {"fuse_epilogues": True}, "sparserl_subclass": {"flatten_matrices": False},
-               "sparserl_python": {"fast_path": False}}
-BOUND_WAYS = ("bound_inductor",)  # not the same computation: no loss comparison
-FEATURES = 128
-CLASSES = 16
 LOSS_EPOCHS = 20
 LOSS_RTOL = 1e-3  # fp32 with different summation orders, over 20 Adam steps
 
 
-# ------------------------------------------------------------------------- graphs
-
-
-def split_graphs(text: str) -> list[str]:
-    """``--graphs`` names: commas separate graphs, except inside a generator spec, whose
-    ``key=value`` parameters are comma-separated too (``pubmed,rmat:scale=22,edge_factor=16``)."""
-    names: list[str] = []
-    for token in (t.strip() for t in text.split(",")):
-        if "=" in token and ":" not in token and names and ":" in names[-1]:
-            names[-1] += "," + token
-        elif token:
-            names.append(token)
-    return names
-
-
-def load_graph(name: str) -> sp.csr_matrix:
-    """A binary adjacency without self loops; row i lists the sources of the edges into i."""
-    from bench_kernels import select_matrices
-
-    entry = select_matrices([name])[0]
-    A = entry.load().tocsr()
-    A = sp.csr_matrix((np.ones(A.nnz, dtype=np.float32), A.indices, A.indptr), shape=A.shape)
-    A.setdiag(0)
-    A.eliminate_zeros()
-    A.sum_duplicates()
-    A.sort_indices()
-    A.data[:] = 1.0
-    if A.shape[0] != A.shape[1]:
-        raise ValueError(f"bench_gnn: graph {name} is not square ({A.shape})")
-    return A
-
-
-def normalized(A: sp.csr_matrix, model: str) -> sp.csr_matrix:
-    if model == "gat":  # A + I, binary: the attention is the values
-        out = (A + sp.identity(A.shape[0], dtype=np.float32, format="csr")).tocsr().astype(np.float32)
-        out.sort_indices()
-        return out
-    if model == "gcn":
-        looped = (A + sp.identity(A.shape[0], dtype=np.float32, format="csr")).tocsr()
-        inv_sqrt = 1.0 / np.sqrt(np.asarray(looped.sum(axis=1)).ravel())
-        out = sp.diags(inv_sqrt) @ looped @ sp.diags(inv_sqrt)
-    else:
-        deg = np.maximum(np.asarray(A.sum(axis=1)).ravel(), 1.0)
-        out = sp.diags(1.0 / deg) @ A
-    out = out.tocsr().astype(np.float32)
-    out.sort_indices()
-    return out
-
-
-# ------------------------------------------------------------------------- models
-
-
-def _models():
-    import torch
-    from torch import nn
-
-    class GCN(nn.Module):
-        """PyG GCNConv's layout: a bias-free linear map, the product, then the bias."""
-
-        def __init__(self, features, hidden, classes):
-            super().__init__()
-            self.lin1 = nn.Linear(features, hidden, bias=False)
-            self.bias1 = nn.Parameter(torch.zeros(hidden))
-            self.lin2 = nn.Linear(hidden, classes, bias=False)
-            self.bias2 = nn.Parameter(torch.zeros(classes))
-
-        def forward(self, x, aggregate):
-            h = torch.relu(aggregate(self.lin1(x)) + self.bias1)
-            return aggregate(self.lin2(h)) + self.bias2
-
-    class SAGE(nn.Module):
-        """PyG SAGEConv's layout: lin_l(mean of neighbours) + lin_r(self)."""
-
-        def __init__(self, features, hidden, classes):
-            super().__init__()
-            self.lin_l1, self.lin_r1 = nn.Linear(features, hidden), nn.Linear(features, hidden, bias=False)
-            self.lin_l2, self.lin_r2 = nn.Linear(hidden, classes), nn.Linear(hidden, classes, bias=False)
-
-        def forward(self, x, aggregate):
-            h = torch.relu(self.lin_l1(aggregate(x)) + self.lin_r1(x))
-            return self.lin_l2(aggregate(h)) + self.lin_r2(h)
-
-    class Task(nn.Module):
-        """Model + loss on the training nodes; the adjacency product is ``aggregate``."""
-
-        def __init__(self, model, aggregate, x, y, train):
-            super().__init__()
-            self.model, self.aggregate = model, aggregate
-            self.x, self.y, self.train_idx = x, y, train
-
-        def forward(self):
-            out = self.model(self.x, self.aggregate)
-            return nn.functional.cross_entropy(out.index_select(0, self.train_idx), self.y.index_select(0, self.train_idx))
-
-    return GCN, SAGE, Task
-
-
-def _no_product(h):
-    """The bound_inductor way's aggregation: none (the layer's features pass unchanged)."""
-    return h
-
-
-class Product:
-    """``A @ h`` for a fixed adjacency: a callable object, so Dynamo sees ``A`` as an input."""
-
-    def __init__(self, A, mm):
-        self.A, self.mm = A, mm
-
-    def __call__(self, h):
-        return self.mm(self.A, h)
-
-
-def gat_task(way: str, hidden: int, graph, device, adjacency=None):
-    """The ``gat`` model's task: PyG's GATConv in every way, the way deciding the adjacency."""
-    import torch
-    from torch_geometric.nn import GATConv
-
-    if way in BOUND_WAYS:
-        raise ValueError(f"bench_gnn: way {way} is not defined for the gat model")
-    if way in SPARSERL_WAYS:
-        import torch_sparserl.integrations.pyg  # noqa: F401 - the adapter: GATConv on a CSRMatrix
-        adj = adjacency if adjacency is not None else graph["csr_matrix_gat"]
-    else:
-        adj = graph["torch_csr_gat"] if way == "eager" else graph["edge_index_gat"]
-    x, y, train = graph["x"], graph["y"], graph["train"]
-
-    class GATTask(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)  # the same parameters in every way
-            self.c1 = GATConv(FEATURES, hidden // GAT_HEADS, heads=GAT_HEADS, add_self_loops=False)
-            self.c2 = GATConv(hidden, CLASSES, heads=1, add_self_loops=False)
-            self.adj = adj
-
-        def forward(self):
-            out = self.c2(torch.relu(self.c1(x, self.adj)), self.adj)
-            return torch.nn.functional.cross_entropy(out.index_select(0, train), y.index_select(0, train))
-
-    return GATTask().to(device)
-
-
-def pyg_task(model_name: str, params: dict, features, hidden, classes, edge_index, x, y, train):
-    import torch
-    from torch_geometric.nn import GCNConv, SAGEConv
-
-    class PygNet(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            if model_name == "gcn":
-                self.c1, self.c2 = GCNConv(features, hidden, cached=True), GCNConv(hidden, classes, cached=True)
-            else:
-                self.c1, self.c2 = SAGEConv(features, hidden), SAGEConv(hidden, classes)
-
-        def forward(self):
-            h = torch.relu(self.c1(x, edge_index))
-            out = self.c2(h, edge_index)
-            return torch.nn.functional.cross_entropy(out.index_select(0, train), y.index_select(0, train))
-
-    net = PygNet().to(x.device)
-    mapping = ({"c1.lin.weight": "lin1.weight", "c1.bias": "bias1", "c2.lin.weight": "lin2.weight", "c2.bias": "bias2"}
-               if model_name == "gcn" else
-               {"c1.lin_l.weight": "lin_l1.weight", "c1.lin_l.bias": "lin_l1.bias", "c1.lin_r.weight": "lin_r1.weight",
-                "c2.lin_l.weight": "lin_l2.weight", "c2.lin_l.bias": "lin_l2.bias", "c2.lin_r.weight": "lin_r2.weight"})
-    state = net.state_dict()
-    missing = set(state) - set(mapping)
-    if missing:
-        raise RuntimeError(f"bench_gnn: PyG parameters without a counterpart: {sorted(missing)}")
-    net.load_state_dict({name: params[ours].clone() for name, ours in mapping.items()})
-    return net
-
-
 # ----------------------------------------------------------------------- training
-
-
-def reset_compiled():
-    """Forget compiled code, and take out the eager interception of raw CSR products that
-    compiling with the sparserl backend installs for the rest of the process, so that the
-    next way (eager ``torch.sparse`` above all) runs as in a process that never named it."""
-    import torch
-    from torch_sparserl.tensor import intercept
-
-    torch._dynamo.reset()
-    intercept.deactivate_backend()
-
-
-def _sync(device):
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def epoch_fn(task, params=None):
-    """One training epoch of ``task`` with Adam (lr 0.01) as a function returning the loss.
-
-    CUDA graphs (``--mode reduce-overhead``) reuse their outputs' memory on the next replay:
-    each epoch is marked a new step and returns a copy of the loss."""
-    import torch
-
-    opt = torch.optim.Adam(list(task.parameters()) if params is None else params, lr=0.01)
-
-    def epoch():
-        torch.compiler.cudagraph_mark_step_begin()
-        opt.zero_grad(set_to_none=True)
-        loss = task()
-        loss.backward()
-        opt.step()
-        return loss.detach().clone()
-
-    return epoch
 
 
 def start_training(task, params, device, min_chunk_s: float) -> tuple[dict, object]:
@@ -305,17 +75,17 @@ def start_training(task, params, device, min_chunk_s: float) -> tuple[dict, obje
     import torch
 
     epoch = epoch_fn(task, params)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     losses = [epoch()]
-    _sync(device)
+    sync(device)
     first_s = time.perf_counter() - start
     for _ in range(LOSS_EPOCHS - 1):
         losses.append(epoch())
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     epoch()
-    _sync(device)
+    sync(device)
     estimate = max(time.perf_counter() - start, 1e-6)
     return ({"status": "ok", "epochs_per_chunk": max(3, min(200, math.ceil(min_chunk_s / estimate))),
              "first_epoch_s": first_s, "losses": [float(v) for v in torch.stack(losses).cpu()]}, epoch)
@@ -339,11 +109,11 @@ def time_rounds(epochs: dict, results: dict, device, rounds: int) -> None:
                 continue
             result, epoch = results[way], epochs[way]
             try:
-                _sync(device)
+                sync(device)
                 start = time.perf_counter()
                 for _ in range(result["epochs_per_chunk"]):
                     epoch()
-                _sync(device)
+                sync(device)
             except torch.cuda.OutOfMemoryError as exc:
                 results[way] = _failed(exc)
                 del epochs[way]
@@ -351,47 +121,6 @@ def time_rounds(epochs: dict, results: dict, device, rounds: int) -> None:
             result.setdefault("chunk_ms", []).append((time.perf_counter() - start) * 1e3 / result["epochs_per_chunk"])
     for way in epochs:
         results[way]["epoch_ms"] = statistics.median(results[way]["chunk_ms"])
-
-
-SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass",
-                 "sparserl_python")
-COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "sparserl_subclass",
-                 "sparserl_python", "bound_inductor")
-
-
-def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
-    """The way's training task (model + loss), from the same initial parameters every time;
-    ``adjacency`` replaces the graph's CSRMatrix (the warm start's fresh copy)."""
-    import torch
-
-    if model_name == "gat":
-        task = gat_task(way, hidden, graph, device, adjacency)
-        return _compiled(way, task, args) if way in COMPILED_WAYS else task
-    GCN, SAGE, Task = _models()
-    torch.manual_seed(0)
-    model = (GCN if model_name == "gcn" else SAGE)(FEATURES, hidden, CLASSES)
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    x, y, train = graph["x"], graph["y"], graph["train"]
-    if way == "pyg":
-        return pyg_task(model_name, params, FEATURES, hidden, CLASSES, graph["edge_index"], x, y, train)
-    model = model.to(device)
-    if way in SPARSERL_WAYS:
-        aggregate = Product(adjacency if adjacency is not None else graph[f"csr_matrix_{model_name}"], torch.matmul)
-    elif way in BOUND_WAYS:
-        aggregate = _no_product
-    else:
-        mm = torch.sparse.mm
-        aggregate = Product(graph[f"torch_csr_{model_name}"], torch.compiler.disable(mm) if way == "inductor" else mm)
-    task = Task(model, aggregate, x, y, train)
-    return _compiled(way, task, args) if way in COMPILED_WAYS else task
-
-
-def _compiled(way, task, args):
-    import torch
-
-    mode = "reduce-overhead" if way == "sparserl_cudagraphs" else None if args.mode == "default" else args.mode
-    return torch.compile(task, backend="inductor" if way in ("inductor", *BOUND_WAYS) else "sparserl",
-                         mode=mode, options=WAY_OPTIONS.get(way))
 
 
 def _failed(exc: BaseException) -> dict:
@@ -470,20 +199,11 @@ def _print_way(model_name, hidden, way, r) -> None:
              if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:300]}"), flush=True)
 
 
-def fresh_copy(A):
-    """``A`` on new index tensors: its pattern's transpose, fingerprint and decisions are
-    computed again, as in a new process."""
-    import torch_sparserl as ts
-
-    return ts.csr((A.crow.clone(), A.col.clone(), A.val.clone()), shape=A.shape)
-
-
 def warm_start(way, model_name, hidden, graph, device, args) -> dict:
     """What the next run on this graph pays: a fresh runtime reading the same disk cache, a
     fresh copy of the adjacency (so its fingerprint and transpose are computed again, as in a
     new process), compiled again; the first epoch, timed. A key missing from the cache is
     counted (``cache_misses``) and served by cuSPARSE, never specialized here."""
-    import torch
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import KernelCache
 
@@ -501,10 +221,10 @@ def warm_start(way, model_name, hidden, graph, device, args) -> dict:
     reset_compiled()
     try:
         epoch = epoch_fn(build_task(way, model_name, hidden, graph, device, args, adjacency=fresh))
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         loss = epoch()
-        _sync(device)
+        sync(device)
         first_s = time.perf_counter() - start
     finally:
         reset_compiled()
@@ -535,34 +255,6 @@ def start_runtime(policy: str, device) -> float | None:
     runtime.specializer = counted
     counted.prewarm = getattr(specialize, "prewarm", None)
     return runtime.prewarm(device) if device.type == "cuda" else None
-
-
-def prepare_graph(name: str, device, models=MODELS) -> dict:
-    import torch
-    import torch_sparserl as ts
-
-    t0 = time.perf_counter()
-    A = load_graph(name)
-    n = A.shape[0]
-    g = torch.Generator().manual_seed(0)
-    graph = {"n": n, "nnz": int(A.nnz), "load_s": 0.0,
-             "x": torch.randn(n, FEATURES, generator=g).to(device),
-             "y": torch.randint(0, CLASSES, (n,), generator=g).to(device),
-             "train": torch.arange(0, n, 2, device=device)}
-    coo = A.tocoo()
-    graph["edge_index"] = torch.from_numpy(np.stack([coo.col, coo.row]).astype(np.int64)).to(device)
-    for model in models:
-        M = normalized(A, model)
-        crow = torch.from_numpy(M.indptr.astype(np.int64)).to(device)
-        col = torch.from_numpy(M.indices.astype(np.int64)).to(device)
-        val = torch.from_numpy(M.data).to(device)
-        graph[f"torch_csr_{model}"] = torch.sparse_csr_tensor(crow, col, val, M.shape)
-        graph[f"csr_matrix_{model}"] = ts.csr((crow.int(), col.int(), val), shape=M.shape)
-        if model == "gat":  # PyG's edge_index of A + I: row 0 the sources, row 1 the targets
-            coo_gat = M.tocoo()
-            graph["edge_index_gat"] = torch.from_numpy(np.stack([coo_gat.col, coo_gat.row]).astype(np.int64)).to(device)
-    graph["load_s"] = time.perf_counter() - t0
-    return graph
 
 
 # ------------------------------------------------------------------------ results
@@ -632,10 +324,6 @@ def row_metrics(row: dict) -> dict:
     return out
 
 
-def _fmt(v, spec=".2f", suffix=""):
-    return "—" if v is None else f"{v:{spec}}{suffix}"
-
-
 def _bounds(ways: dict, num: str, den: str):
     rounds = round_ratios(ways, num, den)
     return [min(rounds), max(rounds)] if rounds else None
@@ -647,16 +335,14 @@ def _range(bounds) -> str:
 
 def _way_section(rows, way, intro, columns, align, cells, mean) -> list[str]:
     """The Markdown section of an extra way: ``intro``, then a table of the rows that ran it
-    (graph, model, hidden, then ``cells(row, metrics)``) and the ``mean(selected)`` line."""
+    (graph, model, hidden, then ``cells(row, metrics)``, aligned as ``align`` says: a letter per
+    column, see :func:`common.tables.header`) and the ``mean(selected)`` line."""
     selected = [(r, row_metrics(r)) for r in rows if way in r["ways"]]
     if not selected:
         return []
-    def line(values):
-        return "|" + "|".join(f" {v} " if v else " " for v in values) + "|"
-
-    lines = ["", intro, "", line(["graph", "model", "hidden", *columns]), "|---|---|---:|" + align + "|"]
-    lines += [line([r["graph"], r["model"], str(r["hidden"]), *cells(r, m)]) for r, m in selected]
-    return lines + [line(mean(selected))]
+    lines = ["", intro, "", *tables.header(["graph", "model", "hidden", *columns], "llr" + align)]
+    lines += [tables.row([r["graph"], r["model"], r["hidden"], *cells(r, m)]) for r, m in selected]
+    return lines + [tables.row(mean(selected))]
 
 
 def markdown(doc: dict) -> str:
@@ -673,74 +359,75 @@ def markdown(doc: dict) -> str:
              "over every key: *cold* with an empty kernel cache (the first run on a graph), *warm* in a "
              "fresh runtime on the same disk cache with a fresh copy of the adjacency (every later run); "
              "break-even = JIT / (eager epoch − sparserl epoch).", "",
-             "| graph | nodes | nnz | model | hidden | eager ms | inductor ms | pyg ms | sparserl ms | vs eager "
-             "| vs best other | JIT s cold | break-even epochs cold | JIT ms warm | break-even epochs warm "
-             "| final losses equal |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             *tables.header(["graph", "nodes", "nnz", "model", "hidden", "eager ms", "inductor ms", "pyg ms",
+                             "sparserl ms", "vs eager", "vs best other", "JIT s cold", "break-even epochs cold",
+                             "JIT ms warm", "break-even epochs warm", "final losses equal"], "lrrlrrrrrrrrrrrl")]
     rows = doc.get("rows", [])
     for row in rows:
         m = row_metrics(row)
         cells = []
         for w in WAYS:
             r = row["ways"].get(w, {})
-            cells.append(_fmt(r.get("epoch_ms"), ".2f") if r.get("status") == "ok" else r.get("status", "—"))
-        lines.append(f"| {row['graph']} | {row['n']:,} | {row['nnz']:,} | {row['model']} | {row['hidden']} | "
-                     + " | ".join(cells)
-                     + f" | {_fmt(m.get('speedup_vs_eager'), '.2f', '×')}{_range(m.get('speedup_vs_eager_rounds'))}"
-                     f" | {_fmt(m.get('speedup_vs_best_other'), '.2f', '×')}"
-                     f" | {_fmt(m.get('jit_s'), '.1f')} | {_fmt(m.get('breakeven_epochs_vs_eager'), '.0f')}"
-                     f" | {_fmt(m['warm_jit_s'] * 1e3 if 'warm_jit_s' in m else None, '.1f')}"
-                     + (f" ({m['warm_cache_misses']} missed)" if m.get("warm_cache_misses") else "")
-                     + f" | {_fmt(m.get('warm_breakeven_epochs_vs_eager'), '.1f')}"
-                     f" | {'yes' if m.get('losses_equal') else 'no'} ({_fmt(m.get('loss_max_rel_diff'), '.1e')}) |")
+            cells.append(fmt(r.get("epoch_ms"), ".2f") if r.get("status") == "ok" else r.get("status", "—"))
+        lines.append(tables.row([
+            row["graph"], f"{row['n']:,}", f"{row['nnz']:,}", row["model"], row["hidden"], *cells,
+            fmt(m.get("speedup_vs_eager"), ".2f", "×") + _range(m.get("speedup_vs_eager_rounds")),
+            fmt(m.get("speedup_vs_best_other"), ".2f", "×"), fmt(m.get("jit_s"), ".1f"),
+            fmt(m.get("breakeven_epochs_vs_eager"), ".0f"),
+            fmt(m["warm_jit_s"] * 1e3 if "warm_jit_s" in m else None, ".1f")
+            + (f" ({m['warm_cache_misses']} missed)" if m.get("warm_cache_misses") else ""),
+            fmt(m.get("warm_breakeven_epochs_vs_eager"), ".1f"),
+            f"{'yes' if m.get('losses_equal') else 'no'} ({fmt(m.get('loss_max_rel_diff'), '.1e')})"]))
     lines += ["", "Geometric means over the graphs:", "",
-              "| model | hidden | vs eager | vs best of inductor, pyg |", "|---|---:|---:|---:|"]
+              *tables.header(["model", "hidden", "vs eager", "vs best of inductor, pyg"], "lrrr")]
     for model in dict.fromkeys(r["model"] for r in rows):
         for hidden in sorted({r["hidden"] for r in rows if r["model"] == model}):
             ms = [row_metrics(r) for r in rows if r["model"] == model and r["hidden"] == hidden]
             if ms:
-                lines.append(f"| {model} | {hidden} | {_fmt(geomean(m.get('speedup_vs_eager') for m in ms), '.2f', '×')} | "
-                             f"{_fmt(geomean(m.get('speedup_vs_best_other') for m in ms), '.2f', '×')} |")
+                lines.append(tables.row([model, hidden, fmt(geomean(m.get("speedup_vs_eager") for m in ms), ".2f", "×"),
+                                         fmt(geomean(m.get("speedup_vs_best_other") for m in ms), ".2f", "×")]))
     every = [row_metrics(r) for r in rows]
     graphs = list(dict.fromkeys(r["graph"] for r in rows))
     per_graph = {g: [row_metrics(r) for r in rows if r["graph"] == g] for g in graphs}
     means = {g: (geomean(m.get("speedup_vs_eager") for m in ms), geomean(m.get("speedup_vs_best_other") for m in ms))
              for g, ms in per_graph.items()}
     for g in graphs:
-        lines.append(f"| {g} (its {len(per_graph[g])} rows) | | {_fmt(means[g][0], '.2f', '×')} | {_fmt(means[g][1], '.2f', '×')} |")
-    lines.append(f"| over the graphs (each graph one mean) | | {_fmt(geomean(v[0] for v in means.values()), '.2f', '×')} | "
-                 f"{_fmt(geomean(v[1] for v in means.values()), '.2f', '×')} |")
-    lines.append(f"| all rows | | {_fmt(geomean(m.get('speedup_vs_eager') for m in every), '.2f', '×')} | "
-                 f"{_fmt(geomean(m.get('speedup_vs_best_other') for m in every), '.2f', '×')} |")
+        lines.append(tables.row([f"{g} (its {len(per_graph[g])} rows)", "", fmt(means[g][0], ".2f", "×"),
+                                 fmt(means[g][1], ".2f", "×")]))
+    lines.append(tables.row(["over the graphs (each graph one mean)", "",
+                             fmt(geomean(v[0] for v in means.values()), ".2f", "×"),
+                             fmt(geomean(v[1] for v in means.values()), ".2f", "×")]))
+    lines.append(tables.row(["all rows", "", fmt(geomean(m.get("speedup_vs_eager") for m in every), ".2f", "×"),
+                             fmt(geomean(m.get("speedup_vs_best_other") for m in every), ".2f", "×")]))
     lines += _way_section(
         rows, "sparserl_fused",
         "Fused epilogues: sparserl_fused (the post-grad pass fuses the layer tail into the product's kernel "
         "where that kernel stores each row once) against sparserl (Inductor's pointwise kernel after the "
         "product), same kernels otherwise:",
-        ["fused ms", "unfused ms", "fusion speedup", "fused chains"], "---:|---:|---:|---",
-        lambda r, m: [_fmt(r["ways"]["sparserl_fused"].get("epoch_ms"), ".3f"),
-                      _fmt(r["ways"].get("sparserl", {}).get("epoch_ms"), ".3f"),
-                      _fmt(m.get("fusion_speedup"), ".3f", "×"),
+        ["fused ms", "unfused ms", "fusion speedup", "fused chains"], "rrrl",
+        lambda r, m: [fmt(r["ways"]["sparserl_fused"].get("epoch_ms"), ".3f"),
+                      fmt(r["ways"].get("sparserl", {}).get("epoch_ms"), ".3f"),
+                      fmt(m.get("fusion_speedup"), ".3f", "×"),
                       "; ".join(r["ways"]["sparserl_fused"].get("fused_epilogues", [])) or "—"],
-        lambda sel: ["geometric mean", "", "", "", "", _fmt(geomean(m.get("fusion_speedup") for _, m in sel), ".3f", "×"), ""])
+        lambda sel: ["geometric mean", "", "", "", "", fmt(geomean(m.get("fusion_speedup") for _, m in sel), ".3f", "×"), ""])
     lines += _way_section(
         rows, "sparserl_eager",
         "Without torch.compile: sparserl_eager (the CSRMatrix model run eagerly, same runtime and kernels) "
         "against eager torch.sparse and against sparserl compiled:",
-        ["sparserl_eager ms", "vs eager", "vs sparserl compiled"], "---:|---:|---:",
-        lambda r, m: [_fmt(r["ways"]["sparserl_eager"].get("epoch_ms"), ".2f"),
-                      _fmt(m.get("uncompiled_vs_eager"), ".2f", "×"), _fmt(m.get("uncompiled_vs_compiled"), ".2f", "×")],
-        lambda sel: ["geometric mean", "", "", "", _fmt(geomean(m.get("uncompiled_vs_eager") for _, m in sel), ".2f", "×"),
-                     _fmt(geomean(m.get("uncompiled_vs_compiled") for _, m in sel), ".2f", "×")])
+        ["sparserl_eager ms", "vs eager", "vs sparserl compiled"], "rrr",
+        lambda r, m: [fmt(r["ways"]["sparserl_eager"].get("epoch_ms"), ".2f"),
+                      fmt(m.get("uncompiled_vs_eager"), ".2f", "×"), fmt(m.get("uncompiled_vs_compiled"), ".2f", "×")],
+        lambda sel: ["geometric mean", "", "", "", fmt(geomean(m.get("uncompiled_vs_eager") for _, m in sel), ".2f", "×"),
+                     fmt(geomean(m.get("uncompiled_vs_compiled") for _, m in sel), ".2f", "×")])
 
     def against_sparserl(way: str, text: str, names: list[str], metric: str) -> list[str]:
         """A section of one variant of the sparserl way timed in the same rounds: its epoch,
         sparserl's, and sparserl's speedup over it (with the rounds' range)."""
         return _way_section(
-            rows, way, text, names, "---:|---:|---:",
-            lambda r, m: [_fmt(r["ways"][way].get("epoch_ms"), ".3f"), _fmt(r["ways"].get("sparserl", {}).get("epoch_ms"), ".3f"),
-                          _fmt(m.get(metric), ".3f", "×") + _range(_bounds(r["ways"], way, "sparserl"))],
-            lambda sel: ["geometric mean", "", "", "", "", _fmt(geomean(m.get(metric) for _, m in sel), ".3f", "×")])
+            rows, way, text, names, "rrr",
+            lambda r, m: [fmt(r["ways"][way].get("epoch_ms"), ".3f"), fmt(r["ways"].get("sparserl", {}).get("epoch_ms"), ".3f"),
+                          fmt(m.get(metric), ".3f", "×") + _range(_bounds(r["ways"], way, "sparserl"))],
+            lambda sel: ["geometric mean", "", "", "", "", fmt(geomean(m.get(metric) for _, m in sel), ".3f", "×")])
 
     lines += against_sparserl(
         "sparserl_subclass",
@@ -758,16 +445,16 @@ def markdown(doc: dict) -> str:
         per_graph = {}
         for r, m in sel:
             per_graph.setdefault(r["graph"], []).append(m.get(key))
-        return _fmt(geomean(geomean(v) for v in per_graph.values()), ".2f", "×")
+        return fmt(geomean(geomean(v) for v in per_graph.values()), ".2f", "×")
 
     lines += _way_section(
         rows, "sparserl_cudagraphs",
         "Under CUDA graphs: sparserl_cudagraphs (the sparserl way compiled with mode=\"reduce-overhead\"), "
         "timed in the same rounds, against eager torch.sparse and the best of Inductor and PyG (default mode):",
-        ["sparserl_cudagraphs ms", "vs eager", "vs best other"], "---:|---:|---:",
-        lambda r, m: [_fmt(r["ways"]["sparserl_cudagraphs"].get("epoch_ms"), ".2f"),
-                      _fmt(m.get("cudagraphs_vs_eager"), ".2f", "×") + _range(_bounds(r["ways"], "eager", "sparserl_cudagraphs")),
-                      _fmt(m.get("cudagraphs_vs_best_other"), ".2f", "×")],
+        ["sparserl_cudagraphs ms", "vs eager", "vs best other"], "rrr",
+        lambda r, m: [fmt(r["ways"]["sparserl_cudagraphs"].get("epoch_ms"), ".2f"),
+                      fmt(m.get("cudagraphs_vs_eager"), ".2f", "×") + _range(_bounds(r["ways"], "eager", "sparserl_cudagraphs")),
+                      fmt(m.get("cudagraphs_vs_best_other"), ".2f", "×")],
         lambda sel: ["geometric mean over the graphs (each graph one mean)", "", "", "",
                      over_graphs(sel, "cudagraphs_vs_eager"), over_graphs(sel, "cudagraphs_vs_best_other")])
 
@@ -777,10 +464,10 @@ def markdown(doc: dict) -> str:
         "product taken out, what a compiled epoch would cost with free sparse products (Dynamo, AOTAutograd "
         "and Inductor's per-call work, the dense layers, the loss, Adam). Eager over it is the most any "
         "compiled way could gain over eager on that row:",
-        ["eager ms", "bound_inductor ms", "bound vs eager", "sparserl vs eager"], "---:|---:|---:|---:",
-        lambda r, m: [_fmt(r["ways"].get("eager", {}).get("epoch_ms"), ".2f"),
-                      _fmt(r["ways"]["bound_inductor"].get("epoch_ms"), ".2f"),
-                      _fmt(m.get("bound_vs_eager"), ".2f", "×"), _fmt(m.get("speedup_vs_eager"), ".2f", "×")],
+        ["eager ms", "bound_inductor ms", "bound vs eager", "sparserl vs eager"], "rrrr",
+        lambda r, m: [fmt(r["ways"].get("eager", {}).get("epoch_ms"), ".2f"),
+                      fmt(r["ways"]["bound_inductor"].get("epoch_ms"), ".2f"),
+                      fmt(m.get("bound_vs_eager"), ".2f", "×"), fmt(m.get("speedup_vs_eager"), ".2f", "×")],
         lambda sel: ["geometric mean over the graphs (each graph one mean)", "", "", "", "",
                      over_graphs(sel, "bound_vs_eager"), over_graphs(sel, "speedup_vs_eager")])
     disturbed = [f"{r['graph']} {r['model']} {r['hidden']}: {t.get('recompiled', 0)} recompilations, "
@@ -792,57 +479,40 @@ def markdown(doc: dict) -> str:
     lines += ["", "Runs (the runtime's one-time start — sandbox worker, policy load — is done by a prewarm "
               "before the first graph, and again before each row in case the worker stopped idle; it is not "
               "in any row's JIT):", ""]
-    lines += [f"- `{r['command']}` ({r['started']}; compile mode {r.get('compile_mode', 'default')}; prewarm "
-              f"{_fmt(r.get('runtime_prewarm_s'), '.1f', ' s')})" + (f". {r['note']}" if r.get("note") else "")
-              for r in doc.get("runs", [])]
+    runs = doc.get("runs", [])
+    bullets = tables.run_bullets(runs, lambda r: f"compile mode {r.get('compile_mode', 'default')}; prewarm "
+                                                 f"{fmt(r.get('runtime_prewarm_s'), '.1f', ' s')}")
+    lines += [bullet + (f". {r['note']}" if r.get("note") else "") for bullet, r in zip(bullets, runs)]
     return "\n".join(lines) + "\n"
 
 
-def svg(doc: dict) -> str:
+def plot(doc: dict) -> str:
     """Epoch-time speedup over eager cuSPARSE of each way, grouped per (graph, model, hidden)."""
-    rows = doc.get("rows", [])
     colors = {"inductor": "#8c8c8c", "pyg": "#e39b2d", "sparserl": "#2b6cb0"}
-    groups = []
-    for row in rows:
-        eager = row["ways"].get("eager", {})
+    labels, speedups = [], {way: [] for way in colors}
+    for r in doc.get("rows", []):
+        eager = r["ways"].get("eager", {})
         if eager.get("status") != "ok":
             continue
-        bars = {w: eager["epoch_ms"] / row["ways"][w]["epoch_ms"] for w in colors
-                if row["ways"].get(w, {}).get("status") == "ok"}
-        groups.append((f"{row['graph'][:14]} {row['model']} {row['hidden']}", bars))
-    hi = max([2.0] + [v for _, b in groups for v in b.values()])
-    left, top, plot_h, bar_w, gap = 50, 40, 260, 10, 14
-    width = max(600, left + len(groups) * (3 * bar_w + gap) + 20)
-    height = top + plot_h + 150
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="10"><rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{left}" y="20" font-size="13" font-weight="bold">'
-           f'{html.escape("GNN epoch-time speedup over eager cuSPARSE — " + str(doc.get("env", {}).get("gpu", "?")))}</text>']
-
-    def y_of(v):
-        return top + plot_h * (1 - v / hi)
-
-    for tick in np.arange(0, hi + 1e-9, 0.5):
-        out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y_of(tick):.1f}" y2="{y_of(tick):.1f}" '
-                   f'stroke="{"#000" if tick == 1 else "#ddd"}"/><text x="{left - 4}" y="{y_of(tick) + 3:.1f}" '
-                   f'text-anchor="end">{tick:.1f}×</text>')
-    for i, (label, bars) in enumerate(groups):
-        x0 = left + 6 + i * (3 * bar_w + gap)
-        for j, way in enumerate(colors):
-            if way in bars:
-                y = y_of(bars[way])
-                out.append(f'<rect x="{x0 + j * bar_w}" y="{y:.1f}" width="{bar_w - 1}" height="{top + plot_h - y:.1f}" '
-                           f'fill="{colors[way]}"><title>{html.escape(label)} {way}: {bars[way]:.2f}×</title></rect>')
-        out.append(f'<text transform="translate({x0 + bar_w},{top + plot_h + 6}) rotate(60)">{html.escape(label)}</text>')
-    for j, (way, color) in enumerate(colors.items()):
-        out.append(f'<rect x="{left + j * 90}" y="{height - 18}" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{left + j * 90 + 14}" y="{height - 9}">{way}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+        labels.append(f"{r['graph'][:14]} {r['model']} {r['hidden']}")
+        for way in colors:
+            ok = r["ways"].get(way, {}).get("status") == "ok"
+            speedups[way].append(eager["epoch_ms"] / r["ways"][way]["epoch_ms"] if ok else None)
+    fig, (ax,) = plots.figure("GNN epoch-time speedup over eager cuSPARSE — " + str(doc.get("env", {}).get("gpu", "?")),
+                              width=max(6.4, 1.5 + 0.45 * len(labels)), height=4.8)
+    if not labels:
+        plots.no_results(ax)
+        return plots.to_svg(fig)
+    plots.grouped_bars(ax, labels, {way: (speedups[way], color) for way, color in colors.items()})
+    plots.times_axis(ax)
+    plots.unity(ax)
+    ax.set_ylim(0, 1.05 * max([2.0] + [v for values in speedups.values() for v in values if v is not None]))
+    ax.legend(loc="upper left", fontsize=8)
+    return plots.to_svg(fig)
 
 
 def save(doc: dict, path: Path) -> None:
-    write_json_md(doc, path, markdown, svg)
+    write_json_md(doc, path, markdown, plot)
 
 
 COMPARED = (("speedup_vs_eager", "sparserl vs eager"), ("speedup_vs_best_other", "sparserl vs best other"),
@@ -862,13 +532,12 @@ def compare(paths: list[Path]) -> str:
     for metric, title in COMPARED:
         if not any(runs[k].get(metric) is not None for runs in keyed for k in keys):
             continue
-        lines += [f"## {title}", "", "| graph | model | hidden | " + " | ".join(f"run {i + 1}" for i in range(len(docs)))
-                  + " | spread (max/min) |", "|---|---|---:|" + "---:|" * (len(docs) + 1)]
+        lines += [f"## {title}", "", *tables.header(["graph", "model", "hidden", *(f"run {i + 1}" for i in range(len(docs))),
+                                                      "spread (max/min)"], "llr" + "r" * (len(docs) + 1))]
         for k in keys:
             values = [runs[k].get(metric) for runs in keyed]
             spread = max(values) / min(values) if None not in values else None
-            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(_fmt(v, ".2f", "×") for v in values)
-                         + f" | {_fmt(spread, '.2f')} |")
+            lines.append(tables.row([*k, *(fmt(v, ".2f", "×") for v in values), fmt(spread, ".2f")]))
         per_run = []
         for runs in keyed:
             graphs = {}
@@ -876,10 +545,10 @@ def compare(paths: list[Path]) -> str:
                 graphs.setdefault(k[0], []).append(runs[k].get(metric))
             per_run.append({g: geomean(v) for g, v in graphs.items()})
         for g in per_run[0]:
-            lines.append(f"| {g} (its rows) | | | " + " | ".join(_fmt(run[g], ".2f", "×") for run in per_run) + " | |")
+            lines.append(tables.row([f"{g} (its rows)", "", "", *(fmt(run[g], ".2f", "×") for run in per_run), ""]))
         overall = [geomean(run.values()) for run in per_run]
-        lines += [f"| **over the graphs** | | | " + " | ".join(_fmt(v, ".2f", "×") for v in overall)
-                  + f" | {_fmt(max(overall) / min(overall) if None not in overall else None, '.2f')} |", ""]
+        lines += [tables.row(["**over the graphs**", "", "", *(fmt(v, ".2f", "×") for v in overall),
+                              fmt(max(overall) / min(overall) if None not in overall else None, ".2f")]), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -906,7 +575,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-dir", help="the kernel cache (default: a fresh empty folder, so JIT is measured)")
     parser.add_argument("--no-warm", dest="warm", action="store_false",
                         help="skip the warm start (the next run's JIT: a fresh runtime on the same disk cache)")
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--device", default="cuda" if cuda_available() else "cpu")
     parser.add_argument("--max-time-s", type=float, default=None, help="start no graph after this much time")
     args = parser.parse_args(argv)
 
@@ -920,7 +589,6 @@ def main(argv=None) -> int:
     os.environ["SPARSERL_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="sparserl-gnn-cache-")
     import torch
     import torch_sparserl.integrations.pyg  # noqa: F401  (PyG's own layers are used by the pyg way only)
-    from bench_kernels import environment
 
     device = torch.device(args.device)
     env = environment()
@@ -946,7 +614,7 @@ def main(argv=None) -> int:
                         "env": env, "compile_mode": args.mode, "runtime_prewarm_s": prewarm_s})
     done = {(r["graph"], r["model"], r["hidden"]) for r in doc["rows"]}
     started = time.perf_counter()
-    for name in split_graphs(args.graphs):
+    for name in matrix_list(args.graphs):
         todo = [(m, int(h)) for m in args.models.split(",") for h in args.hidden.split(",") if (name, m, int(h)) not in done]
         if not todo:
             continue
@@ -971,13 +639,6 @@ def main(argv=None) -> int:
     print(f"wrote {path}", flush=True)
     return 0
 
-
-def _cuda() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except ImportError:  # pragma: no cover
-        return False
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import command_line, environment, host_us, known_matrices, results_path, tables, write_json_md  # noqa: E402
+
 SCHEMA = "torch_sparserl.bench_host/1"
 CALLS = 200
 DEFAULT_CELLS = "bcsstk13:1,bcsstk13:32,cora:32,cora:128,ca-CondMat:1,arrow:32,musae_github:128"
@@ -45,7 +47,6 @@ def measure(M, name: str, n: int, part: str, runtime, rounds: int = 5) -> dict:
     import torch_sparserl as ts
     from torch_sparserl import pattern as patterns
     from torch_sparserl.dtypes import close_to_reference
-    from bench_eager import host_us
     from torch_sparserl.jit import fastpath
 
     lib = torch.ops.sparserl_fastpath
@@ -115,18 +116,18 @@ def markdown(doc: dict) -> str:
              "allocation, every launch); Python: `A @ X`; empty: `torch.empty` of the output from Python; "
              "alloc, launch: one allocation and one `cudaMemsetAsync` from C++. `once`/`zero`: rowchunks "
              "with its kept workspace (one launch) / the same kernel zero-filled before every call.", "",
-             "| part | cells | C++ over bare | Python over bare | door (Python − C++) | torch.empty |",
-             "|---|---:|---:|---:|---:|---:|"]
+             *tables.header(["part", "cells", "C++ over bare", "Python over bare", "door (Python − C++)", "torch.empty"],
+                            "lrrrrr")]
     for part, s in doc["summary"].items():
-        lines.append(f"| {part} | {s['cells']} | {s['cpp_over_bare_us']:.2f} | {s['python_over_bare_us']:.2f} | "
-                     f"{s['door_us']:.2f} | {s['empty_us']:.2f} |")
-    lines += ["", "| matrix | n | part | bare | C++ | Python | alloc | launch | empty | correct | decision |",
-              "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+        lines.append(tables.row([part, s["cells"], f"{s['cpp_over_bare_us']:.2f}", f"{s['python_over_bare_us']:.2f}",
+                                 f"{s['door_us']:.2f}", f"{s['empty_us']:.2f}"]))
+    lines += ["", *tables.header(["matrix", "n", "part", "bare", "C++", "Python", "alloc", "launch", "empty", "correct",
+                                  "decision"], "lrlrrrrrrll")]
     fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
     for c in doc["cells"]:
-        lines.append(f"| {c['matrix']} | {c['n']} | {c['part']} | " + " | ".join(fmt(c[k]) for k in TIMES[:3])
-                     + " | " + " | ".join(fmt(c[k]) for k in TIMES[3:]) + f" | {c['correct']} | {c['decision'][:50]} |")
-    lines += ["", f"Command: `{doc['command']}` ({doc['started']})", ""]
+        lines.append(tables.row([c["matrix"], c["n"], c["part"], *(fmt(c[k]) for k in TIMES), c["correct"],
+                                 c["decision"][:50]]))
+    lines += ["", command_line(doc["command"], doc["started"]), ""]
     return "\n".join(lines)
 
 
@@ -144,8 +145,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench_kernels import environment, known_matrices
-    from report import results_path, write_json_md
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.data.datasets import load_matrix
     from torch_sparserl.jit import fastpath
     from torch_sparserl.jit import runtime as rt
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     for name, n in _cells(args.fold_cells):
         for variant in ("once", "zero"):
             with tempfile.TemporaryDirectory() as folder:
-                runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(folder),
+                runtime = rt.Runtime(JitOptions(mode="sync"), cache=KernelCache(folder),
                                      specializer=_forced_rowchunks(variant))
                 previous = rt.set_active(runtime)
                 try:

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import write_json_md  # noqa: E402
+from common import command_line, environment, tables, wall_us, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_intercept/1"
 STATES = ("absent", "installed", "installed, old delegate")
@@ -37,26 +35,6 @@ def _old_delegate(name, *args, **kwargs):
 
     with intercept._suspended():
         return getattr(torch.ops.aten, name).default(*args, **kwargs)
-
-
-def _per_call_us(fn, device, calls: int, repeats: int) -> float:
-    import torch
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(max(10, calls // 10)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
 
 
 def measure(device_name: str, n: int, calls: int, repeats: int) -> list[dict]:
@@ -86,7 +64,8 @@ def measure(device_name: str, n: int, calls: int, repeats: int) -> list[dict]:
                 intercept.activate_for_backend()
             for name, fn in products.items():
                 rows.append({"device": device_name, "product": name, "state": state,
-                             "us_per_call": round(_per_call_us(fn, device, calls, repeats), 2)})
+                             "us_per_call": round(wall_us(fn, calls=calls, repeats=repeats,
+                                                          warmup=max(10, calls // 10), device=device), 2)})
                 print(f"{device_name:5s} {name:22s} {state:24s} {rows[-1]['us_per_call']:9.1f} us", flush=True)
     finally:
         intercept._delegate = original
@@ -102,12 +81,12 @@ def markdown(doc: dict) -> str:
              "on CUDA). *absent*: a process that never named the backend; *installed*: the override hands the "
              "product back through torch's `out=` overload; *old delegate*: it takes itself out and puts itself "
              "back around each call, as before the fix.", "",
-             "| device | product | " + " | ".join(STATES) + " |", "|---|---|" + "---:|" * len(STATES)]
+             *tables.header(["device", "product", *STATES], "ll" + "r" * len(STATES))]
     keys = list(dict.fromkeys((r["device"], r["product"]) for r in doc["rows"]))
     for device, product in keys:
         cells = {r["state"]: r["us_per_call"] for r in doc["rows"] if (r["device"], r["product"]) == (device, product)}
-        lines.append(f"| {device} | {product} | " + " | ".join(f"{cells.get(s, float('nan')):.1f}" for s in STATES) + " |")
-    lines += ["", f"Command: `{doc['command']}` ({doc['started']})"]
+        lines.append(tables.row([device, product, *(f"{cells.get(s, float('nan')):.1f}" for s in STATES)]))
+    lines += ["", command_line(doc["command"], doc["started"])]
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +99,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="a .json path (.md beside it)")
     args = parser.parse_args(argv)
     import torch
-    from bench_kernels import environment
     from torch_sparserl.data.datasets import load_matrix
 
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

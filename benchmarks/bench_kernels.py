@@ -4,12 +4,16 @@
 For every cell (matrix, op, n, dtype) of a declared grid, calls
 ``torch_sparserl.specialize.autotune.tune`` and records the best correct kernel, cuSPARSE's time in the
 same run, the speedup with and without the cuSPARSE fallback, and both times as a fraction of
-the memory-bandwidth floor (see ``report.py``). Results are checkpointed after every cell, so
+the memory-bandwidth floor (:func:`floor_bytes`). Results are checkpointed after every cell, so
 a run cut into chunks of under 10 minutes resumes where it stopped::
 
     python benchmarks/bench_kernels.py --quick                       # smoke run, ~1 minute
     python benchmarks/bench_kernels.py --max-time-s 540 --resume     # one chunk of the full grid
     python benchmarks/bench_kernels.py --list                        # the cells, nothing run
+    python benchmarks/bench_kernels.py --report RESULTS.json         # re-render its .md and .svg
+
+``--report`` needs neither a GPU nor the autotuner: the summary and the plot are functions of
+the results file.
 
 Exit status: 0 when every selected cell is done, 3 when cells remain (time limit reached or
 cells that failed, to run again with ``--resume``), 4 when the CUDA context broke (the next
@@ -22,49 +26,44 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
-import fnmatch
 import functools
 import hashlib
 import importlib
 import json
+import math
 import os
-import platform
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 import uuid
+from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-# The sibling module, and this checkout's torch_sparserl (the code under test) ahead of any
+# The common core, and this checkout's torch_sparserl (the code under test) ahead of any
 # installed copy, also when run as a script from anywhere.
 for _path in (str(REPO), str(Path(__file__).resolve().parent)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
-import report  # noqa: E402
+from common import (SMALL_SYNTHETIC, SYNTHETIC, MatrixEntry, dumps, environment, geomean, header,  # noqa: E402
+                    matrix_list, plots, row, save_json, select_matrices, shared_matrices_dir, usage_error,
+                    write_text_atomic)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
+SCHEMA = "torch_sparserl.bench_kernels/1"
+VALUE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+INDEX_BYTES = 4  # the kernel ABI takes int32 rowptr and col
+GROUPS = ("real", "synthetic")
+DONE_STATUSES = ("ok", "no_kernel")  # an "error" or "transient" cell is run again on --resume
+
 # ------------------------------------------------------------------------------- the grid
 
-# Large synthetic patterns: generated at run time (seeded, a few seconds each), never stored.
-SYNTHETIC: dict[str, str] = {
-    "rmat-s20-ef16": "rmat:scale=20,edge_factor=16",            # power law, 1M rows, ~16M nnz
-    "rmat-s21-ef16": "rmat:scale=21,edge_factor=16",            # power law, 2M rows, ~32M nnz
-    "uniform-1m-16": "uniform:rows=2^20,cols=2^20,nnz_per_row=16",  # 16 random columns per row
-    "banded-1m-bw8": "banded:rows=2^20,bandwidth=8",            # 17 per row around the diagonal
-}
-# Small synthetic patterns for --quick; selectable by name too.
-SMALL_SYNTHETIC: dict[str, str] = {
-    "rmat-s12-ef8": "rmat:scale=12,edge_factor=8",
-}
 QUICK = {"matrices": ["cora", "rajat01", "rmat-s12-ef8"], "ops": ["spmv", "spmm"], "n": [1, 32],
          "dtypes": ["f32"], "budget_s": 5.0}
 DEFAULT_OPS = "spmv,spmm"
@@ -75,25 +74,6 @@ DEFAULT_BUDGET_S = 20.0
 DEFAULT_MAX_BUDGET_S = 600.0
 DEFAULT_TUNE = "torch_sparserl.specialize.autotune:tune"
 COPY_BYTES = 1 << 30               # the copy-bandwidth probe's buffer
-
-
-@dataclasses.dataclass(frozen=True)
-class MatrixEntry:
-    """One matrix of the grid: a real one from a ``.npz``/``.mtx`` file, or a generator spec."""
-
-    name: str
-    group: str     # "real" | "synthetic"
-    source: str    # file path, or a synthetic spec such as "rmat:scale=20,edge_factor=16"
-    origin: str    # "shared" | "package" | "file" | "generated"
-
-    def load(self):
-        if self.origin == "generated":
-            from torch_sparserl.data import synthetic
-
-            return synthetic.make(self.source)
-        from torch_sparserl.data.datasets import load_matrix
-
-        return load_matrix(self.source)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,79 +88,6 @@ class Cell:
         return f"{self.matrix}|{self.op}|n={self.n}|{self.dtype}"
 
 
-def shared_matrices_dir() -> Path | None:
-    """The real matrices: ``$SPARSERL_SHARED`` (the shared folder or its ``matrices``), else
-    ``../shared/matrices`` beside the repository, else ``shared/matrices`` inside it (the copy
-    that travels to a device machine). None when absent: the grid then skips them."""
-    env = os.environ.get("SPARSERL_SHARED")
-    if env:
-        candidates = [Path(env) / "matrices", Path(env)]
-    else:
-        candidates = [Path(__file__).resolve().parents[2] / "shared" / "matrices",
-                      REPO / "shared" / "matrices"]
-    for path in candidates:
-        if path.is_dir() and any(path.glob("*.npz")):
-            return path
-    return None
-
-
-def known_matrices() -> dict[str, MatrixEntry]:
-    """Every matrix the grid can name: shared real ones, shipped ones not among them, synthetic."""
-    from torch_sparserl.data.datasets import DATA_DIR, list_matrices
-
-    entries: dict[str, MatrixEntry] = {}
-    shared = shared_matrices_dir()
-    if shared is not None:
-        for path in sorted(shared.glob("*.npz")):
-            entries[path.stem] = MatrixEntry(path.stem, "real", str(path), "shared")
-    for name in list_matrices():
-        entries.setdefault(name, MatrixEntry(name, "real", str(DATA_DIR / f"{name}.npz"), "package"))
-    for table in (SYNTHETIC, SMALL_SYNTHETIC):
-        for name, spec in table.items():
-            entries[name] = MatrixEntry(name, "synthetic", spec, "generated")
-    return entries
-
-
-def default_matrix_names(entries: dict[str, MatrixEntry]) -> list[str]:
-    real = [e.name for e in entries.values() if e.group == "real"]
-    return real + list(SYNTHETIC)
-
-
-def select_matrices(patterns: Iterable[str] | None, entries: dict[str, MatrixEntry] | None = None
-                    ) -> list[MatrixEntry]:
-    """Names or globs of known matrices (``real`` and ``synthetic`` name the groups), generator
-    specs (``rmat:scale=16,edge_factor=8``), or ``.npz``/``.mtx`` paths. Order is kept."""
-    entries = known_matrices() if entries is None else entries
-    if not patterns:
-        return [entries[name] for name in default_matrix_names(entries)]
-    chosen: dict[str, MatrixEntry] = {}
-    for pattern in patterns:
-        pattern = pattern.strip()
-        if not pattern:
-            continue
-        if pattern in ("real", "synthetic"):
-            names = default_matrix_names(entries)
-            hits = [entries[n] for n in names if entries[n].group == pattern]
-        elif ":" in pattern:
-            from torch_sparserl.data import synthetic
-
-            synthetic.parse_spec(pattern)  # fail now, with the generator's own message
-            name = re.sub(r"[^A-Za-z0-9_.-]+", "-", pattern.replace("=", "")).strip("-")
-            hits = [MatrixEntry(name, "synthetic", pattern, "generated")]
-        elif pattern.endswith((".npz", ".mtx")) and Path(pattern).exists():
-            hits = [MatrixEntry(Path(pattern).stem, "real", str(Path(pattern)), "file")]
-        else:
-            hits = [entries[n] for n in entries if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            shared = shared_matrices_dir()
-            raise _usage_error(f"bench_kernels: --matrices {pattern!r} matches no matrix (known: "
-                             f"{', '.join(entries)}; real matrices from "
-                             f"{shared if shared else 'nowhere: no shared matrices found'})")
-        for entry in hits:
-            chosen.setdefault(entry.name, entry)
-    return list(chosen.values())
-
-
 def op_n_pairs(ops: Iterable[str], ns: Iterable[int]) -> list[tuple[str, int]]:
     """spmv runs at n=1 (when 1 is among ``ns``), spmm at every n > 1."""
     ops, ns = list(ops), sorted(set(ns))
@@ -193,59 +100,7 @@ def grid_cells(matrices: list[MatrixEntry], ops, ns, dtypes) -> list[Cell]:
     return [Cell(m.name, op, n, dtype) for m in matrices for dtype in dtypes for op, n in op_n_pairs(ops, ns)]
 
 
-# ------------------------------------------------------------------------- environment, timing
-
-def gpu_slug(name: str | None) -> str:
-    """"NVIDIA H100 80GB HBM3" → "h100-80gb-hbm3"; "cpu" without a GPU."""
-    if not name:
-        return "cpu"
-    name = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.I)
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
-
-
-def _nvidia_smi() -> dict:
-    """Driver and the clocks as found (read only: the benchmark never changes clocks)."""
-    fields = "driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,temperature.gpu"
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=15, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    values = [v.strip() for v in out.splitlines()[0].split(",")] if out.strip() else []
-    if len(values) != 7:
-        return {}
-    return {"driver": values[0], "clocks": {"sm_mhz": values[1], "mem_mhz": values[2], "max_sm_mhz": values[3],
-                                             "max_mem_mhz": values[4]},
-            "power_limit_w": values[5], "temperature_c": values[6]}
-
-
-def _cpu_model() -> str | None:
-    """The host CPU's model name (launch-bound timings depend on it), or None where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return platform.processor() or None
-
-
-def environment() -> dict:
-    import scipy
-    import torch
-
-    env = {"gpu": None, "gpu_slug": "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
-           "platform": platform.platform(), "host": platform.node(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
-           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-           "clocks_changed": False}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update({"gpu": props.name, "gpu_slug": gpu_slug(props.name),
-                    "capability": f"{props.major}.{props.minor}",
-                    "multiprocessors": props.multi_processor_count,
-                    "memory_GiB": round(props.total_memory / 2**30, 1)})
-        env.update(_nvidia_smi())
-    return env
-
+# ------------------------------------------------------------------------------- the device
 
 def measure_copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 20) -> float | None:
     """Device-to-device ``dst.copy_(src)`` in GB/s, counting bytes read plus bytes written
@@ -318,7 +173,7 @@ def matrix_meta(entry: MatrixEntry, matrix, load_s: float) -> dict:
     mean = float(lengths.mean()) if lengths.size else 0.0
     return {"group": entry.group, "origin": entry.origin, "source": entry.source,
             "rows": int(matrix.shape[0]), "cols": int(matrix.shape[1]), "nnz": int(matrix.nnz),
-            "distinct_cols": report.distinct_columns(matrix),
+            "distinct_cols": distinct_columns(matrix),
             "row_len_mean": mean, "row_len_max": int(lengths.max()) if lengths.size else 0,
             "row_len_cv": float(lengths.std() / mean) if mean else 0.0,
             "pattern_sha1": digest.hexdigest(), "load_s": round(load_s, 3)}
@@ -349,14 +204,14 @@ def cell_record(cell: Cell, meta: dict, result, copy_bw: float | None, budget_s:
     if cusparse_us is None and best is not None:
         cusparse_us = getattr(best, "cusparse_us", None)
     oracle_us = float(best.runtime_us) if _usable(best) else None
-    nbytes = report.floor_bytes(meta["rows"], meta["nnz"], meta["distinct_cols"], cell.n,
-                                report.VALUE_BYTES[cell.dtype])
-    floor_time = report.floor_us(nbytes, copy_bw)
+    nbytes = floor_bytes(meta["rows"], meta["nnz"], meta["distinct_cols"], cell.n,
+                                VALUE_BYTES[cell.dtype])
+    floor_time = floor_us(nbytes, copy_bw)
     record = {"key": cell.key, "matrix": cell.matrix, "group": meta["group"], "op": cell.op, "n": cell.n,
               "dtype": cell.dtype, "status": "transient" if transient else "ok" if oracle_us else "no_kernel",
               "cusparse_us": cusparse_us, "oracle_us": oracle_us,
               "best_family": getattr(best, "family", None) if oracle_us else None}
-    record.update(report.cell_metrics(cusparse_us, oracle_us, floor_time))
+    record.update(cell_metrics(cusparse_us, oracle_us, floor_time))
     record.update({"floor_bytes": nbytes, "floor_us": floor_time, "copy_bandwidth_GBps": copy_bw,
                    "budget_s": budget_s, "screen_budget_s": getattr(result, "budget_s", None),
                    "tune_elapsed_s": getattr(result, "elapsed_s", None),
@@ -369,6 +224,122 @@ def cell_record(cell: Cell, meta: dict, result, copy_bw: float | None, budget_s:
                    "best": record_to_dict(best), "error": None, "run": run_index, "cell_id": cell_id,
                    "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
     return record
+
+
+# ----------------------------------------------------------------------------------- metrics
+
+# The memory-bandwidth floor of one product (int32 indices; ``s`` bytes per value):
+#
+#     bytes = 4·(rows+1)              rowptr
+#           + 4·nnz + s·nnz           column indices and values
+#           + s·distinct_cols·n       X: each column index that occurs selects one row of X,
+#                                     which every algorithm must read at least once
+#           + s·rows·n                Y: every output element written once
+#     floor_us = bytes / copy_bandwidth
+#
+# ``copy_bandwidth`` is the device-to-device ``copy_`` rate measured in the same run (bytes read
+# plus bytes written, per second). ``*_floor_frac = floor_us / measured_us``: 1.0 would be a
+# kernel that moves only the compulsory bytes at copy speed.
+
+def distinct_columns(matrix) -> int:
+    """Number of columns holding at least one nonzero (rows of X a product must read)."""
+    import numpy as np
+
+    if matrix.nnz == 0:
+        return 0
+    return int(np.count_nonzero(np.bincount(matrix.indices, minlength=matrix.shape[1])))
+
+
+def floor_bytes(rows: int, nnz: int, distinct_cols: int, n: int, value_bytes: int) -> int:
+    """Bytes every algorithm must move for ``Y = A @ X`` (the floor, above)."""
+    return (INDEX_BYTES * (rows + 1) + (INDEX_BYTES + value_bytes) * nnz
+            + value_bytes * distinct_cols * n + value_bytes * rows * n)
+
+
+def floor_us(nbytes: int, copy_bandwidth_GBps: float | None) -> float | None:
+    if not copy_bandwidth_GBps or copy_bandwidth_GBps <= 0:
+        return None
+    return nbytes / (copy_bandwidth_GBps * 1e3)  # GB/s = 1e3 bytes/µs
+
+
+def _positive(value) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def cell_metrics(cusparse_us, oracle_us, floor_time_us) -> dict:
+    """Speedups and floor fractions of one cell.
+
+    ``speedup`` is cuSPARSE time over the oracle's (None without a correct kernel);
+    ``speedup_with_fallback`` is ``max(1, speedup)`` (1 without a kernel): the runtime serves
+    cuSPARSE whenever the best kernel is slower.
+    """
+    cusparse_us, oracle_us, floor_time_us = map(_positive, (cusparse_us, oracle_us, floor_time_us))
+    speedup = cusparse_us / oracle_us if cusparse_us and oracle_us else None
+    best_us = min(t for t in (cusparse_us, oracle_us) if t) if (cusparse_us or oracle_us) else None
+    return {
+        "speedup": speedup,
+        "speedup_with_fallback": max(1.0, speedup) if speedup is not None else 1.0,
+        "best_with_fallback_us": best_us,
+        "oracle_floor_frac": floor_time_us / oracle_us if floor_time_us and oracle_us else None,
+        "cusparse_floor_frac": floor_time_us / cusparse_us if floor_time_us and cusparse_us else None,
+    }
+
+
+def summarize(cells: Iterable[dict]) -> list[dict]:
+    """One row per (op, n, dtype, group) over the finished cells.
+
+    ``slower_than_cusparse`` counts the matrices where the oracle alone (no fallback) would
+    lose: a slower best kernel, or no correct kernel at all (also counted in ``no_kernel``).
+    """
+    buckets: dict[tuple, list[dict]] = defaultdict(list)
+    for cell in cells:
+        if cell.get("status") in DONE_STATUSES:
+            buckets[(cell["op"], cell["n"], cell["dtype"], cell["group"])].append(cell)
+    rows = []
+    for (op, n, dtype, group), members in sorted(buckets.items(), key=lambda kv: _order_key(*kv[0])):
+        speedups = [c.get("speedup") for c in members]
+        rows.append({
+            "op": op, "n": n, "dtype": dtype, "group": group, "cells": len(members),
+            "speedup_geomean": geomean(speedups),
+            "speedup_with_fallback_geomean": geomean(c.get("speedup_with_fallback") for c in members),
+            "slower_than_cusparse": sum(1 for s in speedups if s is None or s < 1.0),
+            "no_kernel": sum(1 for s in speedups if s is None),
+            "oracle_floor_frac_geomean": geomean(c.get("oracle_floor_frac") for c in members),
+            "cusparse_floor_frac_geomean": geomean(c.get("cusparse_floor_frac") for c in members),
+        })
+    return rows
+
+
+def _order_key(op, n, dtype, group="real"):
+    dtype_order = list(VALUE_BYTES).index(dtype) if dtype in VALUE_BYTES else 99
+    group_order = GROUPS.index(group) if group in GROUPS else 99
+    return (dtype_order, 0 if op == "spmv" else 1, n, group_order)
+
+
+# ------------------------------------------------------------------------------- JSON document
+
+def new_document(env: dict) -> dict:
+    return {"schema": SCHEMA, "env": env, "runs": [], "matrices": {}, "cells": []}
+
+
+def load(path: str | os.PathLike) -> dict:
+    with open(path, encoding="utf-8") as f:
+        document = json.load(f)
+    if document.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not a bench_kernels results file "
+                         f"(schema {document.get('schema')!r}, expected {SCHEMA!r})")
+    return document
+
+
+def companion(json_path: str | os.PathLike, suffix: str) -> Path:
+    """``kernels-x.json`` → ``kernels-x.md`` / ``kernels-x.svg`` / ``kernels-x-tables.jsonl``."""
+    json_path = Path(json_path)
+    stem = json_path.name[:-5] if json_path.name.endswith(".json") else json_path.name
+    return json_path.with_name(stem + suffix)
 
 
 # ----------------------------------------------------------------------------------- runner
@@ -432,7 +403,7 @@ def _line(record: dict) -> str:
         return (f"{record['key']}: {record['transient_failures']} evaluation(s) found no free device memory: "
                 "no label, run again with --resume")
     frac = record.get("oracle_floor_frac")
-    return (f"{record['key']}: speedup {report._fmt_x(record['speedup'])} "
+    return (f"{record['key']}: speedup {_fmt_x(record['speedup'])} "
             f"(oracle {record['oracle_us'] or float('nan'):.1f} us, cuSPARSE {record['cusparse_us'] or float('nan'):.1f} us"
             f"{'' if frac is None else f', {100 * frac:.0f}% of floor'}) in {record['wall_s']:.1f} s")
 
@@ -458,9 +429,9 @@ def run_grid(matrices: list[MatrixEntry], cells: list[Cell], tune_fn: Callable, 
         if not resume:
             raise FileExistsError(f"bench_kernels: {results_path} exists; pass --resume to continue it "
                                   "(or --out another folder)")
-        document = report.load(results_path)
+        document = load(results_path)
     else:
-        document = report.new_document(env or {})
+        document = new_document(env or {})
     if env:
         if document.get("env", {}).get("gpu") and env.get("gpu") != document["env"]["gpu"]:
             raise ValueError(f"bench_kernels: {results_path} holds results of {document['env']['gpu']}, "
@@ -472,11 +443,11 @@ def run_grid(matrices: list[MatrixEntry], cells: list[Cell], tune_fn: Callable, 
                              "argv": list(argv or []), "copy_bandwidth_GBps": copy_bandwidth_GBps,
                              "budget_s": budget_s, "sandbox": "per-cell" if sandbox is None else "shared",
                              "env": env or {}})
-    done = {c["key"] for c in document["cells"] if c.get("status") in report.DONE_STATUSES}
+    done = {c["key"] for c in document["cells"] if c.get("status") in DONE_STATUSES}
     todo = [c for c in cells if c.key not in done]
     skipped = len(cells) - len(todo)
     entries = {m.name: m for m in matrices}
-    tables_path = report.companion(results_path, "-tables.jsonl")
+    tables_path = companion(results_path, "-tables.jsonl")
     bar = _Progress(len(todo), enabled=progress)
     ran = errors = 0
     stopped = None
@@ -526,23 +497,189 @@ def run_grid(matrices: list[MatrixEntry], cells: list[Cell], tune_fn: Callable, 
                 if tables and record["status"] != "transient":
                     with open(tables_path, "a", encoding="utf-8") as f:
                         for rec in getattr(result, "table", None) or []:
-                            f.write(report.dumps({"cell": cell.key, "cell_id": cell_id, **(record_to_dict(rec) or {})})
+                            f.write(dumps({"cell": cell.key, "cell_id": cell_id, **(record_to_dict(rec) or {})})
                                     + "\n")
             longest_cell_s = max(longest_cell_s, time.monotonic() - cell_started)
             document["cells"] = [c for c in document["cells"] if c["key"] != cell.key] + [record]
-            report.save(document, results_path)
-            report.write_reports(document, results_path)
+            save_json(document, results_path)
+            write_reports(document, results_path)
             ran += 1
             bar.finish(_line(record))
             if stopped == "cuda":
                 break
     finally:
         bar.close()
-        report.save(document, results_path)
-        report.write_reports(document, results_path)
-    done = {c["key"] for c in document["cells"] if c.get("status") in report.DONE_STATUSES}
+        save_json(document, results_path)
+        write_reports(document, results_path)
+    done = {c["key"] for c in document["cells"] if c.get("status") in DONE_STATUSES}
     remaining = sum(1 for c in cells if c.key not in done)
     return RunOutcome(results_path, ran, skipped, remaining, errors, stopped)
+
+
+# ------------------------------------------------------------------------------- summary
+
+def _fmt_x(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.2f}×" if value < 10 else f"{value:.1f}×"
+
+
+def _fmt_pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.0f}%"
+
+
+def _columns(cells: list[dict]) -> list[tuple[str, int]]:
+    return sorted({(c["op"], c["n"]) for c in cells}, key=lambda on: (0 if on[0] == "spmv" else 1, on[1]))
+
+
+def _column_title(op: str, n: int) -> str:
+    return "spmv" if op == "spmv" else f"spmm n={n}"
+
+
+def _cell_text(cell: dict | None) -> str:
+    if cell is None:
+        return ""
+    status = cell.get("status")
+    if status == "error":
+        return "error"
+    if status == "transient":
+        return "rerun: device memory"
+    cus = _fmt_pct(cell.get("cusparse_floor_frac"))
+    if status == "no_kernel" or cell.get("speedup") is None:
+        return f"no kernel · cuS {cus}"
+    return f"**{_fmt_x(cell['speedup'])}** · {_fmt_pct(cell.get('oracle_floor_frac'))} / {cus}"
+
+
+def _matrix_order(document: dict, cells: list[dict]) -> list[str]:
+    matrices = document.get("matrices", {})
+    names = list(dict.fromkeys(c["matrix"] for c in cells))
+    group_of = {name: matrices.get(name, {}).get("group", "real") for name in names}
+    return sorted(names, key=lambda m: (GROUPS.index(group_of[m]) if group_of[m] in GROUPS else 9,
+                                        -int(matrices.get(m, {}).get("nnz", 0)), m))
+
+
+def markdown(document: dict) -> str:
+    env = document.get("env", {})
+    cells = document.get("cells", [])
+    runs = document.get("runs", [])
+    lines = [f"# Kernel benchmarks: oracle autotuner vs cuSPARSE — {env.get('gpu', '?')}", ""]
+    bandwidths = [r.get("copy_bandwidth_GBps") for r in runs if r.get("copy_bandwidth_GBps")]
+    lines += [
+        f"- GPU: {env.get('gpu', '?')} (driver {env.get('driver', '?')}, clocks as found: "
+        f"SM {env.get('clocks', {}).get('sm_mhz', '?')} MHz, memory {env.get('clocks', {}).get('mem_mhz', '?')} MHz; "
+        "not changed by the benchmark)",
+        f"- torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, Python {env.get('python', '?')}",
+        f"- runs: {len(runs)} (first {runs[0].get('started', '?') if runs else '?'}, "
+        f"last {runs[-1].get('started', '?') if runs else '?'}); device-to-device copy bandwidth "
+        + (", ".join(f"{b:.0f}" for b in bandwidths) + " GB/s (read + write, per run)" if bandwidths else "not measured"),
+        "- commands: " + "; ".join(f"`{' '.join(r.get('argv', []))}`" for r in runs[-3:]) if runs else "- commands: none",
+        "",
+        "Cells: **speedup** of the oracle (best correct kernel of the exhaustive autotuner) over cuSPARSE "
+        "measured in the same run · oracle's fraction of the memory-bandwidth floor / cuSPARSE's. "
+        "“no kernel”: no correct candidate (the runtime serves cuSPARSE). "
+        "With fallback, each speedup is max(1, speedup). Floor: compulsory bytes "
+        "(rowptr, col, val, the rows of X that some column index selects, Y) at the copy bandwidth.",
+        "",
+        "## Geometric means",
+        "",
+        *header(["op", "n", "dtype", "group", "matrices", "speedup (geomean)", "with fallback",
+                 "slower than cuSPARSE (no kernel)", "oracle % of floor", "cuSPARSE % of floor"]),
+    ]
+    for r in summarize(cells):
+        lines.append(row([r["op"], r["n"], r["dtype"], r["group"], r["cells"], _fmt_x(r["speedup_geomean"]),
+                          _fmt_x(r["speedup_with_fallback_geomean"]), f"{r['slower_than_cusparse']} ({r['no_kernel']})",
+                          _fmt_pct(r["oracle_floor_frac_geomean"]), _fmt_pct(r["cusparse_floor_frac_geomean"])]))
+    matrices = document.get("matrices", {})
+    for dtype in sorted({c["dtype"] for c in cells}, key=lambda d: _order_key("spmv", 1, d)):
+        dcells = [c for c in cells if c["dtype"] == dtype]
+        columns = _columns(dcells)
+        by_key = {(c["matrix"], c["op"], c["n"]): c for c in dcells}
+        lines += ["", f"## {dtype}: speedup · oracle / cuSPARSE % of floor", "",
+                  *header(["matrix", "group", "rows", "nnz", *(_column_title(*on) for on in columns)])]
+        for name in _matrix_order(document, dcells):
+            meta = matrices.get(name, {})
+            lines.append(row([name, meta.get("group", "?"), meta.get("rows", "?"), meta.get("nnz", "?"),
+                              *(_cell_text(by_key.get((name, *on))) for on in columns)]))
+    errors = [c for c in cells if c.get("status") == "error"]
+    if errors:
+        lines += ["", "## Errors", ""]
+        lines += [f"- `{c['key']}`: {str(c.get('error', '')).splitlines()[0][:200] if c.get('error') else '?'}"
+                  for c in errors]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------- plot
+
+_LABEL_CHARS = 26  # matrix names on the plot are cut to this
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= _LABEL_CHARS else name[:_LABEL_CHARS - 1] + "…"
+
+
+def _ticks(lo_exp: int, hi_exp: int) -> list[float]:
+    ticks = []
+    for e in range(lo_exp, hi_exp + 1):
+        ticks += [10.0 ** e] + ([2 * 10.0 ** e, 5 * 10.0 ** e] if hi_exp - lo_exp <= 2 and e < hi_exp else [])
+    return ticks
+
+
+def plot(document: dict) -> str:
+    """Bars of the speedup per matrix on a log scale from 1×, one panel per (op, n, dtype), green
+    faster and red slower than cuSPARSE; a grey × where no correct kernel was found (or the cell
+    failed); a dashed line between the real and the synthetic matrices. Each bar's id is
+    ``speedup-<i>``, each ×'s ``missing-<i>``."""
+    cells = [c for c in document.get("cells", []) if c.get("status") in DONE_STATUSES + ("error",)]
+    panels = sorted({(c["op"], c["n"], c["dtype"]) for c in cells}, key=lambda k: _order_key(*k))
+    names = _matrix_order(document, cells)
+    matrices = document.get("matrices", {})
+    speedups = [c["speedup"] for c in cells if c.get("speedup")]
+    lo_exp = min(-1, math.floor(math.log10(min(speedups)))) if speedups else -1
+    hi_exp = max(1, math.ceil(math.log10(max(speedups)))) if speedups else 1
+    fig, axes = plots.figure("Oracle speedup over cuSPARSE (log scale) — " + str(document.get("env", {}).get("gpu", "?")),
+                             width=max(6.4, 1.5 + 0.3 * len(names)), height=1.0 + 3.2 * max(1, len(panels)),
+                             rows=max(1, len(panels)))
+    if not panels:
+        plots.no_results(axes[0])
+        return plots.to_svg(fig)
+    summary = {(r["op"], r["n"], r["dtype"], r["group"]): r for r in summarize(cells)}
+    groups = [matrices.get(name, {}).get("group", "real") for name in names]
+    bars = missing = 0
+    for ax, (op, n, dtype) in zip(axes, panels):
+        means = ", ".join(f"{g} geomean {_fmt_x(summary[(op, n, dtype, g)]['speedup_geomean'])}"
+                          for g in GROUPS if (op, n, dtype, g) in summary)
+        ax.set_title(f"{_column_title(op, n)} {dtype}" + (f" — {means}" if means else ""), loc="left", fontsize=9)
+        plots.times_axis(ax, _ticks(lo_exp, hi_exp), log=True)
+        by_matrix = {c["matrix"]: c for c in cells if (c["op"], c["n"], c["dtype"]) == (op, n, dtype)}
+        for i, name in enumerate(names):
+            if i and groups[i] != groups[i - 1]:
+                ax.axvline(i - 0.5, color="#757575", linestyle="--", linewidth=1)
+            cell = by_matrix.get(name)
+            if cell is None:
+                continue
+            speedup = cell.get("speedup")
+            if not speedup:
+                ax.text(i, 1.0, "×", ha="center", va="bottom", color=plots.MISSING, fontweight="bold",
+                        gid=f"missing-{missing}")
+                missing += 1
+                continue
+            clipped = min(max(speedup, 10.0 ** lo_exp), 10.0 ** hi_exp)
+            (bar,) = ax.bar(i, clipped - 1.0, 0.75, bottom=1.0, color=plots.FASTER if speedup >= 1 else plots.SLOWER)
+            bar.set_gid(f"speedup-{bars}")
+            bars += 1
+        plots.unity(ax)
+        ax.set_ylim(10.0 ** lo_exp, 10.0 ** hi_exp)
+        ax.set_xticks(range(len(names)), [_short(name) for name in names], rotation=60, ha="right", fontsize=7)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+    return plots.to_svg(fig)
+
+
+def write_reports(document: dict, json_path: str | os.PathLike) -> tuple[Path, Path]:
+    """Write the ``.md`` and ``.svg`` beside ``json_path``; returns their paths."""
+    md_path, svg_path = companion(json_path, ".md"), companion(json_path, ".svg")
+    write_text_atomic(md_path, markdown(document))
+    write_text_atomic(svg_path, plot(document))
+    return md_path, svg_path
 
 
 # -------------------------------------------------------------------------------------- CLI
@@ -563,25 +700,8 @@ def _warm_up(tune_fn: Callable, sandbox) -> None:
     print(f"sandbox warm-up: {time.monotonic() - started:.1f} s", file=sys.stderr)
 
 
-def _usage_error(message: str) -> SystemExit:
-    print(message, file=sys.stderr)
-    return SystemExit(2)
-
-
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def _matrix_list(text: str) -> list[str]:
-    """Comma-separated, but a generator spec keeps its own commas: "cora,rmat:scale=12,
-    edge_factor=4" is ["cora", "rmat:scale=12,edge_factor=4"]."""
-    items: list[str] = []
-    for part in _csv(text):
-        if items and ":" in items[-1] and "=" in part and ":" not in part:
-            items[-1] += "," + part
-        else:
-            items.append(part)
-    return items
 
 
 def load_tune(dotted: str) -> Callable:
@@ -589,12 +709,12 @@ def load_tune(dotted: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise _usage_error(f"bench_kernels: cannot import the autotuner {dotted!r} ({exc}); "
+        raise usage_error(f"bench_kernels: cannot import the autotuner {dotted!r} ({exc}); "
                          "pass --tune module:function") from exc
     try:
         return getattr(module, attr or "tune")
     except AttributeError:
-        raise _usage_error(f"bench_kernels: {module_name} has no {attr or 'tune'!r}") from None
+        raise usage_error(f"bench_kernels: {module_name} has no {attr or 'tune'!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -607,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
                + ", ".join(f"{k} ({v})" for k, v in {**SYNTHETIC, **SMALL_SYNTHETIC}.items())
                + ".\nExit status: 0 all selected cells done, 3 cells remain (run again with --resume), "
                  "4 CUDA context broke (run again with --resume).")
-    parser.add_argument("--matrices", type=_matrix_list, default=None,
+    parser.add_argument("--matrices", type=matrix_list, default=None,
                         help="comma-separated names or globs ('real' and 'synthetic' name the groups), "
                              "generator specs like rmat:scale=16,edge_factor=8, or .npz/.mtx "
                              "paths; default: every real matrix and the large synthetic ones")
@@ -642,6 +762,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(torch_sparserl.specialize.families.OPT_IN_FAMILIES, e.g. tc_tiles)")
     parser.add_argument("--tune", default=DEFAULT_TUNE, help=f"autotuner as module:function (default {DEFAULT_TUNE})")
     parser.add_argument("--list", action="store_true", help="print the selected matrices and cells and exit")
+    parser.add_argument("--report", nargs="+", metavar="RESULTS_JSON",
+                        help="only re-render the .md and .svg of these results files (no GPU needed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or per-cell lines")
     return parser
 
@@ -655,20 +777,29 @@ def _resolve_results_path(args, env: dict) -> tuple[Path, bool]:
         return (found[-1], True) if found else (results_path_for(out, env), True)
     source = Path(args.resume)
     if not source.exists():
-        raise _usage_error(f"bench_kernels: --resume {source}: no such file")
+        raise usage_error(f"bench_kernels: --resume {source}: no such file")
     target = out / source.name
     if source.resolve() != target.resolve():
         out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
-        tables = report.companion(source, "-tables.jsonl")
+        tables = companion(source, "-tables.jsonl")
         if tables.exists():
-            shutil.copyfile(tables, report.companion(target, "-tables.jsonl"))
+            shutil.copyfile(tables, companion(target, "-tables.jsonl"))
     return target, True
 
 
 def main(argv: list[str] | None = None, tune_fn: Callable | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.report:
+        for path in args.report:
+            try:
+                document = load(path)
+            except (OSError, ValueError) as exc:  # no such file, not JSON, another benchmark's file
+                raise usage_error(f"bench_kernels: --report {path}: {exc}") from None
+            md_path, svg_path = write_reports(document, path)
+            print(f"wrote {md_path} and {svg_path}")
+        return 0
     quick = args.quick
     matrix_patterns = args.matrices if args.matrices is not None else (QUICK["matrices"] if quick else None)
     ops = args.ops or (QUICK["ops"] if quick else _csv(DEFAULT_OPS))
@@ -677,19 +808,19 @@ def main(argv: list[str] | None = None, tune_fn: Callable | None = None) -> int:
     try:
         ns = [int(v) for v in (args.n or ([str(v) for v in QUICK["n"]] if quick else _csv(DEFAULT_N)))]
     except ValueError:
-        raise _usage_error(f"bench_kernels: --n takes integers (got {args.n})") from None
-    bad = [op for op in ops if op not in ("spmv", "spmm")] + [d for d in dtypes if d not in report.VALUE_BYTES]
+        raise usage_error(f"bench_kernels: --n takes integers (got {args.n})") from None
+    bad = [op for op in ops if op not in ("spmv", "spmm")] + [d for d in dtypes if d not in VALUE_BYTES]
     bad += [str(n) for n in ns if n < 1]
     if bad:
-        raise _usage_error(f"bench_kernels: unknown op/dtype/n: {', '.join(bad)} "
-                         f"(ops spmv, spmm; dtypes {', '.join(report.VALUE_BYTES)}; n >= 1)")
+        raise usage_error(f"bench_kernels: unknown op/dtype/n: {', '.join(bad)} "
+                         f"(ops spmv, spmm; dtypes {', '.join(VALUE_BYTES)}; n >= 1)")
     try:
         matrices = select_matrices(matrix_patterns)
     except ValueError as exc:  # a malformed generator spec
-        raise _usage_error(str(exc)) from None
+        raise usage_error(str(exc)) from None
     cells = grid_cells(matrices, ops, ns, dtypes)
     if not cells:
-        raise _usage_error("bench_kernels: the selection has no cells (spmv needs 1 in --n, spmm an n > 1)")
+        raise usage_error("bench_kernels: the selection has no cells (spmv needs 1 in --n, spmm an n > 1)")
     if args.list:
         shared = shared_matrices_dir()
         print(f"real matrices from: {shared if shared else 'not found (only the shipped ones)'}")
@@ -709,7 +840,8 @@ def main(argv: list[str] | None = None, tune_fn: Callable | None = None) -> int:
 
         unknown = sorted(set(opt_in) - set(OPT_IN_FAMILIES))
         if unknown:
-            parser.error(f"--opt-in: expected names from {', '.join(OPT_IN_FAMILIES)}, got {', '.join(unknown)}")
+            raise usage_error(f"bench_kernels: --opt-in: expected names from {', '.join(OPT_IN_FAMILIES)}, "
+                              f"got {', '.join(unknown)}")
         tune_fn = functools.partial(tune_fn, opt_in=opt_in)
     env = environment()
     if env["gpu"] is None:
@@ -730,7 +862,7 @@ def main(argv: list[str] | None = None, tune_fn: Callable | None = None) -> int:
                            argv=["bench_kernels.py", *argv], tables=not args.no_tables,
                            progress=not args.no_progress)
     except (FileExistsError, ValueError) as exc:
-        raise _usage_error(str(exc)) from None
+        raise usage_error(str(exc)) from None
     finally:
         if sandbox is not None:
             sandbox.close()

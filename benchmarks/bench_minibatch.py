@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import html
-import os
 import re
 import statistics
 import sys
@@ -45,17 +44,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import environment, load_graph, plots, results_path, rss_mb, tables, write_json_md  # noqa: E402
+from common.gnn import PreparedBatch  # noqa: E402
+
 SCHEMA = "torch_sparserl.bench_minibatch/1"
 WAYS = ("torch", "sparserl", "sparserl_classes", "sparserl_compiled", "pyg")
-
-
-def rss_mb() -> float:
-    """The process's resident memory now (Linux), in MB."""
-    try:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return float("nan")
 
 
 def make_model(features: int, hidden: int, classes: int):
@@ -301,24 +294,6 @@ def warm_up(batches, features, labels, model0, device) -> None:
         torch.cuda.synchronize()
 
 
-class _Prepared:
-    """A batch's host tensors, made before timing and pinned where a GPU takes them (as a
-    loader with ``pin_memory=True`` hands them over): every way times its own transfers."""
-
-    def __init__(self, batch, device):
-        import numpy as np
-        import torch
-
-        pin = torch.device(device).type == "cuda"
-        host = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).pin_memory()) if pin else torch.from_numpy
-        self.seeds, self.n = batch.seeds, batch.nodes.size
-        self.nodes = host(batch.nodes)
-        self.csr = (host(batch.crow), host(batch.col), host(batch.adjacency("mean").data))
-        rows = np.repeat(np.arange(self.n), np.diff(batch.crow))
-        # PyG's flow: messages from edge_index[0] (a neighbour) to edge_index[1] (the row)
-        self.edge_index = host(np.stack([batch.col, rows]))
-
-
 def summary(doc: dict) -> list[dict]:
     rows = []
     reference = next((w["losses"] for w in doc["ways"].values() if w.get("status") == "ok"), None)
@@ -358,10 +333,9 @@ def markdown(doc: dict) -> str:
                 "trained (`--prefetch`). " if setup.get("prefetch") else "")
              + "First epoch: the median over the rounds (each listed); steady: the median of the later epochs. "
              "The other columns are the first round's.", "",
-             "| way | first epoch s | first epochs s | steady epoch s | vs torch first / steady | loss diff | "
-             "kernels | calls before admission | calls by class kernels | not queued | cache entries (kB) | "
-             "RSS growth MB | graphs compiled |",
-             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             *tables.header(["way", "first epoch s", "first epochs s", "steady epoch s", "vs torch first / steady",
+                             "loss diff", "kernels", "calls before admission", "calls by class kernels", "not queued",
+                             "cache entries (kB)", "RSS growth MB", "graphs compiled"], "lrlrlrrrrrrrr")]
     torch_row = next((r for r in doc["summary"] if r["way"] == "torch" and r["status"] == "ok"), None)
     for row in doc["summary"]:
         if row["status"] != "ok":
@@ -374,10 +348,11 @@ def markdown(doc: dict) -> str:
             versus = f"{torch_row['first_epoch_s'] / row['first_epoch_s']:.2f}× / " + (
                 f"{torch_row['steady_epoch_s'] / row['steady_epoch_s']:.2f}×" if row["steady_epoch_s"]
                 and torch_row["steady_epoch_s"] else "–")
-        lines.append(f"| {row['way']} | {row['first_epoch_s']:.3f} | {firsts} | {steady} | {versus} | "
-                     f"{row['loss_max_diff']:.1e} | "
-                     f"{row['installs']} | {row['unadmitted_calls']} | {row.get('class_calls', 0)} | {row['dropped']} | "
-                     f"{row['cache_entries']} ({row['cache_kb']:.0f}) | {row['rss_growth_mb']:.0f} | {row['graphs']} |")
+        lines.append(tables.row([row["way"], f"{row['first_epoch_s']:.3f}", firsts, steady, versus,
+                                 f"{row['loss_max_diff']:.1e}", row["installs"], row["unadmitted_calls"],
+                                 row.get("class_calls", 0), row["dropped"],
+                                 f"{row['cache_entries']} ({row['cache_kb']:.0f})", f"{row['rss_growth_mb']:.0f}",
+                                 row["graphs"]]))
     for way, result in doc["ways"].items():
         parts = result.get("host_ms_per_step")
         if parts:
@@ -391,42 +366,29 @@ def markdown(doc: dict) -> str:
                           f"spent {result['runtime'].get('background_s', 0):.1f} s deciding):", ""]
             lines += [f"- `{c['class']}` {c['op']} n={c['n']} {c['dtype']}: {html.escape(c['served_by'], quote=False)}"
                       for c in result["classes"]]
-    lines += ["", "Runs: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in doc["runs"])]
+    lines += ["", tables.runs_line(doc["runs"])]
     return "\n".join(lines) + "\n"
 
 
-def svg(doc: dict) -> str:
+def plot(doc: dict) -> str:
     """Every epoch of every round, per way: first epochs (a fresh runtime and cache) and later ones."""
     ways = [(way, r.get("rounds_epoch_s") or [r["epoch_s"]]) for way, r in doc["ways"].items()
             if r.get("status") == "ok"]
-    hi = max([t for _, rounds in ways for epochs in rounds for t in epochs] + [1e-9]) * 1.1
-    left, top, plot_h, col_w = 60, 40, 260, 110
-    width, height = left + max(1, len(ways)) * col_w + 20, top + plot_h + 60
-    colors = {True: "#c05621", False: "#2b6cb0"}  # first epoch, later epochs
-    title = f"Mini-batch epochs, s: {doc['setup']['graph']} on {doc['env'].get('gpu') or 'CPU'}"
-
-    def y_of(v):
-        return top + plot_h * (1 - v / hi)
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="10"><rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{left}" y="20" font-size="13" font-weight="bold">{html.escape(title)}</text>',
-           f'<text x="{left}" y="34" fill="{colors[True]}">first epoch of a round</text>'
-           f'<text x="{left + 140}" y="34" fill="{colors[False]}">later epochs</text>']
-    for i in range(6):
-        v = hi * i / 5
-        out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y_of(v):.1f}" y2="{y_of(v):.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 4}" y="{y_of(v) + 3:.1f}" text-anchor="end">{v:.2f}</text>')
-    for i, (way, rounds) in enumerate(ways):
-        x = left + i * col_w + col_w / 2
-        for epochs in rounds:
-            for e, t in enumerate(epochs):
-                dx = -12 if e == 0 else 8
-                out.append(f'<circle cx="{x + dx:.1f}" cy="{y_of(t):.1f}" r="3" fill="{colors[e == 0]}" '
-                           'fill-opacity="0.7"/>')
-        out.append(f'<text x="{x:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{html.escape(way)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    fig, (ax,) = plots.figure(f"Mini-batch epochs, s: {doc['setup']['graph']} on {doc['env'].get('gpu') or 'CPU'}",
+                              width=max(4.8, 1.5 + 1.2 * len(ways)), height=4.4)
+    if not ways:
+        plots.no_results(ax)
+        return plots.to_svg(fig)
+    first, later = "#c05621", "#2b6cb0"
+    plots.strip(ax, [(way, [epochs[0] for epochs in rounds], first) for way, rounds in ways], gid="first", offset=-0.12)
+    plots.strip(ax, [(way, [t for epochs in rounds for t in epochs[1:]], later) for way, rounds in ways], gid="later",
+                offset=0.12)
+    ax.set_xticks(range(len(ways)), [way for way, _ in ways], rotation=0, ha="center")
+    ax.set_ylim(0, 1.1 * max(t for _, rounds in ways for epochs in rounds for t in epochs))
+    ax.set_ylabel("epoch, s")
+    ax.legend(handles=[ax.collections[0], ax.collections[len(ways)]], labels=["first epoch of a round", "later epochs"],
+              loc="lower right", fontsize=8)
+    return plots.to_svg(fig)
 
 
 def main(argv=None) -> int:
@@ -461,9 +423,6 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from bench_gnn import load_graph
-    from bench_kernels import environment
-    from report import results_path, write_json_md
     from torch_sparserl.data.sampling import neighbor_batches
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -471,7 +430,7 @@ def main(argv=None) -> int:
     A = ((A + A.T) > 0).astype(np.float32).tocsr()  # neighbours both ways
     fanouts = [int(f) for f in args.fanouts.split(",")]
     sampled = list(neighbor_batches(A, args.batch_size, fanouts, seed=0, limit=args.batches))
-    batches = [_Prepared(b, args.device) for b in sampled]
+    batches = [PreparedBatch(b, args.device) for b in sampled]
     g = torch.Generator().manual_seed(0)
     features = torch.randn(A.shape[0], args.features, generator=g).to(args.device)
     labels = torch.randint(0, args.classes, (A.shape[0],), generator=g).to(args.device)
@@ -509,7 +468,7 @@ def main(argv=None) -> int:
                   + (" ".join(f"{s:.3f}" for s in result["epoch_s"]) + " s/epoch" if result.get("status") == "ok"
                      else str(result.get("error"))), flush=True)
     doc["summary"] = summary(doc)
-    write_json_md(doc, path, markdown, svg)
+    write_json_md(doc, path, markdown, plot)
     print(f"wrote {path}")
     return 0
 

@@ -35,6 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import geomean, select_matrices, tables  # noqa: E402
+
 SCHEMA = "torch_sparserl.bench_runtime/1"
 
 
@@ -46,22 +48,18 @@ def _cells(matrices, ops, ns):
 
 
 def _summary(document: dict) -> dict:
-    import math
-
     summary = {}
     cells = [c for c in document["cells"] if "speedup" in c]
     for label in sorted({(c["op"], c["n"]) for c in cells}):
         group = [c for c in cells if (c["op"], c["n"]) == label]
-        geo = math.exp(sum(math.log(c["speedup"]) for c in group) / len(group))
         summary[f"{label[0]} n={label[1]}"] = {
-            "cells": len(group), "geomean_speedup": geo,
+            "cells": len(group), "geomean_speedup": geomean(c["speedup"] for c in group),
             "installed": sum(c["installed"] for c in group), "correct": sum(c["correct"] for c in group),
             "slower_than_cusparse": sum(c["speedup"] < 0.97 for c in group),
             "cold_s_median": sorted(c["cold_s"] for c in group)[len(group) // 2],
         }
     if cells:
-        summary["all"] = {"cells": len(cells), "geomean_speedup": math.exp(sum(math.log(c["speedup"]) for c in cells)
-                                                                          / len(cells)),
+        summary["all"] = {"cells": len(cells), "geomean_speedup": geomean(c["speedup"] for c in cells),
                           "correct": sum(c["correct"] for c in cells)}
     return summary
 
@@ -72,33 +70,32 @@ def markdown(document: dict) -> str:
              f"Command: `{document['command']}`. Runtime in sync mode, autotuning budget "
              f"{document['budget_s']:g} s per product, cold cache. Speedup = `torch.sparse.mm` time per call / "
              "`A @ X` time per call, both with dispatch, in the same rounds.", "",
-             "| product | cells | geomean speedup | kernels installed | correct | slower than cuSPARSE | median cold |",
-             "|---|---|---|---|---|---|---|"]
+             *tables.header(["product", "cells", "geomean speedup", "kernels installed", "correct",
+                             "slower than cuSPARSE", "median cold"])]
     for label, s in document["summary"].items():
         if label == "all":
             continue
-        lines.append(f"| {label} | {s['cells']} | {s['geomean_speedup']:.2f}x | {s['installed']} | {s['correct']} | "
-                     f"{s['slower_than_cusparse']} | {s['cold_s_median']:.1f} s |")
-    lines += ["", "| matrix | product | rows | nnz | cold s | warm ms | A @ X us | op us | torch.sparse us | speedup | "
-              "decision |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(tables.row([label, s["cells"], f"{s['geomean_speedup']:.2f}x", s["installed"], s["correct"],
+                                 s["slower_than_cusparse"], f"{s['cold_s_median']:.1f} s"]))
+    lines += ["", *tables.header(["matrix", "product", "rows", "nnz", "cold s", "warm ms", "A @ X us", "op us",
+                                  "torch.sparse us", "speedup", "decision"])]
     warm = {(w["matrix"], w["op"], w["n"]): w for w in document.get("warm", {}).get("cells", []) if w.get("from_disk", True)}
     for c in document["cells"]:
         if "speedup" not in c:
-            lines.append(f"| {c['matrix']} | {c['op']} n={c['n']} | | | | | | | | | failed: {c.get('failure')} |")
+            lines.append(tables.row([c["matrix"], f"{c['op']} n={c['n']}", *[""] * 8, f"failed: {c.get('failure')}"]))
             continue
         w = warm.get((c["matrix"], c["op"], c["n"]))
-        lines.append(f"| {c['matrix']} | {c['op']} n={c['n']} | {c['rows']} | {c['nnz']} | {c['cold_s']:.1f} | "
-                     f"{w['warm_ms']:.0f} |" if w else f"| {c['matrix']} | {c['op']} n={c['n']} | {c['rows']} | "
-                     f"{c['nnz']} | {c['cold_s']:.1f} | |")
-        lines[-1] += (f" {c['hot_us']:.1f} | {c['op_us']:.1f} | {c['torch_sparse_us']:.1f} | {c['speedup']:.2f}x | "
-                      f"{'' if c['correct'] else 'WRONG: '}{c['decision']} |")
+        lines.append(tables.row([c["matrix"], f"{c['op']} n={c['n']}", c["rows"], c["nnz"], f"{c['cold_s']:.1f}",
+                                 f"{w['warm_ms']:.0f}" if w else "", f"{c['hot_us']:.1f}", f"{c['op_us']:.1f}",
+                                 f"{c['torch_sparse_us']:.1f}", f"{c['speedup']:.2f}x",
+                                 f"{'' if c['correct'] else 'WRONG: '}{c['decision']}"]))
     overhead = document.get("overhead")
     if overhead and overhead.get("installed"):
         lines += ["", f"Dispatch overhead, CPU us per call on {document['overhead_matrix']} (SpMM N={overhead['n']}, "
                   f"{overhead['decision']}):", "",
-                  "| layer | us per call |", "|---|---|"]
+                  *tables.header(["layer", "us per call"])]
         for name in ("raw_launch", "installed", "runtime_call", "direct", "operator", "torch_sparse"):
-            lines.append(f"| {name} | {overhead[name]:.2f} |")
+            lines.append(tables.row([name, f"{overhead[name]:.2f}"]))
     return "\n".join(lines) + "\n"
 
 
@@ -127,7 +124,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench_kernels import select_matrices
     from torch_sparserl.cli import measure
     from torch_sparserl.data.datasets import load_matrix
     from torch_sparserl.jit import runtime as rt

@@ -16,6 +16,7 @@ Needs a GPU and the real matrices (``../shared`` or ``./shared``). Prints; write
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -29,7 +30,9 @@ WAYS = {"rows 8": (8, 1 << 40), "rows 32": (32, 1 << 40), "budget 128 MB": (None
         "budget 32 MB": (None, 32 << 20)}  # (rows per pass, float32 logits per pass)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import geomean, results_path, write_json_md  # noqa: E402
+from common import command_line, compare_us, geomean, load_graph, results_path, tables, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_sddmm/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000"]
@@ -45,7 +45,6 @@ def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
     import torch_sparserl as ts
     from torch_sparserl import ops
     from torch_sparserl import pattern as patterns
-    from torch_sparserl.cli import measure
     from torch_sparserl.dtypes import close_to_reference
     from torch_sparserl.kernels import reference, vendor
 
@@ -68,7 +67,7 @@ def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
         "gather": lambda: reference.sddmm(entry, crow, col, D, X),
     }
     checks = {way: close_to_reference(fn() if way != "sparserl" else out, ref, dtype) for way, fn in ways.items()}
-    times = measure.compare_us(ways)
+    times = compare_us(ways)
     state = runtime.state("sddmm", entry, n, dtype)
     record = None
     if getattr(state, "key", None) is not None:
@@ -92,23 +91,23 @@ def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
 def markdown(doc: dict) -> str:
     rows = doc["rows"]
     lines = [f"# SDDMM (gradient of the values): sparserl vs cuSPARSE — {doc['device']}", "",
-             f"`{doc['command']}`", "", f"torch {doc['torch']}, {doc['date']}. Times are per call (dispatch "
+             command_line(doc["command"], label=None), "", f"torch {doc['torch']}, {doc['date']}. Times are per call (dispatch "
              "included), medians of interleaved rounds; *kernel* columns are the evaluator's L2-flushed "
              "kernel timings from the specialization run.", "",
-             "| graph | nnz | N | dtype | sparserl µs | backward µs | cuSPARSE µs | gather µs | vs cuSPARSE | "
-             "backward vs cuSPARSE | vs gather | kernel µs | kernel cuSPARSE µs | decision |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             *tables.header(["graph", "nnz", "N", "dtype", "sparserl µs", "backward µs", "cuSPARSE µs", "gather µs",
+                             "vs cuSPARSE", "backward vs cuSPARSE", "vs gather", "kernel µs", "kernel cuSPARSE µs",
+                             "decision"])]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['graph']} | | {r['n']} | | failed: {r['error'][:120]} | | | | | | | | | |")
+            lines.append(tables.row([r["graph"], "", r["n"], "", f"failed: {r['error'][:120]}", *[""] * 9]))
             continue
         us = r["us"]
         fmt = lambda v, spec=".1f", unit="": f"{v:{spec}}{unit}" if isinstance(v, (int, float)) else "–"  # noqa: E731
-        lines.append(f"| {r['graph']} | {r['nnz']:,} | {r['n']} | {r['dtype']} | {us['sparserl']:.1f} | "
-                     f"{fmt(us.get('backward'))} | {us['cusparse']:.1f} | {us['gather']:.1f} | "
-                     f"{r['speedup_vs_cusparse']:.2f}× | {fmt(r.get('backward_speedup_vs_cusparse'), '.2f', '×')} | "
-                     f"{r['speedup_vs_gather']:.2f}× | {fmt(r['kernel_us'])} | {fmt(r['kernel_cusparse_us'])} | "
-                     f"{r['decision'][:90]} |")
+        lines.append(tables.row([r["graph"], f"{r['nnz']:,}", r["n"], r["dtype"], f"{us['sparserl']:.1f}",
+                                 fmt(us.get("backward")), f"{us['cusparse']:.1f}", f"{us['gather']:.1f}",
+                                 f"{r['speedup_vs_cusparse']:.2f}×", fmt(r.get("backward_speedup_vs_cusparse"), ".2f", "×"),
+                                 f"{r['speedup_vs_gather']:.2f}×", fmt(r["kernel_us"]), fmt(r["kernel_cusparse_us"]),
+                                 r["decision"][:90]]))
     ok = [r for r in rows if "error" not in r]
     g1 = geomean(r["speedup_vs_cusparse"] for r in ok)
     g2 = geomean(r["speedup_vs_gather"] for r in ok)
@@ -132,7 +131,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_sddmm: needs a CUDA GPU (cuSPARSE is the baseline)", file=sys.stderr)
         return 2
-    from bench_gnn import load_graph
     from torch_sparserl.jit import runtime as rt
 
     device = torch.cuda.get_device_name()

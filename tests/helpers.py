@@ -173,13 +173,17 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str):
-    """A module of ``benchmarks/`` (not a package) by name, loaded once; the folder goes on
-    ``sys.path`` so that its modules find each other as the scripts do."""
-    if name not in sys.modules:
-        if str(BENCHMARKS) not in sys.path:
-            sys.path.insert(0, str(BENCHMARKS))
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """A module of ``benchmarks/``, loaded once: a script by its path there without ``.py``
+    (``bench_gnn``, ``probes/profile_cell``), or the common core by its module name
+    (``common``, ``common.gnn``). ``benchmarks/`` goes on ``sys.path``, where a script finds
+    the common core beside it."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    if name.split(".")[0] == "common":
+        return importlib.import_module(name)
+    module = Path(name).name
+    if module not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module, BENCHMARKS / f"{name}.py")
+        sys.modules[module] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[module])
+    return sys.modules[module]

@@ -162,19 +162,20 @@ class SlowSpecializer:
 @pytest.mark.parametrize("off_first", [False, True])
 @torch._inductor.config.patch(force_disable_caches=True)
 def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path, monkeypatch, off_first):
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import KernelCache
 
     cold = load_benchmark("bench_cold_start")
-    bench = load_benchmark("bench_gnn")
+    gnn = load_benchmark("common.gnn")
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
     specializer = SlowSpecializer()
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path / "cache"),
+    runtime = rt.Runtime(JitOptions(mode="background"), cache=KernelCache(tmp_path / "cache"),
                          specializer=specializer, installer=specializer.installer, devices=("cpu",))
     # the kernel arrives after a few epochs served by the fallback (4 products per epoch)
     specializer.ready = lambda: runtime.stats["fallback_calls"] >= 4 * 4
     previous = rt.active_or_none()
-    graph = bench.prepare_graph("cora", torch.device("cpu"))
+    graph = gnn.prepare_graph("cora", torch.device("cpu"))
     try:
         row = cold.measure_row("cora", "gcn", 16, "cpu", after=5, max_s=60, eager_epochs=25, graph=graph,
                                runtime=runtime, off_first=off_first)
@@ -204,7 +205,8 @@ def test_a_cold_row_on_the_cpu_takes_the_kernels_over_in_the_background(tmp_path
     md = path.with_suffix(".md").read_text()
     assert "| cora | gcn | 16 |" in md and "2 of 2 installed" in md
     assert ("(`--off-first`)" in md) == off_first
-    ET.fromstring(path.with_suffix(".svg").read_text())
+    picture = ET.fromstring(path.with_suffix(".svg").read_text())
+    assert [e.get("id") for e in picture.iter() if (e.get("id") or "").startswith("row-")] == ["row-0"]
     assert cold.main(["--report", str(path)]) == 0
 
 
@@ -212,6 +214,7 @@ def test_the_background_thread_does_not_hold_the_loop(tmp_path):
     """The specializer's thread sleeps (as it does waiting on the sandbox or a build): calls
     return at once, served by the fallback."""
     from torch_sparserl import pattern as patterns
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import KernelCache
 
@@ -221,7 +224,7 @@ def test_the_background_thread_does_not_hold_the_loop(tmp_path):
         gate.wait(10)
         raise RuntimeError("no kernel")
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background"), cache=KernelCache(tmp_path), specializer=specializer,
+    runtime = rt.Runtime(JitOptions(mode="background"), cache=KernelCache(tmp_path), specializer=specializer,
                          devices=("cpu",))
     crow, col = torch.tensor([0, 1, 2]), torch.tensor([1, 0])
     entry = patterns.lookup(crow, col, 2)

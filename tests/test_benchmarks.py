@@ -1,19 +1,25 @@
-"""The kernel benchmark's runner and reports, with a fake autotuner (CPU, no GPU, seconds)."""
+"""The benchmarks on the CPU: the kernel benchmark's runner and reports with a fake autotuner, the
+other scripts' summaries, Markdown, plots and smoke runs, and the folder's rules: every script
+imports the common core, never another script, and answers --help; results/ holds only what the
+documents quote, under 5 MB."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import re
 import statistics
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.sparse
 
-from helpers import load_benchmark
+from helpers import BENCHMARKS, load_benchmark
 
-report = load_benchmark("report")
+common = load_benchmark("common")
 bench = load_benchmark("bench_kernels")
 
 
@@ -72,7 +78,7 @@ class FakeTune:
 
 @pytest.fixture
 def two_matrices():
-    entries = bench.known_matrices()
+    entries = common.known_matrices()
     return [entries["cora"], entries["rajat01"]]  # shipped with the package: always there
 
 
@@ -92,33 +98,33 @@ def test_floor_bytes_on_a_tiny_known_matrix():
     matrix = scipy.sparse.csr_matrix(
         (np.ones(4, np.float32), np.array([0, 3, 3, 4], np.int32), np.array([0, 2, 2, 4], np.int32)),
         shape=(3, 5))
-    assert report.distinct_columns(matrix) == 3
+    assert bench.distinct_columns(matrix) == 3
     # rowptr 4·4 + col 4·4 + val 4·4 + X 4·3·8 + Y 4·3·8
-    assert report.floor_bytes(3, 4, 3, 8, 4) == 16 + 16 + 16 + 96 + 96
+    assert bench.floor_bytes(3, 4, 3, 8, 4) == 16 + 16 + 16 + 96 + 96
     # f16: rowptr 16 + col 16 + val 2·4 + X 2·3·1 + Y 2·3·1
-    assert report.floor_bytes(3, 4, 3, 1, 2) == 16 + 16 + 8 + 6 + 6
-    assert report.floor_us(3_000_000, 3000.0) == pytest.approx(1.0)  # 3 MB at 3 TB/s
-    assert report.floor_us(100, None) is None
+    assert bench.floor_bytes(3, 4, 3, 1, 2) == 16 + 16 + 8 + 6 + 6
+    assert bench.floor_us(3_000_000, 3000.0) == pytest.approx(1.0)  # 3 MB at 3 TB/s
+    assert bench.floor_us(100, None) is None
 
 
 def test_cell_metrics_and_fallback():
-    m = report.cell_metrics(cusparse_us=30.0, oracle_us=10.0, floor_time_us=6.0)
+    m = bench.cell_metrics(cusparse_us=30.0, oracle_us=10.0, floor_time_us=6.0)
     assert m["speedup"] == pytest.approx(3.0) and m["speedup_with_fallback"] == pytest.approx(3.0)
     assert m["oracle_floor_frac"] == pytest.approx(0.6) and m["cusparse_floor_frac"] == pytest.approx(0.2)
     assert m["best_with_fallback_us"] == 10.0
-    slow = report.cell_metrics(10.0, 40.0, None)
+    slow = bench.cell_metrics(10.0, 40.0, None)
     assert slow["speedup"] == pytest.approx(0.25) and slow["speedup_with_fallback"] == 1.0
     assert slow["oracle_floor_frac"] is None and slow["best_with_fallback_us"] == 10.0
-    none = report.cell_metrics(10.0, None, 5.0)
+    none = bench.cell_metrics(10.0, None, 5.0)
     assert none["speedup"] is None and none["speedup_with_fallback"] == 1.0
     assert none["cusparse_floor_frac"] == pytest.approx(0.5)
 
 
 def test_geomean():
-    assert report.geomean([2.0, 8.0]) == pytest.approx(4.0)
-    assert report.geomean([0.5, 2.0, None]) == pytest.approx(1.0)
-    assert report.geomean([1.0, 10.0, 100.0]) == pytest.approx(10.0)
-    assert report.geomean([]) is None and report.geomean([None, 0.0, float("nan")]) is None
+    assert common.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert common.geomean([0.5, 2.0, None]) == pytest.approx(1.0)
+    assert common.geomean([1.0, 10.0, 100.0]) == pytest.approx(10.0)
+    assert common.geomean([]) is None and common.geomean([None, 0.0, float("nan")]) is None
 
 
 def test_summarize_counts_slower_and_separates_groups():
@@ -126,7 +132,7 @@ def test_summarize_counts_slower_and_separates_groups():
         return {"matrix": matrix, "group": group, "op": "spmm", "n": 32, "dtype": "f32",
                 "status": "ok" if speedup else "no_kernel", "speedup": speedup,
                 "speedup_with_fallback": max(1.0, speedup) if speedup else 1.0}
-    rows = report.summarize([cell("a", "real", 4.0), cell("b", "real", 0.25), cell("c", "real", None),
+    rows = bench.summarize([cell("a", "real", 4.0), cell("b", "real", 0.25), cell("c", "real", None),
                              cell("s", "synthetic", 2.0), {"status": "error", "matrix": "e", "group": "real",
                                                            "op": "spmm", "n": 32, "dtype": "f32"}])
     real, synth = rows
@@ -147,7 +153,7 @@ def test_runner_writes_json_md_svg_and_tables(tmp_path, two_matrices):
     assert len(tune.calls) == 4
 
     document = json.loads(path.read_text())
-    assert document["schema"] == report.SCHEMA
+    assert document["schema"] == bench.SCHEMA
     assert document["env"]["gpu"] == "Fake GPU" and document["runs"][0]["copy_bandwidth_GBps"] == 3000.0
     cora = document["matrices"]["cora"]
     assert (cora["rows"], cora["nnz"], cora["group"]) == (2708, 10556, "real")
@@ -162,26 +168,28 @@ def test_runner_writes_json_md_svg_and_tables(tmp_path, two_matrices):
     assert spmm["speedup"] == pytest.approx(1.5) and spmm["status"] == "ok"
     assert spmm["best"]["family"] == "vector_csr" and spmm["best"]["params"] == {"lanes": 4}
     assert (spmm["evaluated"], spmm["compiled"], spmm["correct"]) == (3, 2, 1)
-    expected_bytes = report.floor_bytes(2708, 10556, cora["distinct_cols"], 32, 4)
+    expected_bytes = bench.floor_bytes(2708, 10556, cora["distinct_cols"], 32, 4)
     assert spmm["floor_bytes"] == expected_bytes
     assert spmm["floor_us"] == pytest.approx(expected_bytes / 3e12 * 1e6)  # 3000 GB/s
     assert spmm["oracle_floor_frac"] == pytest.approx(spmm["floor_us"] / spmm["oracle_us"])
     slow = cells["rajat01|spmm|n=32|f32"]  # a row of 1442: the fake kernel is 2x slower
     assert slow["speedup"] == pytest.approx(0.5) and slow["speedup_with_fallback"] == 1.0
 
-    tables = [json.loads(line) for line in report.companion(path, "-tables.jsonl").read_text().splitlines()]
+    tables = [json.loads(line) for line in bench.companion(path, "-tables.jsonl").read_text().splitlines()]
     assert len(tables) == 12 and {t["cell"] for t in tables} == set(cells)
     assert all(t["cell_id"] in {c["cell_id"] for c in cells.values()} for t in tables)
 
-    md = report.companion(path, ".md").read_text()
+    md = bench.companion(path, ".md").read_text()
     assert "| matrix | group | rows | nnz | spmv | spmm n=32 |" in md
     assert "| cora | real | 2708 | 10556 | **2.00×**" in md
     assert "Geometric means" in md and "| spmm | 32 | f32 | real | 2 | 0.87× | 1.22× | 1 (0) |" in md
-    root = ET.fromstring(report.companion(path, ".svg").read_text())
+    root = ET.fromstring(bench.companion(path, ".svg").read_text())
     assert root.tag.endswith("svg")
     texts = " ".join(t.text or "" for t in root.iter() if t.tag.endswith("text"))
     assert "spmv f32" in texts and "spmm n=32 f32" in texts and "cora" in texts and "1×" in texts
-    assert len([r for r in root.iter() if r.tag.endswith("rect")]) == 1 + 4  # background + bars
+    bars = [e for e in root.iter() if (e.get("id") or "").startswith("speedup-")]
+    assert len(bars) == 4  # one per cell with a kernel, no missing-kernel mark
+    assert not [e for e in root.iter() if (e.get("id") or "").startswith("missing-")]
 
 
 def test_resume_skips_done_cells_and_reruns_errors(tmp_path, two_matrices):
@@ -190,7 +198,7 @@ def test_resume_skips_done_cells_and_reruns_errors(tmp_path, two_matrices):
     assert (first.ran, first.errors, first.remaining, first.exit_code) == (4, 2, 2, 3)
     document = json.loads(path.read_text())
     assert sorted(c["status"] for c in document["cells"]) == ["error", "error", "ok", "ok"]
-    assert "planted failure" in report.companion(path, ".md").read_text()
+    assert "planted failure" in bench.companion(path, ".md").read_text()
 
     with pytest.raises(FileExistsError):
         _run(two_matrices, FakeTune(), path)  # never overwrites without resume
@@ -207,7 +215,7 @@ def test_resume_skips_done_cells_and_reruns_errors(tmp_path, two_matrices):
     assert statuses["cora|spmm|n=32|f32"] == "ok" and statuses["cora|spmm|n=64|f32"] == "no_kernel"
     no_kernel = next(c for c in document["cells"] if c["key"] == "cora|spmm|n=64|f32")
     assert no_kernel["speedup"] is None and no_kernel["speedup_with_fallback"] == 1.0
-    assert "no kernel" in report.companion(path, ".md").read_text()
+    assert "no kernel" in bench.companion(path, ".md").read_text()
 
     third = FakeTune()
     assert _run(two_matrices, third, path, cells=cells, resume=True).ran == 0 and not third.calls
@@ -223,9 +231,9 @@ def test_a_cell_whose_evaluation_found_no_device_memory_is_no_label_and_runs_aga
     cells = {c["key"]: c for c in json.loads(path.read_text())["cells"]}
     assert cells["cora|spmm|n=32|f32"]["status"] == "transient"
     assert cells["cora|spmm|n=32|f32"]["transient_failures"] == 1 and cells["cora|spmv|n=1|f32"]["status"] == "ok"
-    tables = [json.loads(line) for line in report.companion(path, "-tables.jsonl").read_text().splitlines()]
+    tables = [json.loads(line) for line in bench.companion(path, "-tables.jsonl").read_text().splitlines()]
     assert {t["cell"] for t in tables} == {"cora|spmv|n=1|f32", "rajat01|spmv|n=1|f32"}
-    assert "rerun: device memory" in report.companion(path, ".md").read_text()
+    assert "rerun: device memory" in bench.companion(path, ".md").read_text()
 
     tune = FakeTune()
     second = _run(two_matrices, tune, path, resume=True)
@@ -252,10 +260,33 @@ def test_results_of_another_gpu_are_not_mixed(tmp_path, two_matrices):
 def test_report_cli_rerenders(tmp_path, two_matrices):
     path = tmp_path / "kernels-fake-gpu-2026-01-01.json"
     _run(two_matrices, FakeTune(), path)
-    report.companion(path, ".md").unlink()
-    report.companion(path, ".svg").unlink()
-    assert report.main([str(path)]) == 0
-    assert report.companion(path, ".md").exists() and report.companion(path, ".svg").exists()
+    bench.companion(path, ".md").unlink()
+    bench.companion(path, ".svg").unlink()
+    assert bench.main(["--report", str(path)]) == 0
+    assert bench.companion(path, ".md").exists() and bench.companion(path, ".svg").exists()
+    document = json.loads(path.read_text())
+    assert bench.plot(document) == bench.companion(path, ".svg").read_text()  # the same plot, drawn again
+
+
+@pytest.mark.parametrize("content", ['{"schema": "torch_sparserl.bench_gnn/1", "rows": []}', "not json", None])
+def test_report_refuses_what_is_not_a_kernel_results_file(tmp_path, capsys, content):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--report", str(path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and f"--report {path}" in err
+
+
+def test_the_environment_names_the_checkout_and_its_commit():
+    import subprocess
+
+    env = common.environment()
+    head = subprocess.run(["git", "-C", str(BENCHMARKS), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert env["commit"] is None if not head else env["commit"].rstrip("+") == head  # None outside a checkout
+    assert env["gpu_slug"] == common.gpu_slug(env["gpu"])
 
 
 # -------------------------------------------------------------------------------- grid, CLI
@@ -263,30 +294,30 @@ def test_report_cli_rerenders(tmp_path, two_matrices):
 def test_grid_and_selection(monkeypatch, tmp_path):
     assert bench.op_n_pairs(["spmv", "spmm"], [32, 1, 16]) == [("spmv", 1), ("spmm", 16), ("spmm", 32)]
     assert bench.op_n_pairs(["spmm"], [1]) == []
-    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3" and bench.gpu_slug(None) == "cpu"
-    assert bench._matrix_list("cora,rmat:scale=12,edge_factor=4,ca-*") == ["cora", "rmat:scale=12,edge_factor=4", "ca-*"]
+    assert common.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3" and common.gpu_slug(None) == "cpu"
+    assert common.matrix_list("cora,rmat:scale=12,edge_factor=4,ca-*") == ["cora", "rmat:scale=12,edge_factor=4", "ca-*"]
 
     monkeypatch.setenv("SPARSERL_SHARED", str(tmp_path / "absent"))  # no shared matrices: skipped cleanly
-    assert bench.shared_matrices_dir() is None
-    entries = bench.known_matrices()
+    assert common.shared_matrices_dir() is None
+    entries = common.known_matrices()
     real = [e for e in entries.values() if e.group == "real"]
     assert real and all(e.origin == "package" for e in real)
-    default = bench.select_matrices(None, entries)
-    assert [e.name for e in default if e.group == "synthetic"] == list(bench.SYNTHETIC)
-    picked = bench.select_matrices(["c*", "rmat:scale=6,edge_factor=2", "synthetic"], entries)
+    default = common.select_matrices(None, entries)
+    assert [e.name for e in default if e.group == "synthetic"] == list(common.SYNTHETIC)
+    picked = common.select_matrices(["c*", "rmat:scale=6,edge_factor=2", "synthetic"], entries)
     assert [e.name for e in picked][:2] == ["citeseer", "cora"]
     spec_entry = next(e for e in picked if e.source == "rmat:scale=6,edge_factor=2")
     assert spec_entry.load().shape == (64, 64)
     with pytest.raises(SystemExit):
-        bench.select_matrices(["nosuch*"], entries)
+        common.select_matrices(["nosuch*"], entries)
 
     shared = tmp_path / "shared" / "matrices"
     shared.mkdir(parents=True)
     np.savez(shared / "tiny.npz", indptr=np.array([0, 1, 2]), indices=np.array([1, 0], np.int32),
              data=np.ones(2, np.float32), shape=np.array([2, 2]))
     monkeypatch.setenv("SPARSERL_SHARED", str(tmp_path / "shared"))
-    assert bench.shared_matrices_dir() == shared
-    tiny = bench.known_matrices()["tiny"]
+    assert common.shared_matrices_dir() == shared
+    tiny = common.known_matrices()["tiny"]
     assert (tiny.origin, tiny.group) == ("shared", "real") and tiny.load().nnz == 2
 
 
@@ -390,8 +421,12 @@ def test_bench_eager_summary_markdown_and_plot():
     assert "| default float32 spmv | 1 | 3.00× | 3.00× | 0 | 1.50× | 5.0 (20.0) | 2.5, 2.5 µs | 1.5 µs | 1 | 1/1 |" in text
     assert "| b | 32 | float32 | off | 0.50× | 20.0 (10.0) |" in text
     assert "| a | 32 | bfloat16 | off | 1.25× | 8.0 (10.0) |" in text
-    svg = ET.fromstring(eager.svg(doc))
-    assert len([e for e in svg.iter() if e.tag.endswith("circle")]) == 4
+    picture = ET.fromstring(eager.plot(doc))
+    columns = {e.get("id"): e for e in picture.iter() if (e.get("id") or "").startswith("points-")}
+    # a column per (dtype, product, runtime) that ran, a point per cell
+    assert sorted(len([u for u in g.iter() if u.tag.endswith("use")]) for g in columns.values()) == [1, 1, 2]
+    texts = " ".join(t.text or "" for t in picture.iter() if t.tag.endswith("text"))
+    assert "spmv default" in texts and "n=32 off" in texts and "n=32 off bf16" in texts
 
 
 def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
@@ -415,7 +450,10 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     assert "| sparserl_compiled |" in text and "after 3 untimed steps of torch's way" in text
     assert "in 2 round(s)" in text and "| 1.00× / 1.00× |" in text  # torch against itself
     picture = ET.fromstring(out.with_suffix(".svg").read_text())
-    assert len([e for e in picture.iter() if e.tag.endswith("circle")]) == 3 * 2 * 2  # ways x rounds x epochs
+    def points(prefix):
+        return sum(len([u for u in g.iter() if u.tag.endswith("use")]) for g in picture.iter()
+                   if (g.get("id") or "").startswith(prefix))
+    assert (points("first-"), points("later-")) == (3 * 2, 3 * 2)  # ways x rounds, each round's first and second
     # --breakdown: the sparserl ways' per-pattern host work, one ts.csr and its check per step
     parts = doc["ways"]["sparserl"]["host_ms_per_step"]
     assert parts["ts.csr"]["calls"] == 1 and parts["index check"]["calls"] == 1 and parts["index check"]["ms"] > 0
@@ -488,9 +526,120 @@ def test_bench_classes_markdown_and_refusal_without_a_gpu(monkeypatch):
 
 
 def test_profile_cell_refuses_without_a_gpu(monkeypatch, capsys):
-    profile = load_benchmark("profile_cell")
+    profile = load_benchmark("probes/profile_cell")
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         profile.main(["results.json", "cora", "spmm", "32"])
     assert "no CUDA device here" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- the folder's rules
+
+# The evaluator's kernel timing has no public name: common/timing.py is the one place that
+# reaches it (the probes time kernels as the evaluator times candidates).
+PRIVATE_IMPORTS_ALLOWED = {("common/timing.py", "torch_sparserl.evaluate.harness"): {"_flush_buffer", "_time"}}
+
+
+def _benchmark_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "results" not in p.relative_to(root).parts)
+
+
+def import_violations(root: Path) -> list[str]:
+    """Imports under ``root`` (a benchmarks folder) of another script, or of a private name."""
+    scripts = {p.stem for p in _benchmark_files(root) if p.relative_to(root).parts[0] != "common"}
+    found = []
+    for path in _benchmark_files(root):
+        where = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=where)):
+            if isinstance(node, ast.Import):
+                imported = [(alias.name, []) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+                imported = [(node.module, [alias.name for alias in node.names])]
+            else:
+                continue
+            for module, names in imported:
+                top = module.split(".")[0]
+                if top in scripts and top != path.stem:
+                    found.append(f"{where}:{node.lineno}: imports the script {top}")
+                private = {name for name in names if name.startswith("_")}
+                private -= PRIVATE_IMPORTS_ALLOWED.get((where, module), set())
+                if private:
+                    found.append(f"{where}:{node.lineno}: imports {', '.join(sorted(private))} from {module}")
+    return found
+
+
+def test_scripts_share_code_through_the_common_core_only():
+    """No script imports another script (the shared code is in benchmarks/common), and nothing
+    imports a private name of another module."""
+    assert import_violations(BENCHMARKS) == []
+
+
+def test_the_rule_finds_a_sibling_and_a_private_import(tmp_path):
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "bench_a.py").write_text("import sys\nfrom common import geomean\n")
+    (tmp_path / "bench_b.py").write_text("def main():\n    from bench_a import _helper\n")
+    (tmp_path / "probes" / "probe_c.py").write_text("import bench_a\nfrom torch_sparserl.evaluate.harness import _time\n")
+    assert import_violations(tmp_path) == [
+        "bench_b.py:2: imports the script bench_a", "bench_b.py:2: imports _helper from bench_a",
+        "probes/probe_c.py:1: imports the script bench_a",
+        "probes/probe_c.py:2: imports _time from torch_sparserl.evaluate.harness"]
+
+
+SCRIPTS = [p.relative_to(BENCHMARKS).with_suffix("").as_posix() for p in _benchmark_files(BENCHMARKS)
+           if p.relative_to(BENCHMARKS).parts[0] != "common"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_imports_and_answers_help(script, capsys):
+    module = load_benchmark(script)
+    with pytest.raises(SystemExit) as info:
+        module.main(["--help"])
+    assert info.value.code == 0
+    assert "-h, --help" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------ results
+
+REPO = BENCHMARKS.parent
+RESULTS = BENCHMARKS / "results"
+RESULTS_MAX_BYTES = 5 * 2**20
+# The documents that quote results: a file in benchmarks/results that none of them names is a
+# run nobody reads (older runs belong to the git history).
+DOCS = [REPO / "README.md", BENCHMARKS / "README.md", REPO / "training" / "README.md",
+        *sorted((REPO / "docs").glob("*.md"))]
+FILE_NAME = re.compile(r"[\w.+-]+\.(?:md|json|svg|jsonl)\b")
+
+
+def quoted_names(docs: list[Path]) -> set[str]:
+    return set(FILE_NAME.findall("\n".join(p.read_text() for p in docs)))
+
+
+def unquoted_results(results: Path, docs: list[Path]) -> list[str]:
+    """Files under ``results`` that no document names; a named summary (``x.md``) covers its run's
+    JSON and plot (``x.json``, ``x.svg``)."""
+    quoted = quoted_names(docs)
+    summaries = {Path(name).stem for name in quoted if name.endswith(".md")}
+    return sorted(p.name for p in results.rglob("*") if p.is_file()
+                  and p.name not in quoted and p.stem not in summaries)
+
+
+def test_results_hold_only_quoted_summaries_under_5_mb():
+    size = sum(p.stat().st_size for p in RESULTS.rglob("*") if p.is_file())
+    assert size <= RESULTS_MAX_BYTES, f"benchmarks/results holds {size / 2**20:.1f} MB (at most 5 MB)"
+    assert unquoted_results(RESULTS, DOCS) == []
+
+
+def test_an_unquoted_result_is_found(tmp_path):
+    (tmp_path / "results").mkdir()
+    for name in ("gnn-x-2026-01-01.json", "gnn-x-2026-01-01.md", "gnn-x-2026-01-01.svg", "old-2025-01-01.json",
+                 "eager-2026-01-02.json"):
+        (tmp_path / "results" / name).write_text("{}")
+    (tmp_path / "README.md").write_text("See `results/gnn-x-2026-01-01.md` and results/eager-2026-01-02.json.")
+    assert unquoted_results(tmp_path / "results", [tmp_path / "README.md"]) == ["old-2025-01-01.json"]
+
+
+def test_the_docs_quote_results_that_exist():
+    dated = {name for name in quoted_names(DOCS) if re.search(r"-20\d\d-\d\d-\d\d", name)}
+    places = [RESULTS, REPO / "training" / "labels", REPO / "training" / "results"]
+    assert sorted(name for name in dated if not any((place / name).exists() for place in places)) == []

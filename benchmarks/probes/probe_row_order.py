@@ -8,9 +8,9 @@ gain at most. Each candidate of the default space is checked against the float64
 timed as the harness times kernels (L2 flushed before each run, median), the natural order's
 cuSPARSE (``torch.addmm``) beside it::
 
-    python benchmarks/probe_row_order.py ca-HepPh,pubmed --ns 64,128,256 --out row-order.json
+    python benchmarks/probes/probe_row_order.py ca-HepPh,pubmed --ns 64,128,256 --out row-order.json
 
-Needs a CUDA GPU; matrices are named as ``bench_kernels.py`` names them (square ones).
+Needs a CUDA GPU; matrices are named as the benchmarks name them (``common.known_matrices``; square ones).
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the common core
+
+from common import kernel_us, known_matrices  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("matrices", help="comma-separated square matrices known to bench_kernels.py")
+    parser.add_argument("matrices", help="comma-separated names of known square matrices")
     parser.add_argument("--ns", default="64,128,256", help="dense columns, comma-separated")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", type=Path, help="write the timings as JSON here")
@@ -39,9 +40,6 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         parser.error("probe_row_order launches GPU kernels: no CUDA device here")
-    from bench_kernels import known_matrices
-    from torch_sparserl.evaluate.config import DEFAULT_FLUSH_BYTES
-    from torch_sparserl.evaluate.harness import _flush_buffer, _time
     from torch_sparserl.abi.prepare import prepare
     from torch_sparserl.pattern.features import structural_features
     from torch_sparserl.specialize.autotune import candidates
@@ -53,10 +51,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown matrices: {', '.join(unknown)}")
     ns = [int(v) for v in args.ns.split(",")]
-    flush = _flush_buffer(DEFAULT_FLUSH_BYTES, torch.device("cuda"))
-
-    def median_us(fn):  # the harness's timing: L2 flushed and the GPU kept busy before each run
-        return statistics.median(_time([fn], args.reps, 2, flush)[0])
+    def median_us(fn):  # the evaluator's timing: L2 flushed and the GPU kept busy before each run
+        return kernel_us(fn, args.reps, warmup=2)
 
     def best_of_space(M, x, n):
         """(µs, kernel) of the fastest correct candidate, and each family's best µs."""

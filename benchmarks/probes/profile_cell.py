@@ -8,7 +8,7 @@ renders it again from its family and parameters, and launches it and ``torch.add
 dram__bytes_write.sum,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed,\\
 l1tex__t_sector_hit_rate.pct,sm__warps_active.avg.pct_of_peak_sustained_active,\\
 lts__t_sectors_srcunit_tex_op_read.sum \\
-        python benchmarks/profile_cell.py benchmarks/results/kernels-h100-80gb-hbm3-2026-11-26.json \\
+        python benchmarks/probes/profile_cell.py benchmarks/results/kernels-h100-80gb-hbm3-2026-11-26.json \\
         rmat-s20-ef16 spmm 256
 
 ncu flushes the caches before each profiled launch (its default ``--cache-control all``), the
@@ -22,7 +22,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the common core
+
+from common import known_matrices  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -41,7 +43,6 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         parser.error("profile_cell launches GPU kernels: no CUDA device here")
-    from bench_kernels import known_matrices
     from torch_sparserl.abi.prepare import prepare
     from torch_sparserl.specialize import families
     from torch_sparserl.toolchain import load_kernel

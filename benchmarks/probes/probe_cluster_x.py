@@ -10,9 +10,9 @@ The control is the same loop reading x from global memory (``probe_hot_x.py``'s 
 no cached entries). x must fit: ``cols <= C * 58 K``. Timed as the harness times kernels (L2
 flushed before each run, median), against ``torch.addmv`` (cuSPARSE) on the same operands::
 
-    python benchmarks/probe_cluster_x.py uk-2007-05_100000,dblp-2010 --out cluster-x.json
+    python benchmarks/probes/probe_cluster_x.py uk-2007-05_100000,dblp-2010 --out cluster-x.json
 
-Needs an sm_90 GPU; matrices are names known to ``bench_kernels.py`` or its generator specs
+Needs an sm_90 GPU; matrices are names of known matrices (``common.known_matrices``) or generator specs
 (``rmat:scale=18,edge_factor=16``).
 """
 
@@ -22,15 +22,13 @@ import argparse
 import ctypes
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the common core
 
-from probe_hot_x import NNZ_SPLIT_LOOP  # noqa: E402
-from probe_hot_x import SOURCE as GLOBAL_SOURCE  # noqa: E402
-from probe_hot_x import nnz_split_parts, spmv_operands  # noqa: E402
+from common import kernel_us, matrix_list, select_matrices  # noqa: E402
+from common.spmv_probe import HOT_X_SOURCE, NNZ_SPLIT_LOOP, nnz_split_parts, spmv_operands  # noqa: E402
 
 SOURCE_HEAD = r'''
 #define FULL 0xffffffffu
@@ -75,7 +73,7 @@ MAX_SLICE_BYTES = 227 * 1024
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("matrices", help="comma-separated names or generator specs (bench_kernels.py)")
+    parser.add_argument("matrices", help="comma-separated names or generator specs")
     parser.add_argument("--chunk", type=int, default=128, help="nonzeros per warp chunk")
     parser.add_argument("--clusters", default="2,4,8", help="cluster sizes to try, comma-separated")
     parser.add_argument("--reps", type=int, default=25)
@@ -86,14 +84,10 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         parser.error("probe_cluster_x needs an sm_90 (or newer) CUDA device")
-    from bench_kernels import _matrix_list, select_matrices
-    from torch_sparserl.evaluate.config import DEFAULT_FLUSH_BYTES
-    from torch_sparserl.evaluate.harness import _flush_buffer, _time
     from torch_sparserl.toolchain import driver
     from torch_sparserl.toolchain.nvrtc import device_arch
 
-    entries = select_matrices(_matrix_list(args.matrices))  # a usage message for unknown names
-    flush = _flush_buffer(DEFAULT_FLUSH_BYTES, torch.device("cuda"))
+    entries = select_matrices(matrix_list(args.matrices))  # a usage message for unknown names
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     stream = torch.cuda.current_stream().cuda_stream
     modules = {}
@@ -102,13 +96,13 @@ def main(argv=None) -> int:
         key = (kind, tuple(sorted(defines.items())))
         if key not in modules:
             head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-            source, name = (SOURCE, "spmv_cluster") if kind == "cluster" else (GLOBAL_SOURCE, "spmv_hot")
+            source, name = (SOURCE, "spmv_cluster") if kind == "cluster" else (HOT_X_SOURCE, "spmv_hot")
             image, _ = driver.nvrtc_compile(head + source, device_arch())
             modules[key] = driver.Module(image, name)
         return modules[key]
 
-    def median_us(fn):  # the harness's timing: L2 flushed and the GPU kept busy before each run
-        return statistics.median(_time([fn], args.reps, 3, flush)[0])
+    def median_us(fn):  # the evaluator's timing: L2 flushed and the GPU kept busy before each run
+        return kernel_us(fn, args.reps, warmup=3)
 
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": sys.argv, "matrices": []}
     for entry in entries:

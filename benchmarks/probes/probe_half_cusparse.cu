@@ -1,5 +1,5 @@
 // cuSPARSE SpMM on half data: which algorithm and output type sum in float32, at what time.
-// Run through benchmarks/probe_half_cusparse.py, which writes the pattern files it reads.
+// Run through benchmarks/probes/probe_half_cusparse.py, which writes the pattern files it reads.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

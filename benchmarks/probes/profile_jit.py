@@ -7,20 +7,21 @@ wall time, the problem / scoring / compile stages, the evaluations' summed sandb
 each evaluation's stages in the worker and its round trip; before them, the sandbox's release
 after a decision; after them, a cProfile of the parent's side::
 
-    SPARSERL_SHARED=../shared python benchmarks/profile_jit.py
+    SPARSERL_SHARED=../shared python benchmarks/probes/profile_jit.py
 
 Needs a GPU and the real matrices (``../shared`` or ``./shared``). Prints; writes nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: training.common
 
 CELLS = [(m, n) for m in ("pubmed", "ca-CondMat", "rajat01") for n in (1, 32, 256)]
 
@@ -30,7 +31,14 @@ def _triple(patterns, name):
     return rowptr.astype("int32"), col.astype("int32"), shape
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("profile_jit: needs a CUDA GPU", file=sys.stderr)
+        return 2
     from torch_sparserl.evaluate.sandbox import Sandbox
     from torch_sparserl.specialize.policy import load_default
     from torch_sparserl.specialize.policy.propose import policy_tune

@@ -9,14 +9,13 @@ a half and a float32 output, all with a float32 compute type: the time per call 
 on the widened operands, and row 0 of an all-ones product (4096 when the sums are float32 sums).
 The program is plain CUDA (``probe_half_cusparse.cu``, built here with ``nvcc -lcusparse``).
 
-    python benchmarks/probe_half_cusparse.py --matrix dblp-2010 --ns 32,128 --out benchmarks/results/
+    python benchmarks/probes/probe_half_cusparse.py --matrix dblp-2010 --ns 32,128 --out benchmarks/results/
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import shutil
 import subprocess
 import sys
@@ -26,14 +25,15 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: the common core
+
+from common import known_matrices  # noqa: E402
+
 ONES = 4096  # row 0's length: a float16 running sum stalls at 2048, a bfloat16 one at 256
 
 
 def write_pattern(matrix: str, folder: Path) -> tuple[int, int, int]:
     """The matrix's pattern with row 0 made of ``ONES`` columns, as the raw files the program reads."""
-    sys.path.insert(0, str(HERE))
-    from bench_kernels import known_matrices
-
     from torch_sparserl.data.datasets import load_matrix
 
     known = known_matrices()
@@ -85,7 +85,7 @@ def write_markdown(lines: list[str], args, rows: int, nnz: int) -> None:
             table.append(f"| {parts[0]} | {parts[1][2:]} | {parts[2]} | {parts[3][4:]} | {parts[4]} | {parts[7]} | {parts[9]} |")
     out.write_text(f"# cuSPARSE SpMM on half data: {gpu}, {day}\n\n`{args.matrix}` ({rows} rows, {nnz} nonzeros, "
                    f"row 0 replaced by {ONES} ones); float32 compute type throughout.\n\n" + "\n".join(table)
-                   + f"\n\nCommand: `python benchmarks/probe_half_cusparse.py --matrix {args.matrix} --ns {args.ns}`\n")
+                   + f"\n\nCommand: `python benchmarks/probes/probe_half_cusparse.py --matrix {args.matrix} --ns {args.ns}`\n")
     print(out)
 
 
