@@ -106,7 +106,7 @@ DEFAULT_JIT_QUEUE = 4  # decisions waiting for the background thread; more are d
 # Young patterns of one class seen before the class gets a decision (jit/classes.py). Off by
 # default: on the sampled mini-batches benchmarked, the steps were bound by the host, where a
 # class's faster kernel saved nothing measurable, and the class's search slowed the first epoch
-# (benchmarks/README.md, "Class kernels"). 0: no class kernels.
+# (docs/experiments.md, "Class kernels"). 0: no class kernels.
 DEFAULT_JIT_CLASS_AFTER = 0
 
 DEFAULT_BACKEND_STRICT = None  # the runtime's jit.strict

@@ -3,7 +3,7 @@
 
 A thin front end of ``benchmarks/bench_kernels.py`` over :func:`training.data.synthetic_specs`
 at the (op, n) cells of ``LABEL_NS``; the real training matrices were labelled by the kernel
-benchmark (``benchmarks/results/kernels-*-tables.jsonl``). Resumable in chunks::
+benchmark (kept in ``training/labels/kernels-*-tables.jsonl``). Resumable in chunks::
 
     python training/label.py --out /tmp/labels --max-time-s 540     # again to resume
     cp /tmp/labels/*-tables.jsonl training/labels/

@@ -90,7 +90,7 @@ VendorPlan::~VendorPlan() {
 // (their partial sums meet in the output's type; CSR_ALG1 and ALG3 are exact but 1.5-6x slower),
 // while with a float32 output every algorithm is exact and the product itself no slower; the
 // operands stay bfloat16, so the gather of X keeps its half width. A float16 output is exact
-// (benchmarks/probe_half_cusparse.py).
+// (benchmarks/probes/probe_half_cusparse.py).
 struct VendorTypes {
   cudaDataType data, compute;
   const void* one;
