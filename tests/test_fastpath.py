@@ -219,7 +219,7 @@ def test_the_first_cuda_product_starts_the_library_once(monkeypatch, caplog):
 
 
 class _OnCuda(torch.Tensor):
-    """A CPU tensor that says it is on CUDA: enough for the checks of ops._transposed_once."""
+    """A CPU tensor that says it is on CUDA: enough for the checks of ops.products._transposed_once."""
 
     is_cuda = True
 
@@ -244,7 +244,7 @@ def one_off(monkeypatch):
 
 
 def test_a_patterns_first_transposed_product_skips_the_transpose(one_off):
-    from torch_sparserl import ops
+    from torch_sparserl.ops import products as ops
 
     A, entry, crow, col, val, G, calls = one_off
     avoided = patterns.stats()["transposes_avoided"]
@@ -257,7 +257,7 @@ def test_a_patterns_first_transposed_product_skips_the_transpose(one_off):
 
 
 def test_the_transpose_is_computed_where_the_shortcut_does_not_apply(one_off, monkeypatch):
-    from torch_sparserl import ops
+    from torch_sparserl.ops import products as ops
 
     A, entry, crow, col, val, G, calls = one_off
     with monkeypatch.context() as m:
@@ -274,9 +274,9 @@ def test_the_transpose_is_computed_where_the_shortcut_does_not_apply(one_off, mo
 
 
 def test_cuda_products_cusparse_serves_are_called_from_cxx(monkeypatch):
-    """ops._vendor: a CUDA product with no kernel calls cuSPARSE through the library in one
+    """ops.common._vendor: a CUDA product with no kernel calls cuSPARSE through the library in one
     call; what the library declines, and everything where it is not loaded, goes through torch."""
-    from torch_sparserl import ops
+    from torch_sparserl.ops import common as ops
 
     A = make_pattern("random", seed=5)
     crow, col, val = to_parts(A, torch.float64, torch.int64, "cpu")

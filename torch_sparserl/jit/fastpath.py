@@ -77,7 +77,7 @@ cusparse_once = None
 """Once the library is loaded, its ``cusparse_once(crow, col, val, ncols, X, transposed) ->
 Tensor | None``: ``A @ X`` (or ``Aᵀ @ X``, no transpose computed) by cuSPARSE on A's own arrays,
 with nothing kept for the pattern (None where cuSPARSE cannot do it there): the cuSPARSE
-products the Python path serves (ops: ``_vendor``, ``_transposed_once``)."""
+products the Python path serves (``ops.common._vendor``, ``ops.products._transposed_once``)."""
 
 stage_csr = None
 """Once the library is loaded, its ``stage_csr(crow, col, val, nrows, ncols, device, young_ns=0)
