@@ -147,7 +147,7 @@ def test_transpose_and_dense_gradients(pattern):
 
 @pytest.mark.parametrize("product", ["A @ X", "A @ x", "X @ A", "x @ A"])
 def test_eager_gradients_match_float64(device, product):
-    """The lean eager autograd node (:func:`ops.eager_product`): gradients of the values and
+    """The lean eager autograd node (:func:`ops.doors.eager_product`): gradients of the values and
     of the dense operand, first and second order, against dense float64 on fresh data."""
     M = make_pattern("empty rows in the middle", seed=np.random.randint(1 << 30))
     A = ts.csr(M, dtype=torch.float64, device=device)
@@ -180,11 +180,11 @@ def test_eager_gradients_match_float64(device, product):
 def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from torch_sparserl import ops
+    from torch_sparserl.ops import doors
 
     calls = []
-    real = ops.direct
-    monkeypatch.setattr(ops, "direct", lambda op, *args: calls.append(op) or real(op, *args))
+    real = doors.direct
+    monkeypatch.setattr(doors, "direct", lambda op, *args: calls.append(op) or real(op, *args))
     M = make_pattern("random")
     A = ts.csr(M, dtype=torch.float32)
     dense = torch.from_numpy(M.toarray()).float()
@@ -210,8 +210,8 @@ def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypat
         A @ X  # a dispatch mode must see the operator
     assert "sparserl.spmm.default" in seen.ops and calls == []
     lean = []
-    real_eager = ops.eager_product
-    monkeypatch.setattr(ops, "eager_product", lambda op, *args: lean.append(op) or real_eager(op, *args))
+    real_eager = doors.eager_product
+    monkeypatch.setattr(doors, "eager_product", lambda op, *args: lean.append(op) or real_eager(op, *args))
     Xg = X.clone().requires_grad_()
     out = A @ Xg  # autograd needs a node, not the operator's dispatch
     assert type(out.grad_fn).__name__ == "_EagerProductBackward" and lean == ["spmm"]

@@ -39,15 +39,14 @@ module                 what it holds
 :mod:`.sampled`        ``sddmm``
 :mod:`.heads`          the ``_heads`` operators
 :mod:`.epilogue`       ``spmm_epilogue``
-:mod:`.doors`          the doors for eager code and the twins, and recording for C++
+:mod:`.doors`          the one eager door (:func:`~.doors.product`) and recording for C++
 :mod:`.twins`          the ``sparserl_direct`` and ``sparserl_fast`` libraries
 =====================  =====================================================================
 """
 
 from __future__ import annotations
 
-from .common import NAMESPACE, direct_ok, eager_ok, registered_ops
-from .doors import direct, eager_product
+from .common import NAMESPACE, registered_ops
 from .epilogue import spmm_epilogue
 from .heads import check_heads_index, sddmm_heads, spmm_heads, spmm_heads_transposed
 from .products import spmm, spmm_transposed, spmv, spmv_transposed
