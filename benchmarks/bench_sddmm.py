@@ -9,7 +9,7 @@ interleaved round by round (``measure.compare_us``), per call:
 * ``sparserl`` — ``torch.ops.sparserl.sddmm`` with the installed kernel (with cuSPARSE
   behind it when no candidate beat cuSPARSE by the runtime's margin);
 * ``backward`` — the same product as the eager backward of ``A @ X`` calls it: the
-  operator's implementation without the dispatcher (``ops._sddmm``);
+  operator's implementation without the dispatcher (``ops.sampled._sddmm``);
 * ``cusparse`` — ``torch.sparse.sampled_addmm``, which calls ``cusparseSDDMM``;
 * ``gather`` — the torch-ops formulation that edge-level GNN code uses: gather both
   operands per nonzero, multiply, sum (``kernels/reference.py``).
@@ -43,7 +43,7 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
     import torch_sparserl as ts
-    from torch_sparserl import ops
+    from torch_sparserl.ops import sampled
     from torch_sparserl import pattern as patterns
     from torch_sparserl.dtypes import close_to_reference
     from torch_sparserl.kernels import reference, vendor
@@ -62,7 +62,7 @@ def run_row(name: str, M, n: int, dtype: torch.dtype, runtime) -> dict:
     ref = reference.sddmm(entry, crow, col, D.double(), X.double())
     ways = {
         "sparserl": lambda: torch.ops.sparserl.sddmm(crow, col, D, X),
-        "backward": lambda: ops._sddmm(crow, col, D, X),
+        "backward": lambda: sampled._sddmm(crow, col, D, X),
         "cusparse": lambda: vendor.sddmm(entry, crow, col, D, X),
         "gather": lambda: reference.sddmm(entry, crow, col, D, X),
     }

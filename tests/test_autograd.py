@@ -92,7 +92,7 @@ def test_transposed_values_are_read_as_they_are_on_every_call(device, poison_uni
 
 
 def test_an_eager_backward_skips_the_dispatch_and_a_double_backward_keeps_it(device, monkeypatch):
-    from torch_sparserl import ops as module
+    from torch_sparserl.ops import backward as module
 
     dispatched = []
     for name in ("sddmm", "spmm_transposed"):

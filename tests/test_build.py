@@ -165,7 +165,7 @@ def test_a_kernel_loaded_from_the_cubin_cache_is_correct(tmp_path, monkeypatch):
     rowptr, col, val, x = _operands(A)
     first = load_kernel(spec(77))
     assert cubins.count()[0] == 1
-    monkeypatch.setattr(toolchain, "_LOADED", {})  # as a new process: the module is loaded again
+    monkeypatch.setattr(toolchain.load, "_LOADED", {})  # as a new process: the module is loaded again
     kernel = load_kernel(spec(77))
     assert kernel is not first and kernel.compile_log == first.compile_log
     assert kernel.registers == first.registers and cubins.count()[0] == 1

@@ -147,7 +147,7 @@ def test_transpose_and_dense_gradients(pattern):
 
 @pytest.mark.parametrize("product", ["A @ X", "A @ x", "X @ A", "x @ A"])
 def test_eager_gradients_match_float64(device, product):
-    """The lean eager autograd node (:func:`ops.eager_product`): gradients of the values and
+    """The lean eager autograd node (:func:`ops.doors.eager_product`): gradients of the values and
     of the dense operand, first and second order, against dense float64 on fresh data."""
     M = make_pattern("empty rows in the middle", seed=np.random.randint(1 << 30))
     A = ts.csr(M, dtype=torch.float64, device=device)
@@ -180,11 +180,11 @@ def test_eager_gradients_match_float64(device, product):
 def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from torch_sparserl import ops
+    from torch_sparserl.ops import doors
 
     calls = []
-    real = ops.direct
-    monkeypatch.setattr(ops, "direct", lambda op, *args: calls.append(op) or real(op, *args))
+    real = doors.direct
+    monkeypatch.setattr(doors, "direct", lambda op, *args: calls.append(op) or real(op, *args))
     M = make_pattern("random")
     A = ts.csr(M, dtype=torch.float32)
     dense = torch.from_numpy(M.toarray()).float()
@@ -210,8 +210,8 @@ def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypat
         A @ X  # a dispatch mode must see the operator
     assert "sparserl.spmm.default" in seen.ops and calls == []
     lean = []
-    real_eager = ops.eager_product
-    monkeypatch.setattr(ops, "eager_product", lambda op, *args: lean.append(op) or real_eager(op, *args))
+    real_eager = doors.eager_product
+    monkeypatch.setattr(doors, "eager_product", lambda op, *args: lean.append(op) or real_eager(op, *args))
     Xg = X.clone().requires_grad_()
     out = A @ Xg  # autograd needs a node, not the operator's dispatch
     assert type(out.grad_fn).__name__ == "_EagerProductBackward" and lean == ["spmm"]
@@ -226,6 +226,55 @@ def test_eager_products_skip_the_dispatcher_only_when_nothing_needs_it(monkeypat
     assert calls == ["spmm"]
     with pytest.raises(ValueError, match="sparserl.spmm: X must have ncols"):
         A @ torch.randn(M.shape[1] + 1, 4)  # same checks, same errors on the direct path
+
+
+def test_every_eager_spelling_launches_the_kernel_the_matrix_kept(tmp_path):
+    """The one eager door (ops.doors.product): once an installed kernel served a direct product of
+    a matrix, its door keeps the record, and every spelling of that product (not only ``@``)
+    launches the kernel again with no pattern lookup; a product of another shape, or a matrix that
+    needs a gradient, goes through the Python path."""
+    from torch_sparserl import pattern as patterns
+    from torch_sparserl.jit import runtime as rt
+    from torch_sparserl.jit.cache import CacheEntry, KernelCache
+
+    launched = []
+
+    def specializer(key, crow, col, ncols):
+        return CacheEntry(key, "// fake", family="fake", params={"p": 1}, reason="2.0x cuSPARSE")
+
+    def installer(entry, crow, col, ncols):
+        def launch(crow, col, val, X):
+            launched.append(tuple(X.shape))
+            return torch.sparse_csr_tensor(crow, col, val, (crow.numel() - 1, ncols)).to_dense() @ X
+        return launch
+
+    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", admit_age_s=0), cache=KernelCache(tmp_path),
+                         specializer=specializer, installer=installer, devices=("cpu",))
+    previous = rt.set_active(runtime)
+    try:
+        M = make_pattern("random", seed=np.random.randint(1 << 30))
+        A = ts.csr(M, dtype=torch.float32)
+        dense = torch.from_numpy(M.toarray())
+
+        def check(product, X):
+            want = dense @ X.double()
+            assert_close_to_reference(product(X), want, torch.float32)
+
+        check(lambda X: A @ X, torch.randn(M.shape[1], 4))  # decided, installed, kept on the matrix's door
+        assert launched == [(M.shape[1], 4)] and (2, 4) in A.__dict__["_door"].hot
+        lookups = patterns.stats()["lookups"]
+        for product in (lambda X: A @ X, lambda X: torch.mm(A, X), lambda X: torch.sparse.mm(A, X),
+                        lambda X: torch.matmul(A, X), lambda X: torch.addmm(torch.zeros(M.shape[0], 4), A, X)):
+            check(product, torch.randn(M.shape[1], 4))
+        assert patterns.stats()["lookups"] == lookups and len(launched) == 6  # each from the door
+        check(lambda X: torch.mm(A, X), torch.randn(M.shape[1], 3))  # another N: decided, then kept too
+        assert len(launched) == 7 and patterns.stats()["lookups"] > lookups
+        B = A.with_values(A.values().clone().requires_grad_())
+        check(lambda X: torch.mm(B, X).detach(), torch.randn(M.shape[1], 4))  # autograd: the Python path
+        assert "_door" not in B.__dict__
+    finally:
+        rt.set_active(previous)
+        runtime.close()
 
 
 def test_host_indices_bound_for_another_device_are_checked_on_the_host(monkeypatch):

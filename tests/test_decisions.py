@@ -106,7 +106,7 @@ def test_the_eager_path_reads_the_record_not_a_copy_of_its_kernel(routed):
     torch.testing.assert_close(A @ X, want)
     entry = patterns.lookup(A.crow, A.col, M.shape[1])
     record = runtime.decision("spmm", entry, 8, torch.float32)
-    assert A.__dict__["_hot"][(2, 8)][1] is record  # the same record the runtime and the operators read
+    assert A.__dict__["_door"].hot[(2, 8)][1] is record  # the same record the runtime and the operators read
 
     replaced = []
 

@@ -14,7 +14,7 @@ import torch_sparserl as ts
 from torch_sparserl import pattern as patterns
 from torch_sparserl.jit import fastpath
 from torch_sparserl.jit import runtime as rt
-from torch_sparserl.ops import FAST_OPS
+from torch_sparserl.ops import FAST_OPS, doors
 
 from helpers import make_pattern, ref_spmm, to_parts
 
@@ -161,13 +161,19 @@ class _FakeServe:
         return self.answer(X) if callable(self.answer) else self.answer
 
 
+def _recorded(A, serve):
+    """What recording a CUDA product leaves on the matrix: its door, with C++'s ``serve``."""
+    door = doors.Door(A.shape[1])
+    door.cpp = serve
+    A.__dict__["_door"] = door
+
+
 @pytest.fixture
 def square():
     import scipy.sparse as sp
 
     M = sp.random(20, 20, density=0.2, format="csr", random_state=np.random.default_rng(0))
     A = ts.csr(M, dtype=torch.float64)
-    A.__dict__["_eager_ncols"] = 20  # what recording a CUDA product leaves on the matrix
     return A, torch.from_numpy(M.toarray())
 
 
@@ -176,7 +182,7 @@ def test_each_eager_spelling_asks_the_door_for_its_own_product(monkeypatch, squa
     (on a square matrix, spmm and spmm_transposed take operands of the same shape)."""
     A, dense = square
     fake = _FakeServe()
-    monkeypatch.setattr(fastpath, "serve", fake)
+    _recorded(A, fake)
     X, x = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
     torch.testing.assert_close(A @ X, dense @ X)
     torch.testing.assert_close(A @ x, dense @ x)
@@ -190,8 +196,9 @@ def test_each_eager_spelling_asks_the_door_for_its_own_product(monkeypatch, squa
 
 def test_what_the_door_serves_is_the_result(monkeypatch, square):
     A, _ = square
-    monkeypatch.setattr(fastpath, "serve", _FakeServe(lambda X: torch.full((20, X.shape[1]), 7.0)))
+    _recorded(A, _FakeServe(lambda X: torch.full((20, X.shape[1]), 7.0)))
     assert torch.equal(A @ torch.randn(20, 2, dtype=torch.float64), torch.full((20, 2), 7.0))
+    assert torch.equal(torch.mm(A, torch.randn(20, 3, dtype=torch.float64)), torch.full((20, 3), 7.0))
 
 
 def test_an_error_in_the_door_reaches_the_caller(monkeypatch, square):
@@ -200,7 +207,7 @@ def test_an_error_in_the_door_reaches_the_caller(monkeypatch, square):
     def failing(*args):
         raise RuntimeError("sparserl kernel launch: cudaLaunchKernel failed with cudaError 719")
 
-    monkeypatch.setattr(fastpath, "serve", failing)
+    _recorded(A, failing)
     with pytest.raises(RuntimeError, match="cudaLaunchKernel failed"):
         A @ torch.randn(20, 2, dtype=torch.float64)
 
@@ -212,10 +219,13 @@ def test_the_door_is_not_asked_without_a_recording_or_under_a_tracer(monkeypatch
     X = torch.randn(20, 3, dtype=torch.float64)
     B = ts_detached(A)  # a new matrix: nothing recorded for it
     torch.testing.assert_close(B @ X, dense @ X)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(B @ X, dense @ X)  # nor after a CPU product
+    assert B.__dict__["_door"].cpp is None
     C = ts_detached(A)
-    C.__dict__["_eager_ncols"] = 20
+    _recorded(C, fake)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(C @ X, dense @ X)
+    torch.testing.assert_close(torch.mm(C, X), dense @ X)
     assert fake.asked == []
 
 
@@ -240,22 +250,42 @@ def test_eager_autograd_asks_the_door_inside_its_node(monkeypatch, square):
 
 def test_the_first_product_of_a_process_is_recorded_for_the_door(monkeypatch, square):
     """The product that creates the process's runtime is recorded too: the next call is C++'s."""
-    from torch_sparserl.jit import runtime as rt
-    from torch_sparserl.tensor import csr_matrix
-
     A, dense = square
-    A.__dict__.pop("_eager_ncols")  # nothing recorded yet
     recorded = []
     monkeypatch.setattr(rt, "_ACTIVE", None)
-    monkeypatch.setattr(csr_matrix, "_recordable", lambda X: True)
-    monkeypatch.setattr(csr_matrix, "_record_in_cpp", lambda A, runtime, op, val, X: recorded.append((runtime, op)))
+    monkeypatch.setattr(doors, "_recordable", lambda X: True)
+    monkeypatch.setattr(fastpath, "record", lambda runtime, op, *args: recorded.append((runtime, op)))
+    monkeypatch.setattr(fastpath, "serve", fake := _FakeServe())
     X = torch.randn(20, 3, dtype=torch.float64)
     torch.testing.assert_close(A @ X, dense @ X)
     created = rt.active_or_none()
     try:
         assert recorded == [(created, "spmm")] and created is not None
+        assert A.__dict__["_door"].cpp is fake  # the next product asks C++ first
+        torch.testing.assert_close(A @ X, dense @ X)
+        assert fake.asked == [("spmm", 20, (20, 3))]
     finally:
         created.close()
+
+
+def test_one_recording_serves_every_door(monkeypatch):
+    """Recording for C++ happens in one place (ops.doors.record), whichever door served the
+    call: the eager product, the implementation-only twins (spmm and SDDMM), eager autograd."""
+    A = make_pattern("random", seed=12)
+    crow, col, val = to_parts(A, torch.float64, torch.int64, "cpu")
+    X, Y = torch.randn(A.shape[1], 3, dtype=torch.float64), torch.randn(A.shape[0], 3, dtype=torch.float64)
+    recorded = []
+    monkeypatch.setattr(doors, "_recordable", lambda X: True)
+    monkeypatch.setattr(fastpath, "record", lambda runtime, op, c, k, v, ncols, X: recorded.append((op, ncols)))
+    torch.ops.sparserl_direct.spmm(crow, col, val, A.shape[1], X)
+    torch.ops.sparserl_fast.spmv_transposed(crow, col, val, A.shape[1], Y[:, 0])
+    torch.ops.sparserl_direct.sddmm(crow, col, Y, X)
+    ts.csr((crow, col, val), A.shape) @ X
+    v = val.clone().requires_grad_()
+    torch.ops.sparserl.spmm(crow, col, v, A.shape[1], X).sum().backward()  # eager autograd: its products
+    assert recorded[:4] == [("spmm", A.shape[1]), ("spmv_transposed", A.shape[1]), ("sddmm", A.shape[1]),
+                            ("spmm", A.shape[1])]
+    assert sorted(recorded[4:]) == [("sddmm", A.shape[1])]  # the backward's values' gradient
 
 
 def test_the_first_cuda_product_starts_the_library_once(monkeypatch, caplog):
@@ -280,7 +310,7 @@ def test_the_first_cuda_product_starts_the_library_once(monkeypatch, caplog):
 
 
 class _OnCuda(torch.Tensor):
-    """A CPU tensor that says it is on CUDA: enough for the checks of ops._transposed_once."""
+    """A CPU tensor that says it is on CUDA: enough for the checks of ops.products._transposed_once."""
 
     is_cuda = True
 
@@ -305,7 +335,7 @@ def one_off(monkeypatch):
 
 
 def test_a_patterns_first_transposed_product_skips_the_transpose(one_off):
-    from torch_sparserl import ops
+    from torch_sparserl.ops import products as ops
 
     A, entry, crow, col, val, G, calls = one_off
     avoided = patterns.stats()["transposes_avoided"]
@@ -318,7 +348,7 @@ def test_a_patterns_first_transposed_product_skips_the_transpose(one_off):
 
 
 def test_the_transpose_is_computed_where_the_shortcut_does_not_apply(one_off, monkeypatch):
-    from torch_sparserl import ops
+    from torch_sparserl.ops import products as ops
 
     A, entry, crow, col, val, G, calls = one_off
     with monkeypatch.context() as m:
@@ -335,9 +365,9 @@ def test_the_transpose_is_computed_where_the_shortcut_does_not_apply(one_off, mo
 
 
 def test_cuda_products_cusparse_serves_are_called_from_cxx(monkeypatch):
-    """ops._vendor: a CUDA product with no kernel calls cuSPARSE through the library in one
+    """ops.common._vendor: a CUDA product with no kernel calls cuSPARSE through the library in one
     call; what the library declines, and everything where it is not loaded, goes through torch."""
-    from torch_sparserl import ops
+    from torch_sparserl.ops import common as ops
 
     A = make_pattern("random", seed=5)
     crow, col, val = to_parts(A, torch.float64, torch.int64, "cpu")
@@ -423,13 +453,14 @@ def test_ts_csr_takes_the_short_path_for_host_triples_bound_for_cuda(monkeypatch
     assert calls == [(True, True, True, 2, 3, "cuda")] and tuple(A.shape) == (2, 3)
     assert answer["young_ns"] == fastpath.young_ns(rt.active())  # young for the active runtime's admission age
     # C++ serves a young matrix: its eager products try the C++ door first
-    assert A.__dict__.get("_eager_ncols") is None  # the tests' runtime is off: not young in C++
+    assert "_door" not in A.__dict__  # the tests' runtime is off: not young in C++
     monkeypatch.setattr(fastpath, "_owner", fastpath._owner)  # young_ns makes its runtime the owner: restored
     young = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0.1))
     previous = rt.set_active(young)
     try:  # background mode: C++ serves it while young, and its eager products try the C++ door first
         A = ts.csr((crow, col, val), (2, 3), device="cuda")
-        assert answer["young_ns"] == 100_000_000 and A.__dict__.get("_eager_ncols") == 3
+        assert answer["young_ns"] == 100_000_000 and A.__dict__["_door"].ncols == 3
+        assert A.__dict__["_door"].cpp is fastpath.serve
     finally:
         rt.set_active(previous)
         young.close()

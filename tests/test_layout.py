@@ -11,7 +11,9 @@ module (``rt._ACTIVE``). The rules:
 * no import cycle, between modules or between packages (a package's ``__init__`` importing a
   module that imports it back included);
 * a name with a leading underscore is taken only inside the stage that defines it (a private
-  module, like ``evaluate/_worker.py``, only inside its own package).
+  module, like ``evaluate/_worker.py``, only inside its own package);
+* a layer skips no layer that :data:`FORBIDDEN` puts between them (``tensor`` reaches the JIT
+  through ``ops`` only).
 
 Every package's ``__init__.py`` re-exports: at most :data:`INIT_MAX_CODE_LINES` lines of code
 (its docstring, comments and blank lines not counted), the stage itself in modules of its own.
@@ -62,6 +64,14 @@ ROOT_MODULES = frozenset({
     "torch_sparserl.dtypes",
 })
 
+# Imports the order of LAYERS allows and the pipeline does not: (importer's entry of LAYERS, the
+# entry it must not import): why. A stage's docstring leaves these out of its "May import".
+FORBIDDEN: dict[tuple[str, str], str] = {
+    ("torch_sparserl.tensor", "torch_sparserl.jit"):
+        "the tensor layer reaches the runtime through the operators' one eager door (ops.doors), never the "
+        "JIT's internals (issue 51)",
+}
+
 # Imports that break a rule today and are being removed (issue 34, item 2: the runtime's decision
 # record). (importer, imported module or "module.name"): why. Empty it as they go: an entry that no
 # longer occurs fails test_the_package_keeps_its_layout[stale exception], so the list never outlives them.
@@ -74,8 +84,6 @@ INIT_MAX_CODE_LINES = 60
 # Packages whose __init__.py still holds a stage, by why. Take each out when it is split: an entry
 # whose __init__.py fits the cap fails test_every_init_only_re_exports[stale exception].
 INIT_NOT_YET_THIN: dict[str, str] = {
-    "torch_sparserl.ops": "being split at the same time (issue 51, item 2: doors, products, sddmm, heads, ...)",
-    "torch_sparserl.toolchain": "holds load_kernel and prebuild_nvrtc, the per-process build memo",
 }
 
 
@@ -215,15 +223,18 @@ def unit_of(module: str, layers, package: str) -> str | None:
     return best
 
 
-def check(folder: Path, package: str, layers, root_modules, exceptions) -> dict[str, list[str]]:
+def check(folder: Path, package: str, layers, root_modules, exceptions,
+          forbidden: dict[tuple[str, str], str] | None = None) -> dict[str, list[str]]:
     """Every violation of the rules, by kind: ``placement``, ``cycle``, ``layering``, ``private``,
-    ``stale exception``. An import listed in ``exceptions`` is not a violation (nor an edge of the
-    cycle search), but an exception that matches no import is."""
+    ``forbidden``, ``stale exception``. An import listed in ``exceptions`` is not a violation (nor an
+    edge of the cycle search), but an exception that matches no import is. ``forbidden``: pairs of
+    entries of ``layers``, (importer, imported), that the order allows and the pipeline does not."""
+    forbidden = forbidden or {}
     found = modules(folder, package)
     known = set(found)
     level = {unit: i for i, layer in enumerate(layers) for unit in layer}
     problems: dict[str, list[str]] = {kind: [] for kind in
-                                      ("placement", "cycle", "layering", "private", "stale exception")}
+                                      ("placement", "cycle", "layering", "private", "forbidden", "stale exception")}
     for module in sorted(known):
         if unit_of(module, layers, package) is None:
             problems["placement"].append(f"{module} is in no layer of LAYERS")
@@ -244,6 +255,8 @@ def check(folder: Path, package: str, layers, root_modules, exceptions) -> dict[
         if source is not None and target is not None and source != target and level[source] <= level[target]:
             how = "a higher layer" if level[source] < level[target] else "another package of its layer"
             problems["layering"].append(f"{where} imports {imp.target}: {target} is {how} than {source}")
+        if (source, target) in forbidden:
+            problems["forbidden"].append(f"{where} imports {imp.target}: {forbidden[source, target]}")
         private = _private_owner(imp, layers, package)
         if private is not None and not (imp.importer == private or imp.importer.startswith(private + ".")):
             problems["private"].append(f"{where} takes {imp.target}, private to {private}")
@@ -306,10 +319,10 @@ def check_inits(folder: Path, package: str, cap: int, not_yet_thin) -> dict[str,
 
 @pytest.fixture(scope="module")
 def problems():
-    return check(FOLDER, PACKAGE, LAYERS, ROOT_MODULES, BEING_REMOVED)
+    return check(FOLDER, PACKAGE, LAYERS, ROOT_MODULES, BEING_REMOVED, FORBIDDEN)
 
 
-@pytest.mark.parametrize("kind", ["placement", "cycle", "layering", "private", "stale exception"])
+@pytest.mark.parametrize("kind", ["placement", "cycle", "layering", "private", "forbidden", "stale exception"])
 def test_the_package_keeps_its_layout(problems, kind):
     assert not problems[kind], f"{kind}:\n" + "\n".join(problems[kind])
 
@@ -333,13 +346,14 @@ def _short(unit: str) -> str:
 @pytest.mark.parametrize("unit", [u for layer in LAYERS for u in layer if (FOLDER / _short(u)).is_dir()])
 def test_every_stage_says_where_it_stands_and_what_it_may_import(unit):
     """A stage's ``__init__`` docstring says "Pipeline stage N of M" and "May import: a, b." as
-    LAYERS has it, so the docstrings cannot drift from the order the checks enforce."""
+    LAYERS and FORBIDDEN have it, so the docstrings cannot drift from the rules the checks enforce."""
     level = next(i for i, layer in enumerate(LAYERS) if unit in layer)
     doc = ast.get_docstring(ast.parse((FOLDER / _short(unit) / "__init__.py").read_text())) or ""
     assert f"Pipeline stage {level + 1} of {len(LAYERS)}" in doc, doc
     said = re.search(r"May import: ([^.]*)\.", doc)
     assert said, doc
-    below = {_short(u) for layer in LAYERS[:level] for u in layer if not _private(u.rpartition(".")[2])}
+    below = {_short(u) for layer in LAYERS[:level] for u in layer if not _private(u.rpartition(".")[2])
+             and (unit, u) not in FORBIDDEN}
     listed = {name.strip().strip("`") for name in re.split(r",|\band\b", said[1]) if name.strip()} - {"none"}
     assert listed == below
 
@@ -410,3 +424,27 @@ def test_the_init_cap_counts_code_only_and_catches_a_stage_in_an_init(tmp_path):
                                      "modules and re-export their names"]
     assert [p.split(":")[0] for p in problems["stale exception"]] == ["pkg.done", "pkg.gone"]
     assert check_inits(tmp_path / "pkg", "pkg", 6, {}) == {"too large": [], "stale exception": []}  # at the cap
+
+
+def test_the_checks_catch_an_import_the_pipeline_forbids(tmp_path):
+    """FORBIDDEN: an import the layers' order allows (a layer skipped) is refused where a pair
+    names it, from any module of the importer's stage to any module of the other, at any depth
+    (in a function too); other skips, and imports through the allowed layer, pass."""
+    _write(tmp_path / "pkg", {
+        "__init__.py": "",
+        "low/__init__.py": "",
+        "low/deep.py": "x = 1\n",
+        "mid/__init__.py": "from ..low import deep\n",
+        "high/__init__.py": "from ..mid import deep\n",        # through the layer between: fine
+        "high/ok.py": "from .. import mid\n",
+        "high/sub/__init__.py": "",
+        "high/sub/bad.py": "def f():\n    from ...low.deep import x\n",  # skips mid: refused
+        "top/__init__.py": "from ..low import deep\n",        # skips two layers, not forbidden: fine
+    })
+    layers = (("pkg.low",), ("pkg.mid",), ("pkg.high",), ("pkg.top",), ("pkg",))
+    forbidden = {("pkg.high", "pkg.low"): "high reaches low through mid"}
+    problems = check(tmp_path / "pkg", "pkg", layers, frozenset(), {}, forbidden)
+    assert problems["forbidden"] == [
+        "pkg.high.sub.bad (line 2) imports pkg.low.deep.x: high reaches low through mid"]
+    assert not any(problems[kind] for kind in ("placement", "cycle", "layering", "private", "stale exception"))
+    assert not check(tmp_path / "pkg", "pkg", layers, frozenset(), {})["forbidden"]  # no pairs: no finding

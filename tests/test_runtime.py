@@ -361,7 +361,7 @@ def test_a_matrix_keeps_its_installed_kernel_for_the_next_product(routed):
     X = torch.randn(M.shape[1], 8)
     dense = torch.from_numpy(M.toarray()).float()
     torch.testing.assert_close(A @ X, dense @ X)  # decided, installed, remembered on A
-    assert (2, 8) in A.__dict__["_hot"]
+    assert (2, 8) in A.__dict__["_door"].hot
     lookups = patterns.stats()["lookups"]
     torch.testing.assert_close(A @ X, dense @ X)
     assert patterns.stats()["lookups"] == lookups  # served from A itself: no pattern lookup
@@ -374,11 +374,11 @@ def test_a_matrix_keeps_its_installed_kernel_for_the_next_product(routed):
     assert len(routed.specialized) == 2
 
     A @ X
-    assert A.__dict__.get("_hot")
+    assert A.__dict__["_door"].hot
     B = ts.csr(M, dtype=torch.float32)
     B @ X
     B.requires_grad = True  # the setter forgets the kernels remembered for a matrix without gradient
-    assert not B.__dict__.get("_hot")
+    assert "_door" not in B.__dict__
 
     Xg = X.clone().requires_grad_()
     (A @ Xg).sum().backward()  # autograd: the operator, not the remembered launch

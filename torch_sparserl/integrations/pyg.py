@@ -301,7 +301,7 @@ def _attention_product(module, A: CSRMatrix, kwargs: dict) -> Tensor | None:
     for one head a product on the matrix itself. None for any other layer."""
     from torch_geometric.nn.conv.gat_conv import GATConv
 
-    from ..tensor.csr_matrix import autocast_operands
+    from ..ops.doors import autocast_operands
 
     if type(module).message is not GATConv.message or module.aggr != "add":
         return None

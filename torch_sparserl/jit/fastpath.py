@@ -82,7 +82,7 @@ cusparse_once = None
 """Once the library is loaded, its ``cusparse_once(crow, col, val, ncols, X, transposed) ->
 Tensor | None``: ``A @ X`` (or ``Aᵀ @ X``, no transpose computed) by cuSPARSE on A's own arrays,
 with nothing kept for the pattern (None where cuSPARSE cannot do it there): the cuSPARSE
-products the Python path serves (ops: ``_vendor``, ``_transposed_once``)."""
+products the Python path serves (``ops.common._vendor``, ``ops.products._transposed_once``)."""
 
 stage_csr = None
 """Once the library is loaded, its ``stage_csr(crow, col, val, nrows, ncols, device, young_ns=0)
@@ -309,14 +309,15 @@ def driver_functions() -> bool:
 
 def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, ncols: int,
            X: torch.Tensor) -> None:
-    """After the Python implementation served ``sparserl_fast::<op>`` (or ``sparserl_direct``)
-    on these CUDA operands, let the C++ path serve the next such call the same way, as
+    """After the Python implementation served ``sparserl_fast::<op>`` (or ``sparserl_direct``, or
+    an eager product) on these CUDA operands, let the C++ path serve the next such call the same way, as
     ``runtime``'s decision record says: its installed kernel, or cuSPARSE where it decided for
     cuSPARSE, where the decision is still pending (the runtime's invalidation hook drops the
     registry when it lands), or where the runtime is off. Nothing is recorded inside a CUDA
     graph capture, or for what C++ does not serve (inference-mode indices, SDDMM by cuSPARSE,
     kernels with neither a C launcher nor a CUfunction it can launch). C++ runs cuSPARSE's half
-    products with float32 sums, as the Python path does (:mod:`torch_sparserl.kernels.vendor`)."""
+    products with float32 sums, as the Python path does (:mod:`torch_sparserl.kernels.vendor`).
+    Every door calls it through :func:`torch_sparserl.ops.doors.record`, the one place."""
     global _owner
     from .. import pattern as patterns
 

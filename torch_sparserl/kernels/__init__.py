@@ -11,5 +11,5 @@ pattern-specialized kernels take over. ``reference`` is written with device-gene
 operations (gather, multiply, ``index_add_``) and computes the float64 references the
 runtime checks kernels against.
 Every function takes a :class:`~torch_sparserl.pattern.Pattern` plus its tensors, and the
-caller (``ops/__init__.py``) has validated them.
+caller (``ops``) has validated them.
 """

@@ -23,14 +23,11 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from .. import ops
 from .. import pattern as patterns
 from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
-from ..jit import fastpath
-from ..jit import runtime as rt
+from ..ops import doors
+from ..ops.doors import hot_product, python_product
 from ..pattern.validation import check_csr_meta, check_csr_values, require
-
-_ops = torch.ops.sparserl
 
 PARTS = ("_crow", "_col", "val")
 """A matrix's inner tensors (:meth:`CSRMatrix.__tensor_flatten__`), by attribute name."""
@@ -106,25 +103,29 @@ class CSRMatrix(Tensor):
     # -- the hot path ---------------------------------------------------------------
 
     def __matmul__(self, other):
-        # Eager ``A @ X`` recorded for the C++ fast path: its eager door first, with nothing in
-        # between (the checks of _served_in_cpp, inline: on a small graph a served call's host
-        # time is this and the launch), and on a miss the Python path without asking the door
-        # again. With no C++ library loaded, an installed kernel straight to its launch (see
-        # _hot_product). Anything else goes to the same handler as torch.matmul, called here
-        # rather than through Tensor.__matmul__, which turns every TypeError (a wrong dtype, a
-        # sparse operand) into NotImplemented and so into Python's bare "unsupported operand
-        # type(s)".
+        # Eager ``A @ X``: the one eager door (ops.doors.product) inline, with nothing in between
+        # (on a small graph a served call's host time is these checks and the launch; a call into
+        # product() would add its own): C++'s eager door where a product of this matrix was
+        # recorded there, else the installed kernel the matrix kept, else (or on a miss) the door's
+        # Python path, without asking again. Only a matrix whose values need no gradient has a door.
+        # Anything else goes to the same handler as torch.matmul, called here rather than through
+        # Tensor.__matmul__, which turns every TypeError (a wrong dtype, a sparse operand) into
+        # NotImplemented and so into Python's bare "unsupported operand type(s)".
         if type(other) is Tensor:
-            ncols = self.__dict__.get("_eager_ncols")
-            serve = fastpath.serve
-            dim = other.dim()
-            if (ncols is not None and serve is not None and (dim == 1 or dim == 2)
-                    and not torch.compiler.is_compiling()):
-                out = serve(2 - dim, self._crow, self._col, self.val, ncols, other)  # op 1: spmv, 0: spmm
-                return out if out is not None else _python_product("spmv" if dim == 1 else "spmm", self, other)
-            out = _hot_product(self, other)
-            if out is not None:
-                return out
+            door = self.__dict__.get("_door")
+            if door is not None:
+                dim = other.dim()
+                if dim == 1 or dim == 2:
+                    serve = door.cpp
+                    if serve is not None and not torch.compiler.is_compiling():
+                        out = serve(2 - dim, self._crow, self._col, self.val, door.ncols, other)  # 1: spmv, 0: spmm
+                    else:
+                        hot = door.hot
+                        out = hot_product(hot, self._crow, self._col, self.val, other, dim) if hot else None
+                    if out is not None:
+                        return out
+                    return python_product("spmv" if dim == 1 else "spmm", self._crow, self._col, self.val,
+                                          door.ncols, other, door)
         if not isinstance(other, Tensor):
             return NotImplemented
         return _matmul(self, other, "CSRMatrix.matmul")
@@ -267,143 +268,25 @@ def values_of(A: CSRMatrix) -> Tensor:
     return _Values.apply(A) if A.requires_grad else A.val
 
 
-def autocast_operands(val: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
-    """Under ``torch.autocast``, a product runs in the autocast dtype, as ``torch.mm`` does:
-    float32 values and operands are cast to it (float64 ones are not), and the kernels
-    accumulate in float32 (:mod:`torch_sparserl.dtypes`)."""
-    device_type = X.device.type
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type with no autocast (meta): the operator's checks speak
-        return val, X
-    if not enabled:
-        return val, X
-    dtype = torch.get_autocast_dtype(device_type)
-    if val.dtype == torch.float32:
-        val = val.to(dtype)
-    if X.dtype == torch.float32:
-        X = X.to(dtype)
-    return val, X
-
-
 def _product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
-    """``torch.ops.sparserl.<op>`` on A's parts. In eager code: the C++ fast path's eager door
-    when it has this call recorded (:func:`_served_in_cpp`); else the implementation directly
-    when nothing (autograd, a tracer, a mode) needs to see the operator (:func:`ops.direct_ok`),
-    which records a CUDA call for the door, or with a lean autograd node when only autograd
-    does (:func:`ops.eager_product`)."""
-    if type(X) is Tensor:
-        out = _served_in_cpp(A, X, op)
-        if out is not None:
-            return out
-    return _python_product(op, A, X)
-
-
-def _python_product(op: str, A: CSRMatrix, X: Tensor) -> Tensor:
-    """:func:`_product` once the C++ door has declined it."""
-    val, X = autocast_operands(values_of(A), X)
-    if ops.direct_ok(val, X):
-        runtime = rt.active_or_none()
-        served = runtime.stats["installed_calls"] if runtime is not None else None
-        out = ops.direct(op, A._crow, A._col, val, A.shape[1], X)
-        runtime = runtime or rt.active_or_none()  # the first product of a process creates it
-        if op in _FAST_OPS and runtime is not None:
-            if _recordable(X):
-                _record_in_cpp(A, runtime, op, val, X)
-            elif op in ("spmm", "spmv") and runtime.stats["installed_calls"] != served:
-                _remember_installed(A, runtime, op, X)  # a kernel served this call: keep it on A
-        return out
-    if ops.eager_ok(val, X):
-        return ops.eager_product(op, A._crow, A._col, val, A.shape[1], X)
-    return getattr(_ops, op)(A._crow, A._col, val, A.shape[1], X)
-
-
-_FAST_OPS = {name: index for index, name in enumerate(fastpath.OPS)}  # what the C++ registry serves
-
-
-def _served_in_cpp(A: CSRMatrix, X: Tensor, op: str | None) -> Tensor | None:
-    """The product ``op`` of ``A`` and ``X`` (``spmm``, ``spmv`` or their transposes) served by
-    the C++ fast path's eager door (:data:`fastpath.serve`), or None.
-
-    Only for a matrix whose earlier product the Python path recorded there
-    (:func:`_record_in_cpp`: a CUDA product of a matrix that needs no gradient); C++ then
-    declines whatever the Python path must see (autograd, autocast, a mode, a changed
-    pattern, other operands), and a Python tracer never reaches it."""
-    ncols = A.__dict__.get("_eager_ncols")
-    if ncols is None:
-        return None
-    serve = fastpath.serve
-    index = _FAST_OPS.get(op)
-    if serve is None or index is None or torch.compiler.is_compiling():
-        return None
-    return serve(index, A._crow, A._col, A.val, ncols, X)
-
-
-def _recordable(X: Tensor) -> bool:
-    """Whether C++ can take over a product on ``X``'s device: CUDA, the library loaded."""
-    return X.is_cuda and fastpath.loaded
-
-
-def _record_in_cpp(A: CSRMatrix, runtime: rt.Runtime, op: str, val: Tensor, X: Tensor) -> None:
-    """After the Python path served a CUDA product of ``A``, let C++ serve the next one the same
-    way (:func:`torch_sparserl.jit.fastpath.record`, which repeats the runtime's decision record:
-    its kernel, or cuSPARSE). Not for a matrix that requires grad: C++ would not record the
-    product for autograd."""
-    if val is not A.val or A.requires_grad:
-        return  # autocast cast the values, or autograd must see the product
-    fastpath.record(runtime, op, A._crow, A._col, val, A.shape[1], X)
-    A.__dict__["_eager_ncols"] = A.shape[1]
-
-
-def _remember_installed(A: CSRMatrix, runtime: rt.Runtime, op: str, X: Tensor) -> None:
-    """After a direct product a kernel served, keep its decision record on the matrix itself,
-    so the next ``A @ X`` of this shape skips torch's function dispatch, the checks and the
-    pattern lookup (:func:`_hot_product`). The record, not its kernel, is kept: the runtime
-    may replace the kernel (its library's build after the interim NVRTC build), and the next
-    call reads what the record says then."""
-    if A.requires_grad:
-        return
-    n = X.shape[1] if op == "spmm" else 1
-    entry = patterns.lookup(A._crow, A._col, A.shape[1])
-    decision = runtime.decision(op, entry, n, A.val.dtype)
-    if isinstance(decision.state, rt.Installed) and not entry.transient:
-        hot = A.__dict__.setdefault("_hot", {})
-        # the pattern is kept too: the record lives as long as it does
-        hot[(X.dim(), n)] = (runtime, decision, entry, patterns.versions(A._crow, A._col),
-                             entry.indices(A._crow, A._col), X.device, A.val.dtype, A.shape[1])
-
-
-def _hot_product(A: CSRMatrix, X: Tensor) -> Tensor | None:
-    """``A @ X`` by the kernel the decision record :func:`_remember_installed` kept names,
-    when every condition of the direct path still holds and the pattern is unchanged; None
-    otherwise.
-
-    Every check here is a plain attribute read: a property of the wrapper itself (its
-    shape, its requires_grad) would cost a torch function dispatch, so what is fixed for
-    the matrix's life (its columns; that it needs no gradient, since requires_grad_ is
-    refused and the setter clears this cache) was stored with the kernel.
-    """
-    hot = A.__dict__.get("_hot")
-    if not hot:
-        return None
-    dim = X.dim()
-    found = hot.get((dim, X.shape[1] if dim == 2 else 1))
-    if found is None:
-        return None
-    runtime, decision, _, versions, (crow, col), device, dtype, ncols = found
-    state = decision.state
-    val = A.val
-    if (runtime is not rt.active_or_none() or state.__class__ is not rt.Installed or X.dtype != dtype or val.dtype != dtype or X.device != device
-            or X.shape[0] != ncols or val.shape[0] != col.shape[0]
-            or patterns.versions(A._crow, A._col) != versions or not ops.direct_ok(val, X)
-            or torch.is_autocast_enabled(device.type)):
-        return None
-    return runtime.launch(state.launch, crow, col, val, X)  # the indices the pattern validated
+    """``torch.ops.sparserl.<op>`` on A's parts, through the one eager door
+    (:func:`torch_sparserl.ops.doors.product`) with the matrix's :class:`~torch_sparserl.ops.doors.Door`,
+    made on its first product. A matrix whose values need a gradient has none (autograd must see
+    each of its products, on the values linked to the matrix: :func:`values_of`), and a product
+    torch.compile traces takes none (a trace writes nothing on a matrix)."""
+    if not torch.compiler.is_compiling():
+        # the door first: reading A.requires_grad costs a torch function dispatch
+        door = A.__dict__.get("_door")
+        if door is not None:
+            return doors.product(op, A._crow, A._col, A.val, door.ncols, X, door)
+        if not A.requires_grad:
+            door = A.__dict__["_door"] = doors.Door(A.shape[1])
+            return doors.product(op, A._crow, A._col, A.val, door.ncols, X, door)
+    return doors.product(op, A._crow, A._col, values_of(A), A.shape[1], X)
 
 
 def _set_requires_grad(A: CSRMatrix, value: bool) -> None:
-    A.__dict__.pop("_hot", None)  # remembered kernels were for a matrix without gradient
-    A.__dict__.pop("_eager_ncols", None)  # and so was the C++ door
+    A.__dict__.pop("_door", None)  # what the door kept (C++'s door, kernels) was for a matrix without gradient
     with torch._C.DisableTorchFunctionSubclass():
         Tensor.requires_grad.__set__(A, value)
 
@@ -689,11 +572,11 @@ def _check_parts(op: str, crow, col, val, size) -> None:
 def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
     """:func:`csr`'s short path for host ``(crow, col, val)`` tensors bound for a CUDA device (a
     sampled mini-batch, every step a new pattern): one C++ call checks their metadata and
-    indices, copies the indices and sends the three (``fastpath.stage_csr``), and the pattern is
-    registered as validated. While it is young (``jit.admit_age_s``), C++ serves its products
-    by cuSPARSE (``fastpath.young_ns``). None where it does not apply (conversions, autograd on the values,
-    inference mode, a check that fails): :func:`csr`'s general path then converts, checks and
-    names what is wrong."""
+    indices, copies the indices and sends the three (:func:`torch_sparserl.ops.doors.stage`), and the
+    pattern is registered as validated. While it is young (``jit.admit_age_s``), C++ serves its
+    products by cuSPARSE, and the matrix's door asks C++ first. None where it does not apply
+    (conversions, autograd on the values, inference mode, a check that fails): :func:`csr`'s
+    general path then converts, checks and names what is wrong."""
     crow, col, val = data
     if (type(crow) is not Tensor or type(col) is not Tensor or type(val) is not Tensor or val.requires_grad
             or (dtype is not None and dtype != val.dtype) or (index_dtype is not None and index_dtype != crow.dtype)
@@ -707,15 +590,14 @@ def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
         return None
     if device.type != "cuda":
         return None
-    young_ns = fastpath.young_ns(rt.active())
-    staged = fastpath.stage_csr(crow, col, val, nrows, ncols, device, young_ns)
-    if len(staged) != 3:
+    staging = doors.stage(crow, col, val, nrows, ncols, device, young=True)
+    if staging is None or len(staging[0]) != 3:
         return None
-    crow, col, val = staged
+    (crow, col, val), door = staging
     patterns.staged(crow, col, ncols)
     A = CSRMatrix._wrap(crow, col, val, (nrows, ncols))
-    if young_ns:  # C++ serves it while young: its eager products go to the C++ door first
-        A.__dict__["_eager_ncols"] = ncols
+    if door is not None:  # C++ serves it while young: its eager products go to C++'s door first
+        A.__dict__["_door"] = door
     return A
 
 
@@ -724,12 +606,11 @@ def _staged(op: str, crow: Tensor, col: Tensor, val: Tensor, size: tuple, device
     the indices copied to private pinned memory, checked there and sent; the values too, unless
     autograd records their copy. None where it is not loaded or declines (a check that
     fails among them): the caller's Python path then copies, checks and names the error."""
-    stage = fastpath.stage_csr
-    if stage is None:
+    if not doors.can_stage():
         return None
     _check_parts(op, crow, col, None, size)
     carried = val.device.type == "cpu" and not val.requires_grad
-    staged = stage(crow, col, val if carried else None, size[0], size[1], torch.device(device))
+    staged, _ = doors.stage(crow, col, val if carried else None, size[0], size[1], torch.device(device))
     return staged if len(staged) == (3 if carried else 2) else None
 
 
@@ -841,7 +722,7 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     """
     op = "torch_sparserl.csr"
     if (isinstance(data, (tuple, list)) and len(data) == 3 and shape is not None and device is not None and validate
-            and fastpath.stage_csr is not None):
+            and doors.can_stage()):
         staged = _staged_matrix(data, shape, dtype, index_dtype, device)
         if staged is not None:
             return staged

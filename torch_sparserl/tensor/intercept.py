@@ -30,7 +30,6 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import config
 from ..config import Settings, logger
 from ..dtypes import VALUE_DTYPES
 from ..kernels import vendor
@@ -248,10 +247,9 @@ def _strict(settings: Settings) -> bool:
     or the environment's before there is one)."""
     if settings.strict is not None:
         return settings.strict
-    from ..jit import runtime
+    from ..ops import doors
 
-    active = runtime.active_or_none()
-    return active.settings.strict if active is not None else config.read("jit.strict")
+    return doors.strict()
 
 
 _OUT_OVERLOADS = {"addmm": torch.addmm, "addmv": torch.addmv, "mv": torch.mv}
