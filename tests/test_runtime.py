@@ -672,6 +672,7 @@ def test_the_library_install_is_handed_the_interim_launch(tmp_path, monkeypatch)
     """The default installer gets the interim NVRTC build's launch (``like``), whose plan data
     and index copies the library's kernel reuses (``_bind_spec``) instead of preparing them on
     the host again; an installer of the caller's is called as before."""
+    from torch_sparserl.jit import decide
     from torch_sparserl.jit import runtime as rt
 
     fakes, handed = Fakes(), []
@@ -680,7 +681,8 @@ def test_the_library_install_is_handed_the_interim_launch(tmp_path, monkeypatch)
         handed.append(like)
         return fakes.installer(entry, crow, col, ncols)
 
-    monkeypatch.setattr(rt, "inline_installer", inline)
+    monkeypatch.setattr(rt, "inline_installer", inline)  # the default installer
+    monkeypatch.setattr(decide, "inline_installer", inline)  # which the library's install recognizes
     specializer = _BuildingSpecializer(fakes)
     runtime = Runtime(RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                       specializer=specializer, interim_installer=fakes.installer, devices=("cpu",))

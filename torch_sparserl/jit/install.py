@@ -22,9 +22,25 @@ from types import SimpleNamespace
 
 import torch
 
+from ..abi import DTYPES
 from ..pattern import Pattern, host_indices
 from .cache import CacheEntry
 from .decisions import SpecializationError
+
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
+
+
+def device_arch(device: torch.device) -> str:
+    """The architecture kernels are built for on ``device`` (``sm_90``), or its type off CUDA."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def on_device(t: torch.Tensor):
+    """``t``'s GPU as the current device (a context manager; nothing for CPU tensors)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def entry_spec(entry: CacheEntry):
