@@ -6,7 +6,7 @@ and the decision flow; :mod:`.classes`: kernels for classes of young patterns; :
 fused epilogues; :mod:`.workers`: the background thread, the specializer's worker and the exit),
 one record per product that every door reads (:mod:`.decisions`), the searches that decide
 (:mod:`.specializers`) and the installs that bind a decided kernel (:mod:`.install`), the
-install gate on host costs (:mod:`.endtoend`), its decisions' cache in memory and on disk
+host costs the install verdict weighs (:mod:`.endtoend`), its decisions' cache in memory and on disk
 (:mod:`.cache`), and the C++ fast path (:mod:`.fastpath`).
 May import: config, dtypes, data, pattern, kernels, abi, toolchain, evaluate, specialize.
 """

@@ -39,8 +39,8 @@ import torch
 
 from ..pattern import Pattern
 from ..pattern.fingerprint import SpecializationKey
-from .decisions import Fallback, Installed, Pending
-from .install import DTYPE_NAMES, check_launch, current_raw_stream, device_arch, entry_spec, on_device
+from .decisions import Fallback, Installed, Pending, SpecializationError
+from .install import DTYPE_NAMES, current_raw_stream, device_arch, entry_spec, on_device
 from .workers import ShuttingDown
 
 log = logging.getLogger("torch_sparserl.jit.classes")
@@ -153,14 +153,17 @@ def check(launch: Callable, pattern: Pattern, crow: torch.Tensor, col: torch.Ten
           dtype: torch.dtype) -> None:
     """Run a class's launch once on ``pattern`` with fresh random values and operand, its output
     NaN-filled first, against the float64 reference; raise SpecializationError where they differ
-    (:func:`~torch_sparserl.jit.install.check_launch`)."""
+    (:func:`~torch_sparserl.evaluate.verdict.launch_check`)."""
+    from ..evaluate.verdict import launch_check
+
     shape = (pattern.nrows,) if op == "spmv" else (pattern.nrows, n)
 
     def run(val, X, bias, scale):
         return launch(crow, col, val, X, torch.full(shape, float("nan"), dtype=dtype, device=col.device))
 
-    check_launch(run, pattern, crow, col, op=op, n=n, dtype=dtype, seed=pattern.nnz * 31 + n,
-                 what="the class kernel")
+    why = launch_check(run, pattern, crow, col, op=op, n=n, dtype=dtype, seed=pattern.nnz * 31 + n)
+    if why is not None:
+        raise SpecializationError(f"the class kernel {why}")
 
 
 def sized_installer(entry) -> Callable:

@@ -13,7 +13,8 @@ A decision (:meth:`~Deciding._decide`) fingerprints the pattern, asks the cache,
 runs the specializer (:meth:`~Deciding._specialize`, searched again once after a
 :class:`~torch_sparserl.evaluate.record.TransientFailure`); then it installs the kernel
 (:meth:`~Deciding._install`) when the verdict per call allows it
-(:func:`~torch_sparserl.jit.endtoend.gate`), from its NVRTC build first while its library is
+(:func:`~torch_sparserl.evaluate.verdict.end_to_end`, with :mod:`~torch_sparserl.jit.endtoend`'s
+host costs), from its NVRTC build first while its library is
 built in background mode. Whatever fails falls back (:meth:`~Deciding._fallback`): cuSPARSE
 serves, with the reason logged once. It reads the runtime's ``settings``, ``specializer``,
 installers, ``cache``, ``_decisions``, ``_lock``, ``_specialize_lock`` and ``_stats``, and uses
@@ -211,7 +212,10 @@ class Deciding:
         if entry.spec_source is None:
             return self._fallback(pattern, decision, key, f"no kernel: {entry.reason}", None, quiet=True)
         # the kernel won on GPU time; installed only if it also wins per call, host costs included
-        allowed, weighed = endtoend.gate(entry.record, decision.op, decision.dtype, col.device, self.settings.margin)
+        from ..evaluate import verdict
+
+        allowed, weighed = verdict.end_to_end(entry.record, decision.op, decision.dtype, self.settings.margin,
+                                              lambda: endtoend.host_costs(col.device))
         if not allowed:
             return self._fallback(pattern, decision, key, f"no kernel: {entry.family} ({entry.reason}) is under "
                                   f"the {self.settings.margin}x margin end to end: {weighed}", None, quiet=True)

@@ -11,15 +11,28 @@ the runtime's ``fused_installer`` and checked against float64 before its first u
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from ..abi import DTYPES
 from ..pattern import Pattern, run_kept
 from .decisions import Fallback, Installed, Pending, SpecializationError
-from .install import check_fused, family_params, on_device
+from .install import family_params, on_device
 
 log = logging.getLogger("torch_sparserl.jit.fused")
+
+
+def check_fused(launch: Callable, pattern: Pattern, crow, col, n: int, dtype: torch.dtype, epilogue: str) -> None:
+    """Run a fused kernel, ``launch(crow, col, val, X, bias, scale)``, once against the float64
+    reference (:func:`~torch_sparserl.evaluate.verdict.launch_check`); raise
+    :class:`SpecializationError` where they differ."""
+    from ..evaluate.verdict import launch_check
+
+    why = launch_check(lambda val, X, bias, scale: launch(crow, col, val, X, bias, scale), pattern, crow, col,
+                       op="spmm", n=n, dtype=dtype, seed=pattern.nnz * 7 + n, epilogue=epilogue)
+    if why is not None:
+        raise SpecializationError(f"the fused kernel {why}")
 
 
 class FusedInstalls:
