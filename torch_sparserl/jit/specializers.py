@@ -108,8 +108,7 @@ class autotune_specializer:  # noqa: N801 - used like a function
         specs = [entry_spec(entry)]
         if self._sandbox is None or self._sandbox.worker_pid is None or inline.is_built(specs, arch):
             return
-        outcome = self.sandbox.run("torch_sparserl.toolchain.inline:prebuild", (specs, arch),
-                                   timeout_s=PREBUILD_TIMEOUT_S)
+        outcome = self.sandbox.run(inline.prebuild, (specs, arch), timeout_s=PREBUILD_TIMEOUT_S)
         if not outcome.ok:
             raise SpecializationError(f"{outcome.status}: {outcome.error}")
 

@@ -140,26 +140,26 @@ class SandboxedPolicy:
         self.sandbox, self.checkpoint, self.timeout_s = sandbox, str(checkpoint), timeout_s
         self.config, _ = read_config(checkpoint)
 
-    def _run(self, task: str, *args):
-        outcome = self.sandbox.run(f"{__name__}:{task}", (self.checkpoint, *args), timeout_s=self.timeout_s)
+    def _run(self, task, *args):
+        outcome = self.sandbox.run(task, (self.checkpoint, *args), timeout_s=self.timeout_s)
         if not outcome.ok:
             failure = TransientFailure if outcome.error.startswith("OutOfMemoryError") else RuntimeError
-            raise failure(f"policy: {task} in the sandbox's worker failed ({outcome.status}): {outcome.error}\n"
-                          f"{outcome.traceback or outcome.output_tail}")
+            raise failure(f"policy: {task.__name__} in the sandbox's worker failed ({outcome.status}): "
+                          f"{outcome.error}\n{outcome.traceback or outcome.output_tail}")
         return outcome.value
 
     def load(self) -> dict:
         """Load the policy in the worker now (the first sample would); returns its device."""
-        return self._run("load_task")
+        return self._run(load_task)
 
     def sample(self, inp: PatternInput, op: str, dtype: str, n: int, *, k: int, temperature: float,
                seed: int) -> list[Sample]:
-        found = self._run("sample_task", inp.rows, inp.cols, tuple(inp.shape), inp.features, op, dtype, int(n),
+        found = self._run(sample_task, inp.rows, inp.cols, tuple(inp.shape), inp.features, op, dtype, int(n),
                           int(k), float(temperature), int(seed))
         return [Sample(**fields) for fields in found]
 
     def rank(self, inp: PatternInput, features: dict, op: str, dtype: str, n: int, *, k: int) -> list[Sample]:
-        found = self._run("rank_task", inp.rows, inp.cols, tuple(inp.shape), inp.features, dict(features), op,
+        found = self._run(rank_task, inp.rows, inp.cols, tuple(inp.shape), inp.features, dict(features), op,
                           dtype, int(n), int(k))
         return [Sample(**fields) for fields in found]
 
