@@ -80,11 +80,11 @@ def test_tune_returns_the_fastest_correct_finalist(cora):
 
 
 def test_a_known_pattern_is_not_sent_or_measured_again(cora, monkeypatch):
-    import torch_sparserl.specialize.autotune as autotune
+    import torch_sparserl.specialize.search as search
 
     box = FakeSandbox()
     first = tune(cora, op="spmm", n=32, sandbox=box, top_k=1, budget_s=1e9)
-    monkeypatch.setattr(autotune, "structural_features", lambda *a: pytest.fail("features computed again"))
+    monkeypatch.setattr(search, "structural_features", lambda *a: pytest.fail("features computed again"))
     again = tune(cora, op="spmm", n=64, sandbox=box, top_k=1, budget_s=1e9, features=first.features,
                  matrix_key=next(iter(box.matrices)))
     assert box.sent == 1 and box.released == 2 and again.features == first.features and again.best is not None

@@ -172,10 +172,10 @@ def test_a_product_is_decided_on_its_admit_calls_th_call(tmp_path, monkeypatch):
     specializer = Specializer()
     runtime = runtime_with(tmp_path, specializer, mode="sync", admit_calls=3)
     fingerprints = []
-    from torch_sparserl.jit import runtime as rt_module
+    from torch_sparserl.jit import decide
 
-    real = rt_module.fingerprint
-    monkeypatch.setattr(rt_module, "fingerprint", lambda *a: fingerprints.append(1) or real(*a))
+    real = decide.fingerprint
+    monkeypatch.setattr(decide, "fingerprint", lambda *a: fingerprints.append(1) or real(*a))
     try:
         A, crow, col, val, X = operands()
         assert call(runtime, A, crow, col, val, X) is None  # cuSPARSE

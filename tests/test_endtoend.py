@@ -1,5 +1,6 @@
-"""The install gate that weighs host costs with GPU time (torch_sparserl.jit.endtoend), with
-given costs (CPU). The costs' measurement runs on the device: tests/test_fastpath_gpu.py."""
+"""The host costs the install's verdict weighs (torch_sparserl.jit.endtoend), and the runtime's
+install gate on them, with given costs (CPU); the verdict's arithmetic is tested in
+tests/test_verdict.py. The costs' measurement runs on the device: tests/test_fastpath_gpu.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from torch_sparserl import pattern as patterns
+from torch_sparserl.evaluate import verdict
 from torch_sparserl.jit import endtoend
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.jit.decisions import Fallback, Installed
@@ -14,53 +16,9 @@ from torch_sparserl.jit.runtime import Runtime, RuntimeSettings
 
 from helpers import make_pattern, to_parts
 
-COSTS = endtoend.HostCosts(door_us=1.0, alloc_us=1.0, launch_us=2.0, cusparse_us={"spmv": 6.0, "spmm": 9.0})
-
 
 def record(kernel_gpu_us, cusparse_gpu_us, launches):
     return {"runtime_us": kernel_gpu_us, "cusparse_us": cusparse_gpu_us, "timing": {"launches": launches}}
-
-
-def test_a_call_is_weighed_alone_and_in_a_stream():
-    found = endtoend.verdict(record(4.0, 6.0, 2), "spmv", COSTS)
-    # kernel: 1 + 1 + 2 * 2 = 6 us of host; cuSPARSE: 1 + 6 = 7
-    assert found.kernel_host_us == pytest.approx(6.0) and found.cusparse_host_us == pytest.approx(7.0)
-    assert found.alone == pytest.approx((7 + 6) / (6 + 4))
-    assert found.streamed == pytest.approx(7 / 6)
-    assert found.speedup == pytest.approx(7 / 6)
-    assert "2 launches" in found.describe() and "1.17x" in found.describe()
-
-
-def test_a_gpu_win_that_loses_per_call_is_refused():
-    """1.67x on the GPU, but three launches of a host-bound call cost more than cuSPARSE's call."""
-    costs = endtoend.HostCosts(door_us=1.0, alloc_us=1.0, launch_us=3.0, cusparse_us={"spmv": 6.0})
-    found = endtoend.verdict(record(3.0, 5.0, 3), "spmv", costs)
-    assert found.alone == pytest.approx((7 + 5) / (11 + 3)) and found.speedup < 1.0
-
-
-def test_large_products_keep_their_gpu_win():
-    found = endtoend.verdict(record(100.0, 180.0, 2), "spmm_transposed", COSTS)  # spmm's costs
-    assert found.cusparse_host_us == pytest.approx(10.0)
-    assert found.streamed == pytest.approx(1.8) and found.alone == pytest.approx(190 / 106)
-
-
-@pytest.mark.parametrize("case", ["no costs", "no launches", "not served by C++", "half", "no record"])
-def test_the_gpu_time_decision_stands_where_nothing_can_be_weighed(monkeypatch, case):
-    monkeypatch.setattr(endtoend, "host_costs", lambda device: None if case == "no costs" else COSTS)
-    losing = record(3.0, 5.0, 9)
-    if case == "no launches":
-        losing["timing"] = {}
-    op = "sddmm" if case == "not served by C++" else "spmv"
-    dtype = torch.float16 if case == "half" else torch.float32
-    assert endtoend.gate(None if case == "no record" else losing, op, dtype, torch.device("cpu"), 1.05) == (True, "")
-
-
-def test_the_margin_applies_end_to_end(monkeypatch):
-    monkeypatch.setattr(endtoend, "host_costs", lambda device: COSTS)
-    allowed, why = endtoend.gate(record(4.0, 6.0, 2), "spmv", torch.float32, torch.device("cpu"), 1.05)
-    assert allowed and "1.17x" in why
-    allowed, _ = endtoend.gate(record(4.0, 6.0, 2), "spmv", torch.float32, torch.device("cpu"), 1.2)
-    assert not allowed
 
 
 def test_without_the_cxx_library_no_costs_are_measured(monkeypatch):
@@ -75,7 +33,7 @@ def test_without_the_cxx_library_no_costs_are_measured(monkeypatch):
 def test_the_runtime_installs_only_what_wins_end_to_end(tmp_path, monkeypatch, launches, installed):
     """The runtime asks the gate before it installs a kernel its specializer chose on GPU time;
     a refused kernel is a decided fallback whose reason gives the numbers."""
-    monkeypatch.setattr(endtoend, "host_costs", lambda device: endtoend.HostCosts(
+    monkeypatch.setattr(endtoend, "host_costs", lambda device: verdict.HostCosts(
         door_us=1.0, alloc_us=1.0, launch_us=3.0, cusparse_us={"spmm": 6.0}))
     built = []
     source = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\n'
@@ -123,4 +81,5 @@ def test_a_failed_measurement_is_a_warning_and_the_gpu_time_decision_stands(monk
         assert endtoend.host_costs(torch.device("cuda", 0)) is None
         assert endtoend.host_costs(torch.device("cuda", 0)) is None
     assert caplog.text.count("host costs could not be measured") == 1
-    assert endtoend.gate(record(3.0, 5.0, 9), "spmv", torch.float32, torch.device("cuda", 0), 1.05) == (True, "")
+    assert verdict.end_to_end(record(3.0, 5.0, 9), "spmv", torch.float32, 1.05,
+                              lambda: endtoend.host_costs(torch.device("cuda", 0))) == (True, "")

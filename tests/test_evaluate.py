@@ -24,14 +24,16 @@ from torch_sparserl.evaluate import (ErrorKind, EvalConfig, EvalRecord, Sandbox,
                                      reward)
 from torch_sparserl.evaluate.record import MAX_LOG_CHARS, clip_log, dtype_name
 
+from adversarial import hostile_tasks
+
 ADVERSARIAL = Path(__file__).parent / "adversarial"
-HOSTILE = str(ADVERSARIAL / "hostile_tasks.py")
 HAS_NVCC = shutil.which("nvcc") is not None
 needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="nvcc is not installed")
 
 
-def task(name: str) -> str:
-    return f"{HOSTILE}:{name}"
+def task(name: str):
+    """A hostile task: a function of tests/adversarial/hostile_tasks.py, which the worker imports."""
+    return getattr(hostile_tasks, name)
 
 
 def source(name: str) -> str:
@@ -228,9 +230,71 @@ def test_sandbox_reports_exceptions_and_keeps_the_worker(sandbox):
     assert "raise_error" in raised.traceback and not raised.restarted
     unpicklable = sandbox.run(task("unpicklable"), timeout_s=5)
     assert unpicklable.status == "error" and "cannot send the result" in unpicklable.error
-    missing = sandbox.run(task("no_such_task"), timeout_s=5)
-    assert missing.status == "error" and "no attribute 'no_such_task'" in missing.error
     assert sandbox.run(task("getpid"), timeout_s=5).value == pid
+
+
+def test_a_task_the_worker_cannot_find_is_the_tasks_error(sandbox, monkeypatch):
+    """A function set on a module in this process only: the worker's import of the module has
+    no such attribute, which is the task's error, and the worker stays."""
+    def ghost():
+        return "never"
+
+    ghost.__module__, ghost.__qualname__ = hostile_tasks.__name__, "ghost"
+    monkeypatch.setattr(hostile_tasks, "ghost", ghost, raising=False)
+    pid = sandbox.run(task("getpid"), timeout_s=5).value
+    missing = sandbox.run(ghost, timeout_s=5)
+    assert missing.status == "error" and "adversarial.hostile_tasks has no attribute 'ghost'" in missing.error
+    assert sandbox.run(task("getpid"), timeout_s=5).value == pid
+
+
+def _nested():
+    def inner():
+        return 1
+    return inner
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ("adversarial.hostile_tasks:echo", TypeError, r"the task must be a function defined at the top level of a "
+                                                  r"module \(got str 'adversarial.hostile_tasks:echo'\)"),
+    (lambda: 1, ValueError, r"the task test_evaluate.<lambda> cannot be imported by the worker"),
+    (_nested(), ValueError, r"the task test_evaluate._nested.<locals>.inner cannot be imported by the worker"),
+    (os.getpid, TypeError, r"the task must be a function .* \(got builtin_function_or_method"),
+])
+def test_a_task_is_a_function_the_worker_can_import(sandbox, bad, error, message):
+    """Tasks are functions named by their module and name, checked before anything is sent."""
+    from torch_sparserl.evaluate.sandbox import task_path
+
+    assert task_path(hostile_tasks.echo) == "adversarial.hostile_tasks:echo"
+    assert task_path(harness.sandbox_task) == "torch_sparserl.evaluate.harness:sandbox_task"
+    with pytest.raises(error, match="Sandbox: " + message):
+        sandbox.run(bad, timeout_s=5)
+    with pytest.raises(error, match="Sandbox: " + message.replace("the task", "the init", 1)):
+        Sandbox(task=hostile_tasks.echo, init=bad)
+
+
+def test_main_module_functions_are_refused(monkeypatch):
+    def where():
+        return 0
+
+    where.__module__, where.__qualname__ = "__main__", "where"  # as a script's own function
+    monkeypatch.setattr(sys.modules["__main__"], "where", where, raising=False)
+    with pytest.raises(ValueError, match=r"Sandbox: the task __main__.where cannot be imported by the worker"):
+        Sandbox(task=where, init=None, matrix_loader=None, health_check=None)
+
+
+def test_no_module_of_the_package_names_a_function_by_a_string():
+    """Sandbox tasks are passed as functions, so that the layout test sees what a sandbox runs:
+    no string of the package's source looks like ``"torch_sparserl.module:function"``."""
+    import ast
+    import re
+
+    named = re.compile(r"^torch_sparserl(\.\w+)+:\w+$")
+    found = []
+    for path in Path(torch_sparserl.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and named.match(node.value):
+                found.append(f"{path.name}:{node.lineno}: {node.value}")
+    assert found == []
 
 
 def test_sandbox_output_flood_stays_in_the_worker(sandbox, capfd):
@@ -349,7 +413,7 @@ def test_sandbox_start_failure_is_the_sandbox_s_error():
             box.run(task("echo"), (1,), timeout_s=5)
     with pytest.raises(SandboxError, match="after close"):
         box.run(task("echo"), (1,), timeout_s=5)
-    with pytest.raises(ValueError, match="Sandbox: task must name a function"):
+    with pytest.raises(TypeError, match="Sandbox: the task must be a function"):
         Sandbox(task="no_colon")
 
 
@@ -360,12 +424,14 @@ def test_sandbox_does_not_rerun_a_flat_script(tmp_path):
     marker = tmp_path / "runs"
     script = tmp_path / "flat_script.py"
     script.write_text(textwrap.dedent(f"""\
+        import sys
+        sys.path.insert(0, {str(ADVERSARIAL.parent)!r})
+        from adversarial.hostile_tasks import echo
         from torch_sparserl.evaluate import Sandbox
         with open({str(marker)!r}, "a") as f:
             f.write("top level ran\\n")
-        box = Sandbox(task={task("echo")!r}, init=None, matrix_loader=None, health_check=None,
-                      start_timeout_s=30)
-        print("result:", box.run({task("echo")!r}, ("flat",), timeout_s=30).value["value"])
+        box = Sandbox(task=echo, init=None, matrix_loader=None, health_check=None, start_timeout_s=30)
+        print("result:", box.run(echo, ("flat",), timeout_s=30).value["value"])
         box.close()
         """))
     root = str(Path(torch_sparserl.__file__).parents[1])  # the package under test, not another install
@@ -382,13 +448,19 @@ def test_sandbox_without_pidfd_and_with_the_parents_sys_path(tmp_path, monkeypat
     through the parent's sys.path resolve in the worker."""
     (tmp_path / "sandbox_path_task.py").write_text("import os\n\ndef where():\n    return os.getpid()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location("sandbox_path_task", tmp_path / "sandbox_path_task.py")
+    sandbox_path_task = importlib.util.module_from_spec(found)
+    found.loader.exec_module(sandbox_path_task)
+    monkeypatch.setitem(sys.modules, "sandbox_path_task", sandbox_path_task)  # forgotten after the test
 
     def no_pidfd(pid):
         raise OSError("pidfd_open: not here")
 
     monkeypatch.setattr(os, "pidfd_open", no_pidfd, raising=False)
     with Sandbox(task=task("echo"), init=None, matrix_loader=None, health_check=None) as box:
-        pid = box.run("sandbox_path_task:where", timeout_s=5).value
+        pid = box.run(sandbox_path_task.where, timeout_s=5).value
         assert pid == box.worker_pid != os.getpid()
         assert box.run(task("echo"), (1,), timeout_s=5).value["value"] == 1
         crashed = box.run(task("exit_hard"), timeout_s=5)
@@ -396,7 +468,7 @@ def test_sandbox_without_pidfd_and_with_the_parents_sys_path(tmp_path, monkeypat
         start = time.monotonic()
         hung = box.run(task("hang"), timeout_s=0.5)
         assert hung.status == "timeout" and time.monotonic() - start < 3
-        assert box.run("sandbox_path_task:where", timeout_s=5).value not in (pid, None)
+        assert box.run(sandbox_path_task.where, timeout_s=5).value not in (pid, None)
 
 # =========================================================================== verdicts, CPU stand-ins
 

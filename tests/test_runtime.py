@@ -672,6 +672,7 @@ def test_the_library_install_is_handed_the_interim_launch(tmp_path, monkeypatch)
     """The default installer gets the interim NVRTC build's launch (``like``), whose plan data
     and index copies the library's kernel reuses (``_bind_spec``) instead of preparing them on
     the host again; an installer of the caller's is called as before."""
+    from torch_sparserl.jit import decide
     from torch_sparserl.jit import runtime as rt
 
     fakes, handed = Fakes(), []
@@ -680,7 +681,8 @@ def test_the_library_install_is_handed_the_interim_launch(tmp_path, monkeypatch)
         handed.append(like)
         return fakes.installer(entry, crow, col, ncols)
 
-    monkeypatch.setattr(rt, "inline_installer", inline)
+    monkeypatch.setattr(rt, "inline_installer", inline)  # the default installer
+    monkeypatch.setattr(decide, "inline_installer", inline)  # which the library's install recognizes
     specializer = _BuildingSpecializer(fakes)
     runtime = Runtime(RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                       specializer=specializer, interim_installer=fakes.installer, devices=("cpu",))
@@ -849,3 +851,23 @@ def test_one_cpu_thread_narrows_only_the_calling_thread():
     thread.join(10)
     assert seen == {"inside": 1, "sum": float((1 << 20) * ((1 << 20) - 1) // 2), "after": main}
     assert torch.get_num_threads() == main
+
+
+def test_the_runtime_module_keeps_the_hot_path_and_its_parts_live_apart():
+    """jit/runtime.py holds the hot path and the process's runtime; admission and the decision
+    flow, class kernels, fused epilogues and the background work are parts of Runtime, each in
+    a module of its own, and the names callers take from runtime.py are still there."""
+    from torch_sparserl.jit import classes, decide, fused, workers
+    from torch_sparserl.jit import runtime as rt
+
+    homes = {rt: ("call", "launch", "_launch_class", "state", "decision", "decisions", "describe", "close"),
+             decide: ("prespecialize", "young", "_resolve", "_decide", "_specialize", "_install", "_fallback"),
+             classes: ("_class_state", "_decide_class", "classes"),
+             fused: ("call_fused", "fusable", "_resolve_fused", "_install_fused"),
+             workers: ("prewarm", "wait", "_in_background", "_arm_idle_stop", "_stop_for_exit", "_prebuild")}
+    for module, names in homes.items():
+        for name in names:
+            assert getattr(rt.Runtime, name).__module__ == module.__name__, name
+    for name in ("Runtime", "RuntimeSettings", "active", "active_or_none", "set_active", "configure", "Installed",
+                 "Fallback", "Pending", "SpecializationError", "OPS", "settings_policy_id"):
+        assert hasattr(rt, name), name

@@ -1,7 +1,8 @@
 """Hostile Python tasks for the sandbox's CPU tests: they hang, crash, raise, flood output.
 
-Loaded by path in the sandbox worker (``"<this file>:hang"``); imports nothing heavy, so a
-worker for them starts in a fraction of a second.
+Passed to the sandbox as functions (``adversarial.hostile_tasks.hang``), which the worker imports
+through its parent's sys.path; imports nothing heavy, so a worker for them starts in a fraction
+of a second.
 """
 
 import ctypes

@@ -6,6 +6,7 @@ May import: config, dtypes, data, pattern, kernels, abi, toolchain.
 
 * :mod:`.record` — :class:`EvalRecord` and the closed set of :class:`ErrorKind`;
 * :mod:`.reward` — :func:`reward`, a pure function of a record;
+* :mod:`.verdict` — whether a kernel serves, from its records: best pick, margin, per call, launch check;
 * :mod:`.harness` — :func:`evaluate_candidate` on the GPU, in the calling process;
 * :mod:`.sandbox` — :class:`Sandbox`: first runs of untrusted kernels in a child process;
 * :mod:`.compile_tier` — :func:`compile_only` with nvcc, no GPU needed.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -29,22 +28,11 @@ RUN_NAME = "__sparserl_sandbox_worker__"
 
 
 def resolve(path: str):
-    """``"package.module:function"`` or ``"/path/to/file.py:function"`` → the function."""
+    """``"package.module:function"`` (as :func:`~.sandbox.task_path` names it) → the function."""
     module_name, sep, attr = path.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"sandbox: a task is named 'module:function' (got {path!r})")
-    if module_name.endswith(".py"):
-        name = "_sparserl_task_" + os.path.basename(module_name)[:-3]
-        module = sys.modules.get(name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(name, module_name)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"sandbox: cannot load {module_name!r}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
+    module = importlib.import_module(module_name)
     try:
         return getattr(module, attr)
     except AttributeError:

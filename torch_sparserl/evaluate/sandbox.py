@@ -11,8 +11,10 @@ time. The parent waits with a timeout:
 * the task left the CUDA context broken (a sticky error such as an illegal address) → the
   worker answers, exits, and a fresh worker (matrices re-sent lazily) takes the next task.
 
-The worker runs tasks named by import path, so the machinery is tested on CPU with
-hostile Python tasks (hang, ``os._exit``, abort, segfault, megabytes of output).
+Tasks are functions defined at the top level of a module the worker can import: the sandbox
+sends the worker their import path (:func:`task_path`), so the machinery is tested on CPU with
+hostile Python tasks (hang, ``os._exit``, abort, segfault, megabytes of output), and the
+layout test sees which modules a sandbox runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+import types
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,19 +40,37 @@ from .record import ErrorKind, EvalRecord, clip_log, dtype_name
 
 log = logging.getLogger(__name__)
 
-EVALUATE_TASK = "torch_sparserl.evaluate.harness:sandbox_task"
-PREBUILD_TASK = "torch_sparserl.evaluate.harness:prebuild_task"
-RELEASE_TASK = "torch_sparserl.evaluate.harness:release_memory"
-CUDA_INIT = "torch_sparserl.evaluate.harness:worker_init"
-CUDA_MATRIX_LOADER = "torch_sparserl.evaluate.harness:load_matrix"
-CUDA_HEALTH_CHECK = "torch_sparserl.evaluate.harness:cuda_context_ok"
 
+class _Harness:
+    """The default of a :class:`Sandbox`'s hooks: the CUDA harness's function for it
+    (:mod:`~torch_sparserl.evaluate.harness`, imported when the sandbox is made)."""
+
+    def __repr__(self) -> str:
+        return "HARNESS"
+
+
+HARNESS = _Harness()
 DEFAULT_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context, cold
 LOG_TAIL_BYTES = 8192
 
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (the worker cannot start): not the candidate's fault."""
+
+
+def task_path(function: Callable, what: str = "task") -> str:
+    """``"module:function"``: the name the worker imports ``function`` by. It must be a
+    function defined at the top level of a module the worker can import: not a lambda, a
+    nested function, a method or a builtin, nor a function of ``__main__`` (the worker's main
+    module is its own). ``what`` names the argument in the error."""
+    if not isinstance(function, types.FunctionType):
+        raise TypeError(f"Sandbox: the {what} must be a function defined at the top level of a module "
+                        f"(got {type(function).__name__} {function!r})")
+    module, name = function.__module__, function.__qualname__
+    if module == "__main__" or "." in name or getattr(sys.modules.get(module), name, None) is not function:
+        raise ValueError(f"Sandbox: the {what} {module}.{name} cannot be imported by the worker: it must be a "
+                         f"function defined at the top level of a module other than __main__")
+    return f"{module}:{name}"
 
 
 @dataclass
@@ -113,9 +134,11 @@ class _Worker:
 
     def __init__(self, sandbox: Sandbox):
         parent_sock, child_sock = socket.socketpair()
-        arguments = dict(fd=child_sock.fileno(), log_path=sandbox.log_path, parent_pid=os.getpid(),
-                         init=sandbox.init, matrix_loader=sandbox.matrix_loader,
-                         health_check=sandbox.health_check, cuda_visible_devices=_parent_cuda_device())
+        hooks = {name: None if function is None else task_path(function, name)
+                 for name, function in (("init", sandbox.init), ("matrix_loader", sandbox.matrix_loader),
+                                        ("health_check", sandbox.health_check))}
+        arguments = dict(fd=child_sock.fileno(), log_path=sandbox.log_path, parent_pid=os.getpid(), **hooks,
+                         cuda_visible_devices=_parent_cuda_device())
         path = [os.fsdecode(entry) for entry in sys.path if isinstance(entry, (str, bytes, os.PathLike))]
         try:
             # Its output goes to the log from the start (the worker redirects it there too):
@@ -196,27 +219,38 @@ class _Worker:
 class Sandbox:
     """A persistent worker process that runs tasks with a timeout. Use as a context manager.
 
-    ``init``, ``matrix_loader`` and ``health_check`` name functions (``"module:function"``)
-    run in the worker: once at start (returns a dict of facts, e.g. the device), on every
+    ``init``, ``matrix_loader`` and ``health_check`` are functions (:func:`task_path` says
+    which) run in the worker: once at start (returns a dict of facts, e.g. the device), on every
     matrix sent (``loader(rowptr=, col=, shape=)`` → the object tasks receive), and after
-    every task (returns False when the worker must be replaced). The defaults are the CUDA
-    ones; pass ``None`` for plain Python workers. ``task`` is what :meth:`evaluate` runs.
+    every task (returns False when the worker must be replaced). The defaults (:data:`HARNESS`)
+    are the CUDA harness's; pass ``None`` for plain Python workers. ``task`` is what
+    :meth:`evaluate` runs, ``release_task`` what :meth:`release` runs.
     """
 
-    def __init__(self, task: str = EVALUATE_TASK, *, init: str | None = CUDA_INIT,
-                 release_task: str | None = RELEASE_TASK,
-                 matrix_loader: str | None = CUDA_MATRIX_LOADER,
-                 health_check: str | None = CUDA_HEALTH_CHECK,
+    def __init__(self, task: Callable = HARNESS, *, init: Callable | None = HARNESS,
+                 release_task: Callable | None = HARNESS,
+                 matrix_loader: Callable | None = HARNESS,
+                 health_check: Callable | None = HARNESS,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, log_tail_bytes: int = LOG_TAIL_BYTES):
-        for name, value in (("task", task), ("init", init), ("matrix_loader", matrix_loader),
-                            ("health_check", health_check)):
-            if value is not None and (not isinstance(value, str) or ":" not in value):
-                raise ValueError(f"Sandbox: {name} must name a function as 'module:function' (got {value!r})")
-        self.task = task
-        self.release_task = release_task
-        self.init = init
-        self.matrix_loader = matrix_loader
-        self.health_check = health_check
+        hooks = dict(task=task, init=init, release_task=release_task, matrix_loader=matrix_loader,
+                     health_check=health_check)
+        if HARNESS in hooks.values():
+            from . import harness
+
+            defaults = dict(task=harness.sandbox_task, init=harness.worker_init,
+                            release_task=harness.release_memory, matrix_loader=harness.load_matrix,
+                            health_check=harness.cuda_context_ok)
+            hooks = {name: defaults[name] if value is HARNESS else value for name, value in hooks.items()}
+        if hooks["task"] is None:
+            raise TypeError("Sandbox: the task must be a function defined at the top level of a module (got None)")
+        for name, value in hooks.items():
+            if value is not None:
+                task_path(value, name)  # named errors now, not when the worker starts
+        self.task = hooks["task"]
+        self.release_task = hooks["release_task"]
+        self.init = hooks["init"]
+        self.matrix_loader = hooks["matrix_loader"]
+        self.health_check = hooks["health_check"]
         self.start_timeout_s = start_timeout_s
         self.log_tail_bytes = log_tail_bytes
         fd, self.log_path = tempfile.mkstemp(prefix="sparserl-sandbox-", suffix=".log")
@@ -379,14 +413,16 @@ class Sandbox:
         worker.matrices.add(key)
 
     # ------------------------------------------------------------------ tasks
-    def run(self, task: str, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float,
+    def run(self, task: Callable, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float,
             matrix_key: str | None = None, matrix_arg: str = "matrix", progress: bool = False) -> TaskOutcome:
-        """Run ``task(*args, **kwargs)`` in the worker, at most ``timeout_s`` seconds.
+        """Run ``task(*args, **kwargs)`` in the worker, at most ``timeout_s`` seconds. ``task``
+        is a function the worker imports (:func:`task_path`).
 
         With ``matrix_key``, the worker's cached matrix is passed as ``kwargs[matrix_arg]``;
         with ``progress``, the task gets a ``progress(stage)`` callable whose stages come
         back in :attr:`TaskOutcome.stages` even when the task later dies.
         """
+        path = task_path(task)
         worker = self._ensure_worker()
         if matrix_key is not None:
             self._ensure_matrix(worker, matrix_key)
@@ -394,7 +430,7 @@ class Sandbox:
         outcome = TaskOutcome(status="ok")
         start = time.monotonic()
         deadline = start + timeout_s
-        worker.conn.send(("task", task, tuple(args), dict(kwargs or {}), matrix_key, matrix_arg, progress))
+        worker.conn.send(("task", path, tuple(args), dict(kwargs or {}), matrix_key, matrix_arg, progress))
         while True:
             state = worker.wait(max(0.0, deadline - time.monotonic()))
             message = self._recv(worker) if state == "message" else None
@@ -473,10 +509,12 @@ class Sandbox:
         one by one (:func:`~torch_sparserl.toolchain.prebuild_nvrtc`). Returns each built key's
         compile seconds; {} when the worker's task failed (the evaluations then compile, and
         record, as they would have)."""
+        from .harness import prebuild_task
+
         specs = [_fields(s) for s in specs]
         if not specs:
             return {}
-        outcome = self.run(PREBUILD_TASK, (specs,), dict(workers=int(workers)), timeout_s=timeout_s)
+        outcome = self.run(prebuild_task, (specs,), dict(workers=int(workers)), timeout_s=timeout_s)
         if not outcome.ok:
             log.warning("sandbox: prebuilding %d candidates failed (%s): %s", len(specs), outcome.status,
                         outcome.error)

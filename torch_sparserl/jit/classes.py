@@ -39,7 +39,9 @@ import torch
 
 from ..pattern import Pattern
 from ..pattern.fingerprint import SpecializationKey
-from .decisions import Fallback, Installed, Pending
+from .decisions import Fallback, Installed, Pending, SpecializationError
+from .install import DTYPE_NAMES, current_raw_stream, device_arch, entry_spec, on_device
+from .workers import ShuttingDown
 
 log = logging.getLogger("torch_sparserl.jit.classes")
 
@@ -151,16 +153,17 @@ def check(launch: Callable, pattern: Pattern, crow: torch.Tensor, col: torch.Ten
           dtype: torch.dtype) -> None:
     """Run a class's launch once on ``pattern`` with fresh random values and operand, its output
     NaN-filled first, against the float64 reference; raise SpecializationError where they differ
-    (:func:`~torch_sparserl.jit.install.check_launch`)."""
-    from .install import check_launch
+    (:func:`~torch_sparserl.evaluate.verdict.launch_check`)."""
+    from ..evaluate.verdict import launch_check
 
     shape = (pattern.nrows,) if op == "spmv" else (pattern.nrows, n)
 
     def run(val, X, bias, scale):
         return launch(crow, col, val, X, torch.full(shape, float("nan"), dtype=dtype, device=col.device))
 
-    check_launch(run, pattern, crow, col, op=op, n=n, dtype=dtype, seed=pattern.nnz * 31 + n,
-                 what="the class kernel")
+    why = launch_check(run, pattern, crow, col, op=op, n=n, dtype=dtype, seed=pattern.nnz * 31 + n)
+    if why is not None:
+        raise SpecializationError(f"the class kernel {why}")
 
 
 def sized_installer(entry) -> Callable:
@@ -170,7 +173,6 @@ def sized_installer(entry) -> Callable:
     current one (cuSPARSE serves them)."""
     from ..toolchain import inline
     from ..toolchain.kernel import SizedKernel
-    from .install import current_raw_stream, entry_spec
 
     spec = entry_spec(entry)
     sized = SizedKernel(inline.build([spec])[spec.key])
@@ -185,3 +187,90 @@ def sized_installer(entry) -> Callable:
 
     launch.kernel = sized
     return launch
+
+
+class ClassKernels:
+    """The class kernels of a :class:`~torch_sparserl.jit.runtime.Runtime` (a mixin): each young
+    pattern's call counted for its class (:meth:`_class_state`), a class decided in the
+    background thread once ``class_after`` of its patterns were met (:meth:`_decide_class`).
+    The runtime's hot path launches a served class's kernel (``Runtime._launch_class``)."""
+
+    def _init_classes(self) -> None:
+        self._classes = ClassTable()  # young patterns' classes
+        self._arches: dict = {}  # device -> architecture name, for class keys
+
+    def _class_state(self, op, n, pattern, crow, col, dtype) -> Served | None:
+        """The state serving a young pattern's call: its class's kernel, or None (cuSPARSE). The
+        call is counted for its class, whose decision starts in the background once
+        ``class_after`` of its patterns have been met."""
+        device = col.device
+        arch = self._arches.get(device)
+        if arch is None:
+            arch = self._arches[device] = device_arch(device)
+        dtype_name = DTYPE_NAMES.get(dtype)
+        key = None if dtype_name is None else key_of(op, n, dtype_name, pattern, arch, self.policy_id)
+        if key is None:
+            return None
+        met = self._classes.meet(key, pattern, crow, col, self.settings.class_after)
+        if met is None or met.__class__ is Served:
+            return met
+        log.info("sparserl: %s n=%d %s: deciding the class %s of young patterns in the background",
+                 op, n, dtype_name, key.pattern)
+        self._in_background(self._decide_class, met, dtype)
+        return None
+
+    def _decide_class(self, record: ClassRecord, dtype: torch.dtype):
+        """Decide a class (the background thread): its kernel from the cache, or searched on the
+        latest of its kept patterns; built; checked on the others. The record's state is set to
+        the outcome: Served, or Fallback (refused). A search that failed for the device's state
+        sets the class back to counting."""
+        from ..evaluate.record import TransientFailure
+
+        key = record.key
+        kept = list(record.kept)
+        pattern, crow, col = kept[-1]
+        checks = kept[:-1][-CHECKS:] or kept[-1:]
+        try:
+            with on_device(col):
+                if col.is_cuda:  # the kept patterns' indices were sent on the caller's streams
+                    torch.cuda.synchronize(col.device)
+                entry = self.cache.get(key)
+                if entry is None:
+                    with self._specialize_lock:
+                        entry = self.cache.get_or_create(key, lambda k: self._search(k, crow, col, pattern.ncols))
+                    self._arm_idle_stop()
+                if entry.spec_source is None:
+                    state = Fallback(key, f"no class kernel: {entry.reason}", decided=True)
+                else:
+                    self._prebuild(getattr(self.specializer, "prebuild", None), entry, key.arch)
+                    if self._closing:
+                        raise ShuttingDown("the process exits")
+                    launch = self.class_installer(entry)
+                    for other, other_crow, other_col in checks:
+                        check(launch, other, other_crow, other_col, key.op, key.n, dtype)
+                    state = Served(key, launch, f"{entry.family}{entry.params} for the class {key.pattern}",
+                                           f"{entry.reason}; checked on {len(checks)} more pattern(s)", entry)
+        except TransientFailure as exc:
+            log.warning("sparserl: the class %s was not decided (%s); it is counted again", key.pattern, exc)
+            self._classes.settle(record, None, recount=True)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a class that fails is cuSPARSE's
+            state = Fallback(key, f"class {key.pattern} refused: {type(exc).__name__}: {exc}")
+            if not self._closing:
+                log.warning("sparserl: %s n=%d %s: %s", key.op, key.n, key.dtype, state.reason)
+        self._classes.settle(record, state)
+        self._stats["class_decisions"] += 1
+        if state.__class__ is Served:
+            log.info("sparserl: %s n=%d %s: young patterns of the class %s -> %s (%s)", key.op, key.n, key.dtype,
+                     key.pattern, state.description, state.reason)
+        return state
+
+    def classes(self) -> list[tuple[SpecializationKey, str]]:
+        """The classes met so far: each one's key and what serves it."""
+        out = []
+        for record in self._classes.records():
+            state = record.state
+            what = (f"counting ({record.seen} patterns met)" if state is None else
+                    "deciding" if state.__class__ is Pending else self.describe(state))
+            out.append((record.key, what))
+        return out

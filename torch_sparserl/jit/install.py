@@ -8,7 +8,7 @@ It builds (or loads from disk) the kernel, prepares its plan data once on the ho
 :func:`inline_installer` (the kernel's library, built by the lean extension build),
 :func:`nvrtc_installer` (the same source's NVRTC build, served while the library is built) and
 :func:`fused_installer` (SpMM kernels rendered again with an epilogue, checked by
-:func:`check_fused` before their first use). A launch also carries what the C++ fast path
+:func:`~torch_sparserl.jit.fused.check_fused` before their first use). A launch also carries what the C++ fast path
 needs to repeat it without Python (``launch.fast``).
 """
 
@@ -22,9 +22,25 @@ from types import SimpleNamespace
 
 import torch
 
-from ..pattern import Pattern, host_indices
+from ..abi import DTYPES
+from ..pattern import host_indices
 from .cache import CacheEntry
 from .decisions import SpecializationError
+
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # torch dtype -> ABI name
+
+
+def device_arch(device: torch.device) -> str:
+    """The architecture kernels are built for on ``device`` (``sm_90``), or its type off CUDA."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def on_device(t: torch.Tensor):
+    """``t``'s GPU as the current device (a context manager; nothing for CPU tensors)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def entry_spec(entry: CacheEntry):
@@ -73,48 +89,6 @@ def family_params(params: dict) -> dict:
             value = tuple(int(v) for v in value[1:-1].split(",") if v.strip())
         out[name] = value
     return out
-
-
-def check_launch(run: Callable, pattern: Pattern, crow, col, *, op: str, n: int, dtype: torch.dtype, seed: int,
-                 what: str, epilogue: str = "none") -> None:
-    """Run a kernel once on fresh random values and dense operand (and the epilogue's bias and
-    scale), and compare its output with the float64 result of the product and the epilogue;
-    raise :class:`SpecializationError` naming ``what`` when they differ, or when ``run`` returns
-    None (it declined the pattern). ``run(val, X, bias, scale)`` returns the output; a caller
-    that passes the output buffer fills it with NaN first, so unwritten elements fail."""
-    from ..dtypes import close_to_reference
-    from ..kernels import reference
-
-    device = col.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    randn = lambda *shape: torch.randn(*shape, generator=generator, device=device).to(dtype)  # noqa: E731
-    val, X = randn(pattern.nnz), randn(pattern.ncols, n)
-    if op == "spmv":
-        X = X[:, 0].contiguous()
-    bias = randn(n) if "bias" in epilogue else None
-    scale = randn(pattern.nrows) if "scale" in epilogue else None
-    out = run(val, X, bias, scale)
-    where = f"a pattern of {pattern.nrows} rows and {pattern.nnz} nonzeros"
-    if out is None:
-        raise SpecializationError(f"{what} declined {where}")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    want = getattr(reference, op)(pattern, crow, col, val.double(), X.double())
-    if scale is not None:
-        want = want * scale.double().unsqueeze(1)
-    if bias is not None:
-        want = want + bias.double()
-    if "relu" in epilogue:
-        want = want.relu()
-    ok, why = close_to_reference(out, want, dtype)
-    if not ok:
-        raise SpecializationError(f"{what} differs from the float64 reference on {where}: {why}")
-
-
-def check_fused(launch: Callable, pattern: Pattern, crow, col, n: int, dtype: torch.dtype, epilogue: str) -> None:
-    """:func:`check_launch` for a fused kernel: ``launch(crow, col, val, X, bias, scale)``."""
-    check_launch(lambda val, X, bias, scale: launch(crow, col, val, X, bias, scale), pattern, crow, col,
-                 op="spmm", n=n, dtype=dtype, seed=pattern.nnz * 7 + n, what="the fused kernel", epilogue=epilogue)
 
 
 def _stream_of(index: int) -> int:

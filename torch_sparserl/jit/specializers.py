@@ -17,7 +17,6 @@ never the user's process.
 
 from __future__ import annotations
 
-import collections
 import logging
 
 import torch
@@ -109,32 +108,24 @@ class autotune_specializer:  # noqa: N801 - used like a function
         specs = [entry_spec(entry)]
         if self._sandbox is None or self._sandbox.worker_pid is None or inline.is_built(specs, arch):
             return
-        outcome = self.sandbox.run("torch_sparserl.toolchain.inline:prebuild", (specs, arch),
-                                   timeout_s=PREBUILD_TIMEOUT_S)
+        outcome = self.sandbox.run(inline.prebuild, (specs, arch), timeout_s=PREBUILD_TIMEOUT_S)
         if not outcome.ok:
             raise SpecializationError(f"{outcome.status}: {outcome.error}")
 
     def _entry(self, key: SpecializationKey, result, searched: str, what: str) -> CacheEntry:
-        """The decision for ``key`` from a tuning result: install its best only when it is correct
+        """The decision for ``key`` from a tuning result, as the verdict has it
+        (:func:`~torch_sparserl.evaluate.verdict.judge`): its best installs when it is correct
         and beats cuSPARSE by the margin. A negative answer reached while candidates failed for
-        the device's state (:data:`~torch_sparserl.evaluate.record.TRANSIENT_KINDS`) is no
-        decision: :class:`TransientFailure`, nothing cached."""
-        from ..evaluate.record import TRANSIENT_KINDS, TransientFailure
+        the device's state raises :class:`~torch_sparserl.evaluate.record.TransientFailure`:
+        nothing is cached."""
+        from ..evaluate import verdict
 
-        best, margin = result.best, self.settings.margin
-        transient = [r for r in result.table if r.error_kind in TRANSIENT_KINDS]
-        if transient and (best is None or (best.speedup or 0) < margin):
-            first = transient[0].log.splitlines()[0][:300] if transient[0].log else str(transient[0].error_kind)
-            raise TransientFailure(f"no {what} decided: {len(transient)} of {len(result.table)} evaluations failed "
-                                   f"for the device's state at the time ({first}; {searched})")
-        if best is None:
-            return CacheEntry(key, None, reason=f"no correct {what} ({searched}; {_failures(result.table)})")
-        if (best.speedup or 0) < margin:
-            return CacheEntry(key, None, family=best.family, params=best.params, record=best.to_dict(),
-                              reason=f"the best {what}, {best.family}, is {best.speedup or 0:.2f}x cuSPARSE, "
-                                     f"under the {margin}x margin ({searched})")
-        return CacheEntry(key, result.best_spec.source, family=best.family, params=best.params,
-                          record=best.to_dict(), reason=f"{best.speedup:.2f}x cuSPARSE ({searched})")
+        found = verdict.judge(result.best, result.table, self.settings.margin, searched, what)
+        if found.record is None:
+            return CacheEntry(key, None, reason=found.reason)
+        best = found.record
+        return CacheEntry(key, result.best_spec.source if found.serves else None, family=best.family,
+                          params=best.params, record=best.to_dict(), reason=found.reason)
 
     def close(self) -> None:
         self._matrix = None
@@ -206,12 +197,6 @@ class learned_specializer(autotune_specializer):  # noqa: N801 - used like a fun
     def close(self) -> None:
         super().close()
         self._policy = None  # it lived in the closed sandbox's worker
-
-
-def _failures(records) -> str:
-    """What became of a search's evaluations, by kind: ``failed: wrong 2, timeout 1``."""
-    kinds = collections.Counter(str(r.error_kind) if r.error_kind is not None else "not judged" for r in records)
-    return "failed: " + ", ".join(f"{name} {count}" for name, count in sorted(kinds.items())) if kinds else "none evaluated"
 
 
 def learned_id(checkpoint=None) -> str:

@@ -4,8 +4,9 @@ For one (pattern, op, N, dtype) it renders every (family, parameters) point of
 :func:`torch_sparserl.specialize.families.space`, screens them all in the evaluator's sandbox with a
 cheap configuration (one correctness trial, a few timed runs), then evaluates the fastest
 few again with the full configuration (fresh trials, determinism check, cuSPARSE timed in
-the same run) and returns the best correct kernel with the whole table. A time budget
-bounds the screening; the final stage always runs for what was screened.
+the same run) and returns the best correct kernel with the whole table
+(:mod:`~torch_sparserl.specialize.search`, which the learned policy's candidates go through
+too). A time budget bounds the screening; the final stage always runs for what was screened.
 
 Every candidate runs first in the sandbox's child process: a kernel that crashes or
 hangs costs its own record and a worker restart, never the caller.
@@ -14,21 +15,17 @@ hangs costs its own record and a worker restart, never the caller.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import numpy as np
-import torch
 
 from .. import config
 from ..abi import KernelSpec
 from ..evaluate.config import EvalConfig
 from ..evaluate.record import EvalRecord, dtype_name
 from ..evaluate.sandbox import Sandbox
-from ..pattern.features import structural_features, window_reuse
-from ..pattern.fingerprint import pattern_hash
+from ..pattern.features import window_reuse
+from . import search
 
 log = logging.getLogger("torch_sparserl.specialize.autotune")
 
@@ -83,28 +80,6 @@ class TuneResult:
                 f"({self.best.speedup:.2f}x), {self.screened}/{self.candidates} screened in {self.elapsed_s:.0f} s")
 
 
-def _pattern_arrays(matrix):
-    """(rowptr, col, shape) as numpy int arrays from a SciPy matrix, a torch CSR tensor,
-    a CSRMatrix or a (rowptr, col, shape) triple."""
-    if isinstance(matrix, tuple) and len(matrix) == 3:
-        rowptr, col, shape = matrix
-    elif hasattr(matrix, "indptr"):
-        csr = matrix.tocsr()
-        rowptr, col, shape = csr.indptr, csr.indices, csr.shape
-    elif hasattr(matrix, "crow_indices"):
-        rowptr, col, shape = matrix.crow_indices(), matrix.col_indices(), tuple(matrix.shape)
-    elif hasattr(matrix, "crow"):
-        rowptr, col, shape = matrix.crow, matrix.col, tuple(matrix.shape)
-    else:
-        raise TypeError(f"tune: expected a SciPy sparse matrix, a torch CSR tensor, a CSRMatrix or "
-                        f"(rowptr, col, shape) (got {type(matrix).__name__})")
-    to_np = (lambda a: a.detach().cpu().numpy()) if hasattr(rowptr, "detach") else np.asarray
-    rowptr, col = to_np(rowptr).astype(np.int64), to_np(col).astype(np.int64)
-    if rowptr[-1] >= 2**31 or (len(col) and col.max() >= 2**31):
-        raise ValueError("tune: the kernel ABI takes int32 indices; this pattern does not fit")
-    return rowptr.astype(np.int32), col.astype(np.int32), (int(shape[0]), int(shape[1]))
-
-
 def candidates(op: str, n: int, dtype: str, features: dict, families: list[str] | None = None,
                only: Callable[[KernelSpec], bool] | None = None, opt_in: tuple[str, ...] = ()) -> list[KernelSpec]:
     """Render the families' parameter space for this problem (deduplicated by source);
@@ -120,25 +95,6 @@ def candidates(op: str, n: int, dtype: str, features: dict, families: list[str] 
         if only is None or only(spec):
             specs.setdefault(spec.key, spec)
     return list(specs.values())
-
-
-def _runtime(record: EvalRecord) -> float:
-    return record.runtime_us if record.ok and record.runtime_us else math.inf
-
-
-def _problem(matrix, box: Sandbox, features: dict | None, matrix_key: str | None):
-    """``(rowptr, col, shape, features, key)`` of a tuning problem, the matrix registered with
-    ``box`` under ``key``. A caller that already has the pattern's features and hash (the
-    runtime, which specializes several keys of one pattern) passes them: on a graph of tens of
-    millions of nonzeros each costs seconds on the host; a matrix the sandbox already holds is
-    not sent again."""
-    rowptr, col, shape = _pattern_arrays(matrix)
-    if features is None:
-        features = structural_features(rowptr, col, shape)
-    key = matrix_key or pattern_hash(torch.from_numpy(rowptr), torch.from_numpy(col), shape[1])
-    if matrix_key is None or not box.has_matrix(key):
-        box.set_matrix(key, rowptr, col, shape)
-    return rowptr, col, shape, features, key
 
 
 def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_BUDGET_S,
@@ -175,50 +131,20 @@ def tune(matrix, *, op: str, n: int = 1, dtype="f32", budget_s: float = DEFAULT_
     own = sandbox is None
     box = Sandbox() if own else sandbox
     try:
-        rowptr, col, shape, features, key = _problem(matrix, box, features, matrix_key)
+        tuning = search.problem(matrix, box, n=n, dtype=dtype, timeout_s=timeout_s, features=features,
+                                matrix_key=matrix_key)
+        features = tuning.features
         if "tc_tiles" in opt_in and "window_reuse" not in features:  # what only its grid reads
-            features = {**features, "window_reuse": window_reuse(rowptr, col)}
+            features = {**features, "window_reuse": window_reuse(tuning.rowptr, tuning.col)}
         specs = candidates(op, n, dtype, features, families, only, tuple(opt_in))
         result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None,
                             candidates=len(specs))
-        screened: list[tuple[EvalRecord, KernelSpec]] = []
-        limit = budget_s
-        prebuild = getattr(box, "prebuild", None)
-        for i, spec in enumerate(specs):
-            if time.monotonic() - start > limit and screened:
-                result.budget_exhausted = True
-                break
-            build_share = 0.0  # of a chunk's compile time, this candidate's part
-            if prebuild is not None and i % PREBUILD_CHUNK == 0:  # the next chunk on several cores at once
-                chunk = specs[i:i + PREBUILD_CHUNK]
-                built = time.monotonic()
-                prebuild(chunk, workers=PREBUILD_CHUNK)
-                build_share = (time.monotonic() - built) / len(chunk)
-            began = time.monotonic()
-            record = box.evaluate(spec, key, n, dtype, screen_config, timeout_s)
-            record.timing["stage"] = "screen"
-            screened.append((record, spec))
-            if max_budget_s is not None and len(screened) == 1:
-                pace = time.monotonic() - began + build_share
-                limit = min(max_budget_s, max(budget_s, (began - start) + 1.25 * pace * len(specs)))
-            result.table.append(record)
-            if progress is not None:
-                progress(len(screened), len(specs))
-        result.screened = len(screened)
-        result.budget_s = limit
-        finalists = sorted((pair for pair in screened if math.isfinite(_runtime(pair[0]))),
-                           key=lambda pair: _runtime(pair[0]))[:top_k]
-        best: tuple[EvalRecord, KernelSpec] | None = None
-        for _, spec in finalists:
-            record = box.evaluate(spec, key, n, dtype, final_config, timeout_s)
-            record.timing["stage"] = "final"
-            result.table.append(record)
-            if record.cusparse_us:
-                result.cusparse_us = min(result.cusparse_us or math.inf, record.cusparse_us)
-            if math.isfinite(_runtime(record)) and (best is None or _runtime(record) < _runtime(best[0])):
-                best = (record, spec)
-        if best is not None:
-            result.best, result.best_spec = best
+        screening = search.screen(tuning, specs, screen_config, start=start, budget_s=budget_s,
+                                  max_budget_s=max_budget_s, chunk=PREBUILD_CHUNK, progress=progress)
+        result.table.extend(record for record, _ in screening.screened)
+        result.screened, result.budget_s = len(screening.screened), screening.budget_s
+        result.budget_exhausted = screening.budget_exhausted
+        search.validate(tuning, screening.screened, final_config, result, finalists=top_k)
     finally:
         if own:
             box.close()

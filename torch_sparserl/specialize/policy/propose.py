@@ -16,12 +16,12 @@ Two strategies give the completions:
 
 :func:`policy_tune` evaluates the distinct candidates in the sandbox with the screening
 configuration, then validates the fastest correct ones with the full configuration (fresh
-trials, determinism, cuSPARSE timed in the same run), like the autotuner's final stage.
+trials, determinism, cuSPARSE timed in the same run): the autotuner's search
+(:mod:`~torch_sparserl.specialize.search`) on the policy's candidates.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import time
@@ -33,7 +33,8 @@ from ... import config
 from ...abi import KernelSpec, PlanError
 from ...evaluate.config import EvalConfig
 from ...evaluate.record import ErrorKind, EvalRecord, TransientFailure, dtype_name
-from ..autotune import FINAL_CONFIG, SCREEN_CONFIG, TuneResult, _problem
+from .. import search
+from ..autotune import FINAL_CONFIG, SCREEN_CONFIG, TuneResult
 from .corpus import request
 from .encoder import PatternInput
 from .model import KernelPolicy, Sample
@@ -139,26 +140,26 @@ class SandboxedPolicy:
         self.sandbox, self.checkpoint, self.timeout_s = sandbox, str(checkpoint), timeout_s
         self.config, _ = read_config(checkpoint)
 
-    def _run(self, task: str, *args):
-        outcome = self.sandbox.run(f"{__name__}:{task}", (self.checkpoint, *args), timeout_s=self.timeout_s)
+    def _run(self, task, *args):
+        outcome = self.sandbox.run(task, (self.checkpoint, *args), timeout_s=self.timeout_s)
         if not outcome.ok:
             failure = TransientFailure if outcome.error.startswith("OutOfMemoryError") else RuntimeError
-            raise failure(f"policy: {task} in the sandbox's worker failed ({outcome.status}): {outcome.error}\n"
-                          f"{outcome.traceback or outcome.output_tail}")
+            raise failure(f"policy: {task.__name__} in the sandbox's worker failed ({outcome.status}): "
+                          f"{outcome.error}\n{outcome.traceback or outcome.output_tail}")
         return outcome.value
 
     def load(self) -> dict:
         """Load the policy in the worker now (the first sample would); returns its device."""
-        return self._run("load_task")
+        return self._run(load_task)
 
     def sample(self, inp: PatternInput, op: str, dtype: str, n: int, *, k: int, temperature: float,
                seed: int) -> list[Sample]:
-        found = self._run("sample_task", inp.rows, inp.cols, tuple(inp.shape), inp.features, op, dtype, int(n),
+        found = self._run(sample_task, inp.rows, inp.cols, tuple(inp.shape), inp.features, op, dtype, int(n),
                           int(k), float(temperature), int(seed))
         return [Sample(**fields) for fields in found]
 
     def rank(self, inp: PatternInput, features: dict, op: str, dtype: str, n: int, *, k: int) -> list[Sample]:
-        found = self._run("rank_task", inp.rows, inp.cols, tuple(inp.shape), inp.features, dict(features), op,
+        found = self._run(rank_task, inp.rows, inp.cols, tuple(inp.shape), inp.features, dict(features), op,
                           dtype, int(n), int(k))
         return [Sample(**fields) for fields in found]
 
@@ -220,10 +221,6 @@ def _failed(p: Proposal, op: str, n: int, dtype: str) -> EvalRecord:
     return record.fail(ErrorKind.PLAN, p.error or "")
 
 
-def _runtime(record: EvalRecord) -> float:
-    return record.runtime_us if record.ok and record.runtime_us else math.inf
-
-
 def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolicy | SandboxedPolicy, k: int = 4,
                 sandbox=None, seed: int = 0, temperature: float = 1.0, finalists: int = 1,
                 screen_config: EvalConfig = SCREEN_CONFIG, final_config: EvalConfig = FINAL_CONFIG,
@@ -247,52 +244,38 @@ def policy_tune(matrix, *, op: str, n: int = 1, dtype="f32", policy: KernelPolic
     box = Sandbox() if own else sandbox
     records: dict[str, EvalRecord] = {}
     try:
-        rowptr, col, shape, features, key = _problem(matrix, box, features, matrix_key)
+        tuning = search.problem(matrix, box, n=n, dtype=dtype, timeout_s=timeout_s, features=features,
+                                matrix_key=matrix_key)
         problem_s = time.monotonic() - start
-        proposals = propose(policy, rowptr, col, shape, op=op, n=n, dtype=dtype, k=k, seed=seed,
-                            temperature=temperature, features=features, strategy=strategy)
+        proposals = propose(policy, tuning.rowptr, tuning.col, tuning.shape, op=op, n=n, dtype=dtype, k=k, seed=seed,
+                            temperature=temperature, features=tuning.features, strategy=strategy)
         gen_s = time.monotonic() - start - problem_s
-        runnable = {p.spec.key: p.spec for p in proposals if p.error is None}  # distinct, in order
-        if len(runnable) > 1 and hasattr(box, "prebuild"):
-            box.prebuild(list(runnable.values()), workers=len(runnable))
-        prebuild_s = time.monotonic() - start - problem_s - gen_s
-        result = TuneResult(op=op, n=n, dtype=dtype, features=features, best=None, best_spec=None,
-                            candidates=len(proposals))
-        # One distinct runnable candidate (a confident policy): nothing to rank, so it goes
-        # straight to the full validation, whose record stands for the screen too.
-        screen = len(runnable) > 1 or finalists < 1
-        finals: dict[str, EvalRecord] = {}
+        distinct: dict[str, Proposal] = {}  # the first proposal of each kernel, in the policy's order
         for p in proposals:
-            if p.spec.key in records:
-                continue
-            if p.error is not None:
-                record = _failed(p, op, n, dtype)
-            elif screen:
-                record = box.evaluate(p.spec, key, n, dtype, screen_config, timeout_s)
-            else:
-                record = finals[p.spec.key] = box.evaluate(p.spec, key, n, dtype, final_config, timeout_s)
-            record.timing.setdefault("stage", "screen" if screen or p.error is not None else "final")
-            records[p.spec.key] = record
+            distinct.setdefault(p.spec.key, p)
+        runnable = {key: p.spec for key, p in distinct.items() if p.error is None}
+        result = TuneResult(op=op, n=n, dtype=dtype, features=tuning.features, best=None, best_spec=None,
+                            candidates=len(proposals))
+        finals: dict[str, EvalRecord] = {}
+        if len(runnable) > 1 or finalists < 1:
+            # the distinct candidates compiled together, then screened
+            screening = search.screen(tuning, list(runnable.values()), screen_config, start=start,
+                                      chunk=len(runnable) if len(runnable) > 1 else 0)
+            evaluated = {spec.key: record for record, spec in screening.screened}
+            prebuild_s = screening.prebuild_s
+        else:
+            # One distinct runnable candidate (a confident policy): nothing to rank, so it goes
+            # straight to the full validation, whose record stands for the screen too.
+            evaluated = finals = {key: tuning.evaluate(spec, final_config, "final") for key, spec in runnable.items()}
+            prebuild_s = 0.0
+        for key, p in distinct.items():
+            record = records[key] = _failed(p, op, n, dtype) if p.error is not None else evaluated[key]
+            record.timing.setdefault("stage", "screen")
             result.table.append(record)
         result.screened = len(records)
-        specs = {p.spec.key: p.spec for p in proposals}
-        ranked = sorted((r for r in records.values() if math.isfinite(_runtime(r))), key=_runtime)
-        best, validated = None, 0
-        for r in ranked:  # fastest first; a finalist failing the full validation passes its turn on
-            if validated >= finalists and best is not None:
-                break
-            final = finals.get(r.key)
-            if final is None:
-                final = box.evaluate(specs[r.key], key, n, dtype, final_config, timeout_s)
-                final.timing["stage"] = "final"
-                result.table.append(final)
-            validated += 1
-            if final.cusparse_us:
-                result.cusparse_us = min(result.cusparse_us or math.inf, final.cusparse_us)
-            if math.isfinite(_runtime(final)) and (best is None or _runtime(final) < _runtime(best)):
-                best = final
-        if best is not None:
-            result.best, result.best_spec = best, specs[best.key]
+        # fastest first; a finalist failing the full validation passes its turn on
+        search.validate(tuning, [(records[key], p.spec) for key, p in distinct.items()], final_config, result,
+                        finalists=finalists, until_one_passes=True, done=finals)
     finally:
         if own:
             box.close()
