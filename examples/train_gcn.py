@@ -76,7 +76,7 @@ def main(argv=None):
                         help="torch.compile mode of the sparserl model (reduce-overhead: CUDA graphs)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    ts.jit.runtime.configure(mode="sync")
+    ts.configure(mode="sync")
 
     A = ts.load_matrix(args.graph).tocoo()
     keep = A.row != A.col

@@ -18,7 +18,8 @@ from torch_sparserl.cli import main
 from torch_sparserl.jit import cache as cache_module
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.jit.decisions import Installed, Pending
-from torch_sparserl.jit.runtime import Runtime, RuntimeSettings
+from torch_sparserl.jit.runtime import Runtime
+from torch_sparserl.config import JitOptions
 from torch_sparserl.pattern.fingerprint import SpecializationKey
 
 from helpers import make_pattern, to_parts
@@ -154,7 +155,7 @@ def installer(entry, crow, col, ncols):
 
 
 def runtime_with(tmp_path, specializer, **settings) -> Runtime:
-    return Runtime(RuntimeSettings(**settings), cache=KernelCache(tmp_path), specializer=specializer,
+    return Runtime(JitOptions(**settings), cache=KernelCache(tmp_path), specializer=specializer,
                    installer=installer, devices=("cpu",))
 
 

@@ -183,7 +183,8 @@ def _product_with(cache_root, how):
     import torch
 
     from torch_sparserl import pattern as patterns
-    from torch_sparserl.jit.runtime import Runtime, RuntimeSettings
+    from torch_sparserl.jit.runtime import Runtime
+    from torch_sparserl.config import JitOptions
 
     from helpers import make_pattern, to_parts
 
@@ -197,7 +198,7 @@ def _product_with(cache_root, how):
     A = make_pattern("cora (real)")
     crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
     X = torch.randn(A.shape[1], 8)
-    runtime = Runtime(RuntimeSettings(mode="sync"), cache=None if how == "folder is a file" else
+    runtime = Runtime(JitOptions(mode="sync"), cache=None if how == "folder is a file" else
                       KernelCache(cache_root), specializer=specializer, installer=installer, devices=("cpu",))
     pattern = patterns.lookup(crow, col, A.shape[1])
     path = runtime.cache.path(runtime._key("spmm", 8, pattern, crow, col, torch.float32))

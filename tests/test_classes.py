@@ -19,7 +19,8 @@ from torch_sparserl import pattern as patterns
 from torch_sparserl.jit import classes
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.jit.decisions import Fallback
-from torch_sparserl.jit.runtime import Runtime, RuntimeSettings
+from torch_sparserl.jit.runtime import Runtime
+from torch_sparserl.config import JitOptions
 from torch_sparserl.specialize import autotune
 from torch_sparserl.specialize.families import render
 from torch_sparserl.toolchain.errors import LaunchError
@@ -62,7 +63,7 @@ def dense_launch(offset: float = 0.0):
 
 def runtime_with(tmp_path, specializer, installer, **settings) -> Runtime:
     settings = {"mode": "background", "admit_age_s": 60.0, "class_after": 3, **settings}
-    return Runtime(RuntimeSettings(**settings), cache=KernelCache(tmp_path), specializer=specializer,
+    return Runtime(JitOptions(**settings), cache=KernelCache(tmp_path), specializer=specializer,
                    installer=lambda *a: pytest.fail("no pattern of its own is decided"), class_installer=installer,
                    devices=("cpu",))
 

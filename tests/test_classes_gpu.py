@@ -23,6 +23,7 @@ from torch_sparserl.kernels import reference
 from torch_sparserl.specialize.families import render
 from torch_sparserl.toolchain import inline
 from torch_sparserl.toolchain.kernel import SizedKernel
+from torch_sparserl.config import JitOptions
 
 from helpers import ref_spmm, ref_spmm_transposed
 
@@ -76,7 +77,7 @@ def test_a_class_of_sampled_subgraphs_is_decided_and_serves_new_ones(tmp_path, p
     young patterns are cuSPARSE's until their class is decided in the background (the autotuner's
     pattern-free candidates, in the sandbox), then the class's kernel serves new patterns, right
     on each. A second runtime on the same cache serves the class with no search."""
-    settings = rt.RuntimeSettings(mode="background", class_after=3, budget_s=4.0, admit_age_s=60.0)
+    settings = JitOptions(mode="background", class_after=3, budget_s=4.0, admit_age_s=60.0)
     batches = sampled(12)
     for attempt in ("searched", "cached"):
         runtime = rt.Runtime(settings, cache=KernelCache(tmp_path))
@@ -108,7 +109,7 @@ def test_a_class_of_sampled_subgraphs_is_decided_and_serves_new_ones(tmp_path, p
 def test_young_patterns_of_a_class_train_a_sage_step_correctly(tmp_path, poison_uninitialized):
     """Forward and backward of a sampled mini-batch step through a class's kernel: the gradient
     of ``(A @ X).square().sum()``, ``2 Aᵀ (A X)``, matches float64."""
-    settings = rt.RuntimeSettings(mode="background", class_after=3, budget_s=4.0, admit_age_s=60.0)
+    settings = JitOptions(mode="background", class_after=3, budget_s=4.0, admit_age_s=60.0)
     batches = sampled(8, seed=1)
     runtime = rt.Runtime(settings, cache=KernelCache(tmp_path))
     previous = rt.set_active(runtime)

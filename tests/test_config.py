@@ -18,7 +18,7 @@ import pytest
 import torch_sparserl as ts
 from torch_sparserl import config
 from torch_sparserl.cli import main
-from torch_sparserl.config import ENVIRONMENT, ConfigWarning
+from torch_sparserl.config import ENVIRONMENT, BackendOptions, ConfigWarning, JitOptions
 from torch_sparserl.jit import fastpath
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.tensor import intercept
@@ -149,7 +149,7 @@ def test_the_messages_read_as_documented():
         config.from_environment({"SPARSERL_JIT_MARGIN": "abc"}, warn=False)
     with pytest.raises(ValueError, match=re.escape("SPARSERL_JIT_K: expected a whole number >= 1 and <= 64 "
                                                    "(got '0')")):
-        rt.RuntimeSettings.from_env({"SPARSERL_JIT_K": "0"})
+        JitOptions.from_env({"SPARSERL_JIT_K": "0"})
     with pytest.raises(ValueError, match=re.escape("SPARSERL_CACHE_MAX_MB: expected a number of megabytes >= 0.1 "
                                                    "and <= 1048576 (got 'inf')")):
         config.read("cache.max_mb", {"SPARSERL_CACHE_MAX_MB": "inf"})
@@ -234,12 +234,27 @@ def test_an_empty_variable_is_the_default(name):
 
 def test_defaults_without_environment():
     assert config.from_environment({}, warn=False) == config.Config()
-    assert rt.RuntimeSettings.from_env({}) == rt.RuntimeSettings()
+    assert JitOptions.from_env({}) == JitOptions()
 
 
-def test_the_former_names_are_the_tree_s_classes():
-    assert ts.Settings is config.BackendOptions and rt.RuntimeSettings is config.JitOptions
+def test_the_configuration_is_the_tree_and_configure_at_the_top():
+    """``ts.config`` is the settings tree and ``ts.configure(**fields)`` replaces the process's
+    runtime with fields of ``JitOptions`` changed; the former aliases are gone."""
     assert ts.config is config
+    assert not hasattr(config, "Settings") and not hasattr(rt, "RuntimeSettings") and "Settings" not in ts.__all__
+    with pytest.raises(AttributeError):
+        ts.Settings  # noqa: B018
+    previous = rt.active().settings
+    try:
+        runtime = ts.configure(mode="off", margin=1.3)
+        assert rt.active() is runtime and runtime.settings == previous.replace("test", mode="off", margin=1.3)
+        with pytest.raises(TypeError, match="margin"):
+            ts.configure(margn=1.3)
+        with pytest.raises(ValueError, match=r"JitOptions: margin must be a number >= 1 and <= 100 \(got 0.5\)"):
+            ts.configure(margin=0.5)
+        assert rt.active() is runtime  # a refused change keeps the runtime
+    finally:
+        rt.configure(previous)
 
 
 # ------------------------------------------------------------------- call-time readers
@@ -270,7 +285,7 @@ def test_the_runtime_is_created_from_the_environment(monkeypatch):
     monkeypatch.setenv("SPARSERL_JIT_K", "7")
     previous = rt.set_active(None)
     try:
-        assert rt.active().settings == rt.RuntimeSettings(mode="sync", k=7)
+        assert rt.active().settings == JitOptions(mode="sync", k=7)
         monkeypatch.setenv("SPARSERL_JIT_BUDGET_S", "never")
         rt.active().close()
         rt.set_active(None)
@@ -309,15 +324,15 @@ def test_an_unknown_variable_is_warned_about_at_import_once():
 
 
 def test_an_unknown_backend_option_is_refused_with_the_valid_names():
-    valid = [name for name in ts.Settings.names() if name != "inductor"]
+    valid = [name for name in BackendOptions.names() if name != "inductor"]
     with pytest.raises(ValueError, match=re.escape(f"unknown option(s) ['stirct']; expected some of {valid}")) as info:
-        ts.Settings.from_options({"stirct": True})
+        BackendOptions.from_options({"stirct": True})
     assert "did you mean 'strict'?" in str(info.value) and "torch._inductor.config" in str(info.value)
 
 
 def test_an_unknown_configure_keyword_is_refused_with_the_valid_names():
     before = rt.active()
-    valid = rt.RuntimeSettings.names()
+    valid = JitOptions.names()
     with pytest.raises(TypeError, match=re.escape(f"configure: unknown setting(s) ['mdoe']; expected some of {valid}")):
         rt.configure(mdoe="sync")
     assert rt.active() is before
@@ -329,17 +344,17 @@ def test_an_unknown_configure_keyword_is_refused_with_the_valid_names():
 
 
 def test_strict_is_the_runtime_s_unless_the_model_says(monkeypatch):
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="off", strict=True), specializer=lambda *a: None)
+    runtime = rt.Runtime(JitOptions(mode="off", strict=True), specializer=lambda *a: None)
     previous = rt.set_active(runtime)
     try:
-        assert intercept._strict(ts.Settings()) is True
-        assert intercept._strict(ts.Settings.from_options({"strict": False})) is False
-        rt.set_active(rt.Runtime(rt.RuntimeSettings(mode="off"), specializer=lambda *a: None)).close()
-        assert intercept._strict(ts.Settings()) is False
-        assert intercept._strict(ts.Settings.from_options({"strict": True})) is True
+        assert intercept._strict(BackendOptions()) is True
+        assert intercept._strict(BackendOptions.from_options({"strict": False})) is False
+        rt.set_active(rt.Runtime(JitOptions(mode="off"), specializer=lambda *a: None)).close()
+        assert intercept._strict(BackendOptions()) is False
+        assert intercept._strict(BackendOptions.from_options({"strict": True})) is True
         rt.set_active(None).close()
         monkeypatch.setenv("SPARSERL_JIT_STRICT", "1")  # no runtime yet: the environment's
-        assert intercept._strict(ts.Settings()) is True
+        assert intercept._strict(BackendOptions()) is True
     finally:
         rt.set_active(previous)
 

@@ -9,6 +9,7 @@ import torch
 
 import torch_sparserl as ts
 from torch_sparserl.dtypes import assert_close_to_reference
+from torch_sparserl.config import JitOptions
 
 from helpers import make_pattern
 
@@ -248,7 +249,7 @@ def test_every_eager_spelling_launches_the_kernel_the_matrix_kept(tmp_path):
             return torch.sparse_csr_tensor(crow, col, val, (crow.numel() - 1, ncols)).to_dense() @ X
         return launch
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="sync", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=specializer, installer=installer, devices=("cpu",))
     previous = rt.set_active(runtime)
     try:

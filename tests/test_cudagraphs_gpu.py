@@ -20,6 +20,7 @@ from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.specialize import families
+from torch_sparserl.config import JitOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -96,7 +97,7 @@ def _training(runtime):
 
 def test_reduce_overhead_records_cusparse_then_the_kernels(tmp_path, poison_uninitialized):
     gate, decided = threading.Event(), []
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=_specializer(gate, decided))
     try:
         with _training(runtime) as (M, layer, step):
@@ -129,7 +130,7 @@ def test_kernels_decided_after_the_warm_up_are_recorded_at_once(tmp_path, poison
     that step records the graphs with the kernels, and the one after replays them (the graphs
     are not made again, which would cost another warm-up step)."""
     gate, decided = threading.Event(), []
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=_specializer(gate, decided))
     try:
         with _training(runtime) as (M, layer, step):
@@ -158,7 +159,7 @@ def test_a_pattern_first_used_in_a_graph_warm_up_keeps_its_data_outside_the_grap
     from torch_sparserl.compiler import prespecialize
 
     monkeypatch.setattr(prespecialize, "plan_graph", lambda *args, **kwargs: [])
-    runtime = rt.Runtime(rt.RuntimeSettings(mode=jit, admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode=jit, admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=_specializer())
     with _training(runtime) as (M, layer, step):
         for _ in range(5):

@@ -12,6 +12,7 @@ from torch_sparserl import pattern as patterns
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit.cache import KernelCache
 from torch_sparserl.jit.decisions import Decision, DecisionTable, Fallback, Installed, Pending
+from torch_sparserl.config import JitOptions
 
 from helpers import make_pattern, to_parts
 from test_runtime import Fakes
@@ -71,9 +72,9 @@ def test_two_runtimes_never_read_each_others_decisions(tmp_path):
     entry.validate("test", crow, col)
     X = torch.randn(A.shape[1], 8)
     fakes = Fakes()
-    one = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path / "one"),
+    one = rt.Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path / "one"),
                      specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
-    two = rt.Runtime(rt.RuntimeSettings(mode="off"), cache=KernelCache(tmp_path / "two"), devices=("cpu",))
+    two = rt.Runtime(JitOptions(mode="off"), cache=KernelCache(tmp_path / "two"), devices=("cpu",))
     assert one.call("spmm", entry, crow, col, val, X) is not None
     assert isinstance(one.state("spmm", entry, 8, torch.float32), Installed)
     assert two.state("spmm", entry, 8, torch.float32) is None
@@ -85,7 +86,7 @@ def test_two_runtimes_never_read_each_others_decisions(tmp_path):
 @pytest.fixture
 def routed(tmp_path):
     fakes = Fakes()
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", strict=True), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="sync", strict=True), cache=KernelCache(tmp_path),
                          specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     previous = rt.set_active(runtime)
     yield runtime, fakes
@@ -140,7 +141,7 @@ def test_the_runtime_reports_every_record_of_a_pattern_and_its_transpose(routed)
 
 def test_a_replaced_runtime_drops_its_copies_through_the_hook(monkeypatch, tmp_path):
     calls = []
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="off"), cache=KernelCache(tmp_path), devices=("cpu",))
+    runtime = rt.Runtime(JitOptions(mode="off"), cache=KernelCache(tmp_path), devices=("cpu",))
     monkeypatch.setattr(runtime, "invalidate", lambda: calls.append("invalidate"))
     previous = rt.set_active(runtime)
     try:

@@ -12,7 +12,8 @@ from torch_sparserl.evaluate import verdict
 from torch_sparserl.jit import endtoend
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.jit.decisions import Fallback, Installed
-from torch_sparserl.jit.runtime import Runtime, RuntimeSettings
+from torch_sparserl.jit.runtime import Runtime
+from torch_sparserl.config import JitOptions
 
 from helpers import make_pattern, to_parts
 
@@ -47,7 +48,7 @@ def test_the_runtime_installs_only_what_wins_end_to_end(tmp_path, monkeypatch, l
         built.append(entry.key)
         return lambda crow, col, val, X: torch.sparse_csr_tensor(crow, col, val, (crow.numel() - 1, ncols)).to_dense() @ X
 
-    runtime = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=specializer,
+    runtime = Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=specializer,
                       installer=installer, devices=("cpu",))
     try:
         A = make_pattern("random")

@@ -17,7 +17,8 @@ from torch_sparserl.abi import PlanError, parse_plan
 from torch_sparserl.compiler import passes
 from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
-from torch_sparserl.jit.runtime import Fallback, Installed, Runtime, RuntimeSettings
+from torch_sparserl.jit.runtime import Fallback, Installed, Runtime
+from torch_sparserl.config import JitOptions
 from torch_sparserl.specialize import families as F
 
 from helpers import make_pattern, to_parts
@@ -218,7 +219,7 @@ def _runtime(tmp_path, fused_installer, family="group_row"):
     def installer(entry, crow, col, ncols):
         return lambda crow, col, val, X: torch.sparse_csr_tensor(crow, col, val, (crow.numel() - 1, ncols)) @ X
 
-    runtime = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=specializer,
+    runtime = Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=specializer,
                       installer=installer, devices=("cpu",))
     runtime.fused_installer = fused_installer
     return runtime

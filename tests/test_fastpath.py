@@ -15,6 +15,7 @@ from torch_sparserl import pattern as patterns
 from torch_sparserl.jit import fastpath
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.ops import FAST_OPS, doors
+from torch_sparserl.config import JitOptions
 
 from helpers import make_pattern, ref_spmm, to_parts
 
@@ -125,7 +126,7 @@ def test_fast_ops_are_the_python_implementation_where_cxx_is_not_loaded(device):
 
 
 def test_runtime_stats_are_a_plain_dict_of_counters():
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="off"))
+    runtime = rt.Runtime(JitOptions(mode="off"))
     try:
         stats = runtime.stats
         assert isinstance(stats, dict) and stats is runtime.stats
@@ -455,7 +456,7 @@ def test_ts_csr_takes_the_short_path_for_host_triples_bound_for_cuda(monkeypatch
     # C++ serves a young matrix: its eager products try the C++ door first
     assert "_door" not in A.__dict__  # the tests' runtime is off: not young in C++
     monkeypatch.setattr(fastpath, "_owner", fastpath._owner)  # young_ns makes its runtime the owner: restored
-    young = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0.1))
+    young = rt.Runtime(JitOptions(mode="background", admit_age_s=0.1))
     previous = rt.set_active(young)
     try:  # background mode: C++ serves it while young, and its eager products try the C++ door first
         A = ts.csr((crow, col, val), (2, 3), device="cuda")
@@ -498,13 +499,13 @@ def test_young_patterns_are_left_to_cpp_where_the_runtime_leaves_them_to_cuspars
     monkeypatch.setattr(fastpath, "loaded", False)
     real = fastpath._forget_locked
     monkeypatch.setattr(fastpath, "_forget_locked", lambda: forgotten.append(1) or real())
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0.25))
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0.25))
     try:
         assert fastpath.young_ns(runtime) == 250_000_000 and fastpath._owner is runtime and forgotten == [1]
         assert fastpath.young_ns(runtime) == 250_000_000 and forgotten == [1]  # already the owner
         for settings, devices in (({"mode": "sync"}, ("cuda",)), ({"admit_age_s": 0}, ("cuda",)),
                                   ({"class_after": 16}, ("cuda",)), ({}, ("cpu",))):
-            other = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0.25).replace("test", **settings),
+            other = rt.Runtime(JitOptions(mode="background", admit_age_s=0.25).replace("test", **settings),
                                devices=devices)
             assert fastpath.young_ns(other) == 0 and fastpath._owner is runtime, settings
             other.close()
@@ -578,7 +579,7 @@ def _recording_runtime(tmp_path, *, kernel: bool = True, install_fails: bool = F
         launch.fast = SimpleNamespace(**FAST)
         return launch
 
-    return rt.Runtime(rt.RuntimeSettings(mode="sync", strict=strict), cache=KernelCache(tmp_path),
+    return rt.Runtime(JitOptions(mode="sync", strict=strict), cache=KernelCache(tmp_path),
                       specializer=specializer, installer=installer, devices=("cpu",))
 
 

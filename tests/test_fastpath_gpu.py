@@ -25,6 +25,7 @@ from torch_sparserl.jit import fastpath
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.specialize import families
+from torch_sparserl.config import JitOptions
 
 from helpers import as_float64_scipy, make_pattern, to_parts
 
@@ -51,7 +52,7 @@ def _specializer(key, crow, col, ncols):
 
 @pytest.fixture
 def runtime(tmp_path):
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=_specializer)
+    runtime = rt.Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=_specializer)
     previous = rt.set_active(runtime)
     yield runtime
     rt.set_active(previous)
@@ -180,7 +181,7 @@ def test_what_changed_goes_back_to_python(runtime, poison_uninitialized):
 
     # a new runtime: nothing of the old one's decisions is served
     assert fastpath.entries() >= 1
-    other = rt.Runtime(rt.RuntimeSettings(mode="off"))
+    other = rt.Runtime(JitOptions(mode="off"))
     previous = rt.set_active(other)
     try:
         assert fastpath.entries() == 0
@@ -203,7 +204,7 @@ def test_cxx_serves_cusparse_while_pending_then_the_decision(tmp_path, poison_un
         assert gate.wait(60)
         return _specializer(key, crow, col, ncols)
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=slow)
     previous = rt.set_active(runtime)
     try:
@@ -250,7 +251,7 @@ def test_cxx_serves_the_nvrtc_build_while_the_library_is_built(tmp_path, monkeyp
             building.set()
             assert gate.wait(60)
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path / "kernels"),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path / "kernels"),
                          specializer=Specializer())
     previous = rt.set_active(runtime)
     try:
@@ -487,7 +488,7 @@ def test_cusparse_spmv_stays_correct_as_values_operands_and_streams_change(tmp_p
     values are written in place or replaced, on fresh vectors; a call on another stream or
     under graph capture is served through at::addmv instead, and is as correct."""
     was = torch.ops.sparserl_fastpath.cusparse_preprocess(preprocess)
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="off"), cache=KernelCache(tmp_path))
+    runtime = rt.Runtime(JitOptions(mode="off"), cache=KernelCache(tmp_path))
     previous = rt.set_active(runtime)
     try:
         M = sp.random(3000, 2000, density=0.004, random_state=np.random.default_rng(11), format="csr")
@@ -558,7 +559,7 @@ def test_a_host_sampled_matrix_is_multiplied_without_waiting_for_the_gpu(tmp_pat
     """A mini-batch step: ``ts.csr`` of host indices (checked on the host, sent pinned) and its
     first product, served by cuSPARSE while the product is not admitted or its decision runs in
     the background, make no synchronizing call."""
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_calls=admit_calls, admit_age_s=0),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_calls=admit_calls, admit_age_s=0),
                          cache=KernelCache(tmp_path), specializer=_specializer)
     previous = rt.set_active(runtime)
     try:
@@ -670,7 +671,7 @@ def test_a_kept_workspace_serves_call_after_call_on_its_stream_and_a_fresh_one_e
     """A kernel whose hub rows meet in a workspace it leaves zero (rowchunks) is launched from C++
     with no zero-fill: one workspace, zeroed once, kept on the stream it was made on. Every call
     stays right, on that stream, on another (a fresh workspace) and back; empty rows are written."""
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=_small_segments)
+    runtime = rt.Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=_small_segments)
     previous = rt.set_active(runtime)
     try:
         M = make_pattern("short and huge rows", seed=5)  # rows of 0, 1-3, 150 and 300 nonzeros
@@ -771,7 +772,7 @@ def test_patterns_younger_than_admit_age_leave_nothing_behind(tmp_path, poison_u
     queued (two young calls per step: the forward and the backward's transposed product, which
     computes the transpose under poison_uninitialized's deterministic mode); a pattern old enough
     is decided and served from C++ after that."""
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=60.0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=60.0), cache=KernelCache(tmp_path),
                          specializer=_specializer)
     previous = rt.set_active(runtime)
     try:
@@ -878,7 +879,7 @@ def test_a_staged_young_pattern_is_served_by_cusparse_in_cxx(tmp_path, monkeypat
     NaN-filled where allocated) and counted as young calls. A transposed product under
     deterministic algorithms or after the first, a write to the indices and the deadline passed
     go to Python, as does everything with class kernels on."""
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=60.0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=60.0), cache=KernelCache(tmp_path),
                          specializer=_specializer)
     previous = rt.set_active(runtime)
     asked = []
@@ -919,7 +920,7 @@ def test_a_staged_young_pattern_is_served_by_cusparse_in_cxx(tmp_path, monkeypat
         rt.set_active(previous)
         runtime.close()
     for settings in ({"admit_age_s": 0.05}, {"admit_age_s": 60.0, "class_after": 16}):
-        runtime = rt.Runtime(rt.RuntimeSettings(mode="background", **settings), cache=KernelCache(tmp_path),
+        runtime = rt.Runtime(JitOptions(mode="background", **settings), cache=KernelCache(tmp_path),
                              specializer=_specializer)
         previous = rt.set_active(runtime)
         try:
@@ -948,7 +949,7 @@ def test_half_products_by_cusparse_are_served_in_cxx_with_float32_sums(poison_un
     rest.data = rng.standard_normal(rest.nnz)
     ones = sp.csr_matrix((np.ones(4096), np.arange(4096), [0, 4096]), shape=(1, cols))
     M = sp.vstack([ones, rest]).tocsr()  # row 0: 4096 ones
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="off"))
+    runtime = rt.Runtime(JitOptions(mode="off"))
     previous = rt.set_active(runtime)
     try:
         A = ts.csr(M, dtype=dtype, device="cuda")

@@ -95,7 +95,8 @@ def test_the_transposed_pattern_is_what_a_lookup_of_its_tensors_finds():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kept_max", [None, 0], ids=["small: hashed on the host", "large: hashed on the GPU"])
 def test_cuda_patterns_hash_as_on_the_cpu_and_small_ones_share_one_host_copy(monkeypatch, kept_max):
-    from torch_sparserl.jit.runtime import RuntimeSettings, autotune_specializer
+    from torch_sparserl.config import JitOptions
+    from torch_sparserl.jit.specializers import autotune_specializer
 
     if kept_max is not None:
         monkeypatch.setattr(pattern_table, "HOST_KEPT_MAX", kept_max)
@@ -104,7 +105,7 @@ def test_cuda_patterns_hash_as_on_the_cpu_and_small_ones_share_one_host_copy(mon
     entry = pattern_cache.lookup(crow, col, A.shape[1])
     assert fingerprint(entry, crow, col) == expected
     key = SpecializationKey(pattern=expected, op="spmm", n=32, dtype="f32", arch="sm_90", policy="autotune")
-    (host_crow, host_col, shape), _ = autotune_specializer(RuntimeSettings())._problem(key, crow, col, A.shape[1])
+    (host_crow, host_col, shape), _ = autotune_specializer(JitOptions())._problem(key, crow, col, A.shape[1])
     assert shape == A.shape and host_crow.device.type == host_col.device.type == "cpu"
     assert torch.equal(host_crow, crow.cpu()) and torch.equal(host_col, col.cpu())
     if kept_max is None:  # the search reads the copy the fingerprint was computed from

@@ -13,25 +13,26 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl.config import Settings
+from torch_sparserl.config import BackendOptions
 from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.specialize import families
+from torch_sparserl.config import JitOptions
 
 
 def test_inductor_options_are_kept_apart_from_the_backends():
-    settings = Settings.from_options({"strict": True, "cpp_wrapper": True, "triton.cudagraphs": False})
+    settings = BackendOptions.from_options({"strict": True, "cpp_wrapper": True, "triton.cudagraphs": False})
     assert settings.strict is True
     assert dict(settings.inductor) == {"cpp_wrapper": True, "triton.cudagraphs": False}
-    assert Settings.from_options({"strict": True}).inductor == ()
+    assert BackendOptions.from_options({"strict": True}).inductor == ()
 
 
 def test_an_inductor_option_of_the_wrong_type_is_named():
     with pytest.raises(TypeError, match=r"Inductor option 'cpp_wrapper' must be a bool \(got 'yes'\)"):
-        Settings.from_options({"cpp_wrapper": "yes"})
+        BackendOptions.from_options({"cpp_wrapper": "yes"})
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['no_such_thing'\].*torch._inductor.config"):
-        Settings.from_options({"strict": True, "no_such_thing": 1})
+        BackendOptions.from_options({"strict": True, "no_such_thing": 1})
 
 
 def test_inductor_options_reach_inductor():
@@ -106,7 +107,7 @@ def test_cpp_wrapper_inference_matches_float64(tmp_path, poison_uninitialized):
     kernels, matches float64. (Training under the C++ wrapper fails in torch 2.11's Inductor
     on the H100 for the backward graph, with backend="inductor" as well: 'CudaKernelParamCache
     not populated' for the backward's first Triton kernel.)"""
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", strict=True), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="sync", strict=True), cache=KernelCache(tmp_path),
                          specializer=_rowchunks)
     previous = rt.set_active(runtime)
     torch._dynamo.reset()

@@ -40,7 +40,7 @@ FOLDER = Path(__file__).resolve().parents[1] / PACKAGE
 # package (the entry it matches) and from any entry of a lower layer; the entries of one layer do
 # not import each other. "torch_sparserl" is the package's own __init__ (its public names) alone.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("torch_sparserl.config", "torch_sparserl.dtypes", "torch_sparserl.data", "torch_sparserl._compat"),
+    ("torch_sparserl.config", "torch_sparserl.dtypes", "torch_sparserl.data"),
     ("torch_sparserl.pattern",),
     ("torch_sparserl.kernels",),
     ("torch_sparserl.abi",),
@@ -59,7 +59,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # The modules that sit directly in the package's folder (its __init__ docstring says why each).
 ROOT_MODULES = frozenset({
     "torch_sparserl.__main__",
-    "torch_sparserl._compat",
     "torch_sparserl.config",
     "torch_sparserl.dtypes",
 })

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from torch_sparserl.dtypes import INDEX_DTYPES, VALUE_DTYPES, assert_close_to_reference
+from torch_sparserl.config import JitOptions
 
 from helpers import (PATTERNS, UNSORTED_AND_DUPLICATE, dense_operand, make_pattern, make_unsorted_pattern, ref_sddmm,
                      ref_spmm, ref_spmm_transposed, summed_product, to_parts)
@@ -271,7 +272,7 @@ def test_decisions_name_the_heads_forms(tmp_path):
         decided.append((key.op, key.n))
         return CacheEntry(key, None, reason="decided by the test")
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", admit_calls=1), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="sync", admit_calls=1), cache=KernelCache(tmp_path),
                          specializer=cusparse_for_all, devices=("cpu",))
     previous = rt.set_active(runtime)
     try:

@@ -430,15 +430,17 @@ def test_speculative_sampling_keeps_the_policy_distribution(small_tokenizer):
 
 
 def test_runtime_uses_the_learned_policy_by_default():
-    from torch_sparserl.jit.runtime import Runtime, RuntimeSettings, autotune_specializer, learned_specializer
+    from torch_sparserl.jit.runtime import Runtime
+    from torch_sparserl.config import JitOptions
+    from torch_sparserl.jit.specializers import autotune_specializer, learned_specializer
 
-    rt = Runtime(RuntimeSettings(mode="sync"))
+    rt = Runtime(JitOptions(mode="sync"))
     try:
         assert isinstance(rt.specializer, learned_specializer)
         assert re.fullmatch(r"learned:[0-9a-f]{12}/rank", rt.policy_id), rt.policy_id
     finally:
         rt.close()
-    rt = Runtime(RuntimeSettings(mode="sync", policy="autotune"))
+    rt = Runtime(JitOptions(mode="sync", policy="autotune"))
     try:
         assert type(rt.specializer) is autotune_specializer and rt.policy_id == "autotune"
     finally:
@@ -448,10 +450,11 @@ def test_runtime_uses_the_learned_policy_by_default():
 def test_a_custom_specializer_shares_the_default_cache_key():
     """A process whose specializer does not name its policy (a warm start that only reads the
     cache) must compute the same key as one with the learned specializer."""
-    from torch_sparserl.jit.runtime import Runtime, RuntimeSettings
+    from torch_sparserl.jit.runtime import Runtime
+    from torch_sparserl.config import JitOptions
 
-    default = Runtime(RuntimeSettings(mode="sync"))
-    custom = Runtime(RuntimeSettings(mode="sync"), specializer=lambda *a: None)
+    default = Runtime(JitOptions(mode="sync"))
+    custom = Runtime(JitOptions(mode="sync"), specializer=lambda *a: None)
     try:
         assert custom.policy_id == default.policy_id
     finally:
@@ -460,9 +463,10 @@ def test_a_custom_specializer_shares_the_default_cache_key():
 
 
 def test_runtime_without_a_checkpoint_falls_back_to_the_autotuner(tmp_path, caplog):
-    from torch_sparserl.jit.runtime import RuntimeSettings, learned_specializer
+    from torch_sparserl.config import JitOptions
+    from torch_sparserl.jit.specializers import learned_specializer
 
-    spec = learned_specializer(RuntimeSettings(), checkpoint=tmp_path)
+    spec = learned_specializer(JitOptions(), checkpoint=tmp_path)
     assert spec.unavailable and spec.policy_id == "autotune"
     assert "autotuner specializes instead" in caplog.text
 
@@ -471,16 +475,16 @@ def test_runtime_without_a_checkpoint_falls_back_to_the_autotuner(tmp_path, capl
                                            ({"k": 0}, r"k must be a whole number >= 1 and <= 64 \(got 0\)"),
                                            ({"k": True}, r"k must be a whole number >= 1 and <= 64 \(got True\)")])
 def test_runtime_settings_name_bad_policy_options(changes, match):
-    from torch_sparserl.jit.runtime import RuntimeSettings
+    from torch_sparserl.config import JitOptions
 
     with pytest.raises(ValueError, match=match):
-        RuntimeSettings(**changes)
+        JitOptions(**changes)
 
 
 def test_runtime_settings_read_the_policy_from_the_environment():
-    from torch_sparserl.jit.runtime import RuntimeSettings
+    from torch_sparserl.config import JitOptions
 
-    s = RuntimeSettings.from_env({"SPARSERL_JIT_POLICY": "autotune", "SPARSERL_JIT_K": "8"})
+    s = JitOptions.from_env({"SPARSERL_JIT_POLICY": "autotune", "SPARSERL_JIT_K": "8"})
     assert s.policy == "autotune" and s.k == 8
 
 

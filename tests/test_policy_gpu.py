@@ -13,6 +13,7 @@ import torch_sparserl as ts
 from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit.cache import KernelCache
+from torch_sparserl.config import JitOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +45,7 @@ def test_policy_tune_validates_a_correct_kernel(policy, name, op, n, strategy):
 @pytest.mark.parametrize("policy_name", ["learned", "autotune"])
 def test_runtime_installs_correct_kernels_with_either_specializer(tmp_path, poison_uninitialized, policy_name):
     # the autotuner's budget counts its sandbox's start (CUDA, NVRTC: ~10 s on a fresh worker)
-    settings = rt.RuntimeSettings(mode="sync", strict=True, budget_s=60.0, policy=policy_name)
+    settings = JitOptions(mode="sync", strict=True, budget_s=60.0, policy=policy_name)
     runtime = rt.Runtime(settings, cache=KernelCache(tmp_path))
     previous = rt.set_active(runtime)
     try:

@@ -9,6 +9,7 @@ import torch_sparserl as ts
 from torch_sparserl.compiler import prespecialize
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit.cache import KernelCache
+from torch_sparserl.config import JitOptions
 
 from helpers import make_pattern
 from test_runtime import Fakes
@@ -63,7 +64,7 @@ def test_plan_graph_adds_the_sddmm_of_values_that_require_grad():
 
 def test_the_backend_starts_specialization_at_compile_time(tmp_path):
     fakes = Fakes()
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path),
                          specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     previous = rt.set_active(runtime)
     try:
@@ -118,7 +119,7 @@ def test_the_backend_waits_for_background_decisions_only_where_graphs_cannot_be_
     torch._dynamo.reset()  # the same model was compiled by the previous case
     gate = threading.Event()
     fakes = Fakes(gate=gate)
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     previous = rt.set_active(runtime)
     timer = threading.Timer(0.5, gate.set) if waits else None

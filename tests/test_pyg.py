@@ -591,6 +591,7 @@ def test_attention_products_are_specialized_at_compile_time(tmp_path, heads):
     from test_runtime import Fakes
 
     from torch_sparserl.compiler import prespecialize
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import CacheEntry, KernelCache
 
@@ -619,7 +620,7 @@ def test_attention_products_are_specialized_at_compile_time(tmp_path, heads):
             return CacheEntry(key, None, family="fake", params={}, reason="none beat cuSPARSE")
 
     fakes = SpmmFakes()
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path),
                          specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     previous = rt.set_active(runtime)
     try:

@@ -12,7 +12,8 @@ import torch
 from torch_sparserl import pattern as patterns
 from torch_sparserl.evaluate.record import TransientFailure
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
-from torch_sparserl.jit.runtime import Runtime, RuntimeSettings, SpecializationError
+from torch_sparserl.jit.runtime import Runtime, SpecializationError
+from torch_sparserl.config import JitOptions
 
 from helpers import make_pattern, to_parts
 
@@ -54,7 +55,7 @@ class Fakes:
 
 def setup(tmp_path, mode="sync", strict=False, **fake_args):
     fakes = Fakes(**fake_args)
-    runtime = Runtime(RuntimeSettings(mode=mode, strict=strict, admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = Runtime(JitOptions(mode=mode, strict=strict, admit_age_s=0), cache=KernelCache(tmp_path),
                       specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     A = make_pattern("cora (real)")
     crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
@@ -122,7 +123,7 @@ def test_the_keys_of_one_pattern_share_its_features_and_sandbox(monkeypatch):
                         lambda rowptr, col, shape: computed.append(shape) or {"rows": shape[0]})
     real_copy = specializers.host_indices
     monkeypatch.setattr(specializers, "host_indices", lambda *a: copied.append(1) or real_copy(*a))
-    specializer = autotune_specializer(RuntimeSettings())
+    specializer = autotune_specializer(JitOptions())
     A = make_pattern("cora (real)")
     crow, col, _ = to_parts(A, torch.float32, torch.int32, "cpu")
 
@@ -150,7 +151,7 @@ def test_a_new_process_finds_the_decision_on_disk(tmp_path):
     runtime, fakes, A, crow, col, val, X = setup(tmp_path)
     call(runtime, A, crow, col, val, X)
     second = Fakes()
-    fresh = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=second.specializer,
+    fresh = Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=second.specializer,
                     installer=second.installer, devices=("cpu",))
     crow2, col2 = crow.clone(), col.clone()  # new tensors, same pattern: same fingerprint
     torch.testing.assert_close(call(fresh, A, crow2, col2, val, X), expected(A, crow, col, val, X))
@@ -192,7 +193,7 @@ def test_a_search_undecided_twice_falls_back_and_caches_nothing(tmp_path):
         "cuSPARSE: no candidate decided: 2 of 2 evaluations failed for the device's state (tried 2 times; "
         "nothing cached: a later process decides again)")
     later = Fakes()  # another process, the device free again: it searches and decides
-    second = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=later.specializer,
+    second = Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=later.specializer,
                      installer=later.installer, devices=("cpu",))
     torch.testing.assert_close(call(second, A, crow, col, val, X), expected(A, crow, col, val, X))
     assert len(later.specialized) == 1
@@ -231,9 +232,9 @@ def test_the_kernels_get_contiguous_aligned_operands(tmp_path):
 
 def test_off_mode_and_other_devices_never_specialize(tmp_path):
     runtime, fakes, A, crow, col, val, X = setup(tmp_path)
-    cuda_only = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=fakes.specializer,
+    cuda_only = Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=fakes.specializer,
                         installer=fakes.installer)
-    off = Runtime(RuntimeSettings(mode="off"), cache=KernelCache(tmp_path), specializer=fakes.specializer,
+    off = Runtime(JitOptions(mode="off"), cache=KernelCache(tmp_path), specializer=fakes.specializer,
                   installer=fakes.installer, devices=("cpu",))
     assert call(cuda_only, A, crow, col, val, X) is None and call(off, A, crow, col, val, X) is None
     assert call(runtime, A, crow, col, val.double(), X.double()) is None  # float64: no kernels
@@ -255,7 +256,7 @@ def test_states_belong_to_their_runtime(tmp_path):
     runtime, fakes, A, crow, col, val, X = setup(tmp_path)
     call(runtime, A, crow, col, val, X)
     other = Fakes(fail_specialize=True)
-    second = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path / "other"),
+    second = Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path / "other"),
                      specializer=other.specializer, installer=other.installer, devices=("cpu",))
     assert call(second, A, crow, col, val, X) is None  # not the first runtime's installed kernel
     entry = patterns.lookup(crow, col, A.shape[1])
@@ -273,16 +274,16 @@ def test_prespecialize_decides_before_the_first_product(tmp_path):
 
 
 def test_settings_from_the_environment():
-    settings = RuntimeSettings.from_env({"SPARSERL_JIT": "sync", "SPARSERL_JIT_BUDGET_S": "5",
+    settings = JitOptions.from_env({"SPARSERL_JIT": "sync", "SPARSERL_JIT_BUDGET_S": "5",
                                          "SPARSERL_JIT_MARGIN": "1.2", "SPARSERL_JIT_STRICT": "yes"})
-    assert settings == RuntimeSettings(mode="sync", budget_s=5.0, margin=1.2, strict=True)
-    assert RuntimeSettings.from_env({}) == RuntimeSettings()
+    assert settings == JitOptions(mode="sync", budget_s=5.0, margin=1.2, strict=True)
+    assert JitOptions.from_env({}) == JitOptions()
     with pytest.raises(ValueError, match=r"SPARSERL_JIT_BUDGET_S: expected a number of seconds > 0 and <= 3600 \(got 'soon'\)"):
-        RuntimeSettings.from_env({"SPARSERL_JIT_BUDGET_S": "soon"})
+        JitOptions.from_env({"SPARSERL_JIT_BUDGET_S": "soon"})
     with pytest.raises(ValueError, match=r"SPARSERL_JIT_STRICT: expected a boolean .* \(got 'maybe'\)"):
-        RuntimeSettings.from_env({"SPARSERL_JIT_STRICT": "maybe"})
+        JitOptions.from_env({"SPARSERL_JIT_STRICT": "maybe"})
     with pytest.raises(ValueError, match=r"SPARSERL_JIT: expected one of \('background', 'sync', 'off'\)"):
-        RuntimeSettings.from_env({"SPARSERL_JIT": "eager"})
+        JitOptions.from_env({"SPARSERL_JIT": "eager"})
 
 
 def test_configure_replaces_the_active_runtime_and_keeps_the_rest():
@@ -306,7 +307,7 @@ def test_configure_replaces_the_active_runtime_and_keeps_the_rest():
                                              (dict(budget_s=0), "budget_s must be a number of seconds > 0")])
 def test_settings_name_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        RuntimeSettings(**kwargs)
+        JitOptions(**kwargs)
 
 
 # ------------------------------------------------------------------ the operators use the runtime
@@ -318,7 +319,7 @@ def routed(tmp_path):
     from torch_sparserl.jit import runtime as rt
 
     fakes = Fakes()
-    previous = rt.set_active(Runtime(RuntimeSettings(mode="sync", strict=True), cache=KernelCache(tmp_path),
+    previous = rt.set_active(Runtime(JitOptions(mode="sync", strict=True), cache=KernelCache(tmp_path),
                                      specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",)))
     yield fakes
     rt.set_active(previous)
@@ -383,7 +384,7 @@ def test_a_matrix_keeps_its_installed_kernel_for_the_next_product(routed):
     Xg = X.clone().requires_grad_()
     (A @ Xg).sum().backward()  # autograd: the operator, not the remembered launch
     torch.testing.assert_close(Xg.grad, changed.t() @ torch.ones(M.shape[0], 8))
-    other = rt.Runtime(rt.RuntimeSettings(mode="off"), devices=("cpu",))
+    other = rt.Runtime(JitOptions(mode="off"), devices=("cpu",))
     previous = rt.set_active(other)
     try:
         launched = len(routed.launched)
@@ -405,20 +406,20 @@ def test_prewarm_starts_the_specializer_once_before_any_key():
         def prewarm(self, device):
             calls.append(device)
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync"), specializer=Warmable(), devices=("cpu",))
+    runtime = rt.Runtime(JitOptions(mode="sync"), specializer=Warmable(), devices=("cpu",))
     seconds = runtime.prewarm("cpu")
     assert calls == [torch.device("cpu")] and seconds is not None and seconds >= 0
     runtime.prewarm("cpu", background=True)
     runtime.wait(10)
     assert len(calls) == 2
-    off = rt.Runtime(rt.RuntimeSettings(mode="off"), specializer=Warmable(), devices=("cpu",))
+    off = rt.Runtime(JitOptions(mode="off"), specializer=Warmable(), devices=("cpu",))
     assert off.prewarm("cpu") is None and len(calls) == 2
 
     class Failing(Warmable):
         def prewarm(self, device):
             raise RuntimeError("no GPU here")
 
-    assert rt.Runtime(rt.RuntimeSettings(mode="sync"), specializer=Failing(), devices=("cpu",)).prewarm("cpu") is None
+    assert rt.Runtime(JitOptions(mode="sync"), specializer=Failing(), devices=("cpu",)).prewarm("cpu") is None
 
 
 def test_decisions_name_what_serves_the_matrix_and_its_transpose(tmp_path):
@@ -431,7 +432,7 @@ def test_decisions_name_what_serves_the_matrix_and_its_transpose(tmp_path):
     assert runtime.decisions(crow, col, A.shape[1]) == {
         "A spmm n=8 float32": "installed: fake{'p': 1} (2.0x cuSPARSE)",
         "At spmm n=4 float32": "installed: fake{'p': 1} (2.0x cuSPARSE)"}
-    other = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=fakes.specializer,
+    other = Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=fakes.specializer,
                     installer=fakes.installer, devices=("cpu",))
     assert other.decisions(crow, col, A.shape[1]) == {}  # another runtime's states are not its own
 
@@ -450,7 +451,7 @@ def test_background_mode_decides_off_the_callers_thread(tmp_path, monkeypatch):
     assert threads == [threading.main_thread()]
 
     second = Fakes()
-    background = Runtime(RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+    background = Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=second.specializer, installer=second.installer, devices=("cpu",))
     crow2, col2 = crow.clone(), col.clone()  # a new pattern entry: fingerprinted again
     assert call(background, A, crow2, col2, val, X) is None  # served by the fallback meanwhile
@@ -478,7 +479,7 @@ class _ClosingSpecializer:
 def _idle_runtime(tmp_path, idle_s):
     fakes = Fakes()
     specializer = _ClosingSpecializer(fakes)
-    runtime = Runtime(RuntimeSettings(mode="sync", idle_s=idle_s), cache=KernelCache(tmp_path),
+    runtime = Runtime(JitOptions(mode="sync", idle_s=idle_s), cache=KernelCache(tmp_path),
                       specializer=specializer, installer=fakes.installer, devices=("cpu",))
     A = make_pattern("cora (real)")
     crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
@@ -514,8 +515,8 @@ def test_idle_zero_keeps_the_worker(tmp_path):
     finally:
         runtime.close()
     with pytest.raises(ValueError, match="idle_s must be a number of seconds >= 0"):
-        RuntimeSettings(idle_s=-1)
-    assert RuntimeSettings.from_env({"SPARSERL_JIT_IDLE_S": "2.5"}).idle_s == 2.5
+        JitOptions(idle_s=-1)
+    assert JitOptions.from_env({"SPARSERL_JIT_IDLE_S": "2.5"}).idle_s == 2.5
 
 
 def test_the_longest_idle_time_arms_the_worker_s_timer_and_longer_is_refused(tmp_path, monkeypatch):
@@ -534,9 +535,9 @@ def test_the_longest_idle_time_arms_the_worker_s_timer_and_longer_is_refused(tmp
         runtime.close()
     for idle_s in (1e10, float("inf"), float("nan")):
         with pytest.raises(ValueError, match=r"idle_s must be a number of seconds >= 0 and <= 86400"):
-            RuntimeSettings(idle_s=idle_s)
+            JitOptions(idle_s=idle_s)
         with pytest.raises(ValueError, match=r"SPARSERL_JIT_IDLE_S: expected a number of seconds >= 0 and <= 86400"):
-            RuntimeSettings.from_env({"SPARSERL_JIT_IDLE_S": str(idle_s)})
+            JitOptions.from_env({"SPARSERL_JIT_IDLE_S": str(idle_s)})
 
 
 def test_a_background_decision_whose_cache_cannot_be_made_falls_back(tmp_path, monkeypatch, caplog):
@@ -544,7 +545,7 @@ def test_a_background_decision_whose_cache_cannot_be_made_falls_back(tmp_path, m
     (SPARSERL_CACHE_MAX_MB set after the runtime was) is a fallback that says why, not a
     decision left "specializing in the background" for good."""
     fakes = Fakes()
-    runtime = Runtime(RuntimeSettings(mode="background", admit_age_s=0), specializer=fakes.specializer,
+    runtime = Runtime(JitOptions(mode="background", admit_age_s=0), specializer=fakes.specializer,
                       installer=fakes.installer, devices=("cpu",))
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("SPARSERL_CACHE_MAX_MB", "1e308")
@@ -583,7 +584,7 @@ def test_the_specializers_prebuild_runs_before_the_install_and_may_fail(tmp_path
         order.append(("install", entry.family))
         return fakes.installer(entry, crow, col, ncols)
 
-    runtime = Runtime(RuntimeSettings(mode="sync"), cache=KernelCache(tmp_path), specializer=Specializer(),
+    runtime = Runtime(JitOptions(mode="sync"), cache=KernelCache(tmp_path), specializer=Specializer(),
                       installer=installer, devices=("cpu",))
     A = make_pattern("cora (real)")
     crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
@@ -631,7 +632,7 @@ def _interim_runtime(tmp_path, mode="background", fail_interim=False, fail_prebu
         rows = crow.numel() - 1
         return lambda crow, col, val, X: torch.sparse_csr_tensor(crow, col, val, (rows, ncols)).to_dense() @ X
 
-    runtime = Runtime(RuntimeSettings(mode=mode, admit_age_s=0), cache=KernelCache(tmp_path), specializer=specializer,
+    runtime = Runtime(JitOptions(mode=mode, admit_age_s=0), cache=KernelCache(tmp_path), specializer=specializer,
                       installer=fakes.installer, interim_installer=interim_installer, devices=("cpu",))
     A = make_pattern("cora (real)")
     crow, col, val = to_parts(A, torch.float32, torch.int64, "cpu")
@@ -684,7 +685,7 @@ def test_the_library_install_is_handed_the_interim_launch(tmp_path, monkeypatch)
     monkeypatch.setattr(rt, "inline_installer", inline)  # the default installer
     monkeypatch.setattr(decide, "inline_installer", inline)  # which the library's install recognizes
     specializer = _BuildingSpecializer(fakes)
-    runtime = Runtime(RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                       specializer=specializer, interim_installer=fakes.installer, devices=("cpu",))
     try:
         A = make_pattern("cora (real)")
@@ -804,11 +805,11 @@ def _record(family, *, speedup=None, kind=None, log=""):
 
 def test_a_negative_answer_reached_while_the_device_had_no_memory_is_no_decision():
     from torch_sparserl.evaluate import ErrorKind
-    from torch_sparserl.jit.runtime import autotune_specializer
+    from torch_sparserl.jit.specializers import autotune_specializer
     from torch_sparserl.pattern.fingerprint import SpecializationKey
 
     key = SpecializationKey(pattern="abc", op="spmm", n=8, dtype="f32", arch="sm_90", policy="autotune")
-    decide = autotune_specializer(RuntimeSettings())._entry
+    decide = autotune_specializer(JitOptions())._entry
     oom = _record("b", kind=ErrorKind.DEVICE_MEMORY, log="OutOfMemoryError: CUDA out of memory. Tried to allocate 4 GiB")
     with pytest.raises(TransientFailure, match=r"no candidate decided: 1 of 1 evaluations failed for the device's state "
                                                r"at the time \(device_memory: OutOfMemoryError: CUDA out of memory"):
@@ -868,6 +869,6 @@ def test_the_runtime_module_keeps_the_hot_path_and_its_parts_live_apart():
     for module, names in homes.items():
         for name in names:
             assert getattr(rt.Runtime, name).__module__ == module.__name__, name
-    for name in ("Runtime", "RuntimeSettings", "active", "active_or_none", "set_active", "configure", "Installed",
+    for name in ("Runtime", "JitOptions", "active", "active_or_none", "set_active", "configure", "Installed",
                  "Fallback", "Pending", "SpecializationError", "OPS", "settings_policy_id"):
         assert hasattr(rt, name), name

@@ -29,6 +29,7 @@ from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit import install
 from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.specialize import autotune, families
+from torch_sparserl.config import JitOptions
 
 from helpers import UNSORTED_AND_DUPLICATE, make_unsorted_pattern, ref_sddmm, summed_product, to_parts
 
@@ -45,7 +46,7 @@ def kernel_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def jit(kernel_dir):
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", strict=True, budget_s=BUDGET_S),
+    runtime = rt.Runtime(JitOptions(mode="sync", strict=True, budget_s=BUDGET_S),
                          cache=KernelCache(kernel_dir))
     previous = rt.set_active(runtime)
     yield runtime
@@ -54,7 +55,7 @@ def jit(kernel_dir):
 
 
 @contextmanager
-def _using(settings: rt.RuntimeSettings, cache_root: Path, **parts):
+def _using(settings: JitOptions, cache_root: Path, **parts):
     """A runtime active inside the block; ``parts``: its specializer, installer."""
     runtime = rt.Runtime(settings, cache=KernelCache(cache_root), **parts)
     previous = rt.set_active(runtime)
@@ -86,7 +87,7 @@ def _fixed_specializer(key, crow, col, ncols):
 @pytest.fixture
 def fixed(kernel_dir):
     """A sync runtime on :func:`_fixed_specializer`, active for one test."""
-    with _using(rt.RuntimeSettings(mode="sync", strict=True), kernel_dir / "fixed",
+    with _using(JitOptions(mode="sync", strict=True), kernel_dir / "fixed",
                 specializer=_fixed_specializer) as runtime:
         yield runtime
 
@@ -144,7 +145,7 @@ def _cusparse_decided(key, crow, col, ncols):
 def test_a_product_decided_for_cusparse_is_served_by_cusparse(kernel_dir, poison_uninitialized, n):
     """A specializer's "no kernel" is a decided fallback: strict mode does not raise, cuSPARSE
     serves every call (correctly), and nothing is installed."""
-    settings = rt.RuntimeSettings(mode="sync", strict=True)
+    settings = JitOptions(mode="sync", strict=True)
     with _using(settings, kernel_dir / "cusparse", specializer=_cusparse_decided) as runtime:
         op, entry = _two_products("cora", n)
         state = runtime.state(op, entry, n, torch.float32)
@@ -179,7 +180,7 @@ def test_installed_kernels_take_unsorted_and_duplicate_columns(kernel_dir, poiso
         spec = families.render(family, None, op=key.op, dtype=key.dtype, n=key.n)
         return CacheEntry(key, spec.source, family=family, reason="chosen by the test")
 
-    settings = rt.RuntimeSettings(mode="sync", strict=True)
+    settings = JitOptions(mode="sync", strict=True)
     with _using(settings, kernel_dir / f"unsorted-{family}-{op}-{dtype}", specializer=specializer,
                 installer=install.nvrtc_installer) as runtime:
         for seed, name in enumerate(UNSORTED_AND_DUPLICATE):
@@ -207,7 +208,7 @@ def _tuned(kernel_dir: Path):
     tests that need cora's N=32 product to get a kernel use it: the autotuner's search of the
     family grid finds one every time, while the policy's 4 samples can all fall under the margin
     (2026-11-24: this module's two such tests failed once in four GPU runs on the policy)."""
-    return _using(rt.RuntimeSettings(mode="sync", strict=True, budget_s=BUDGET_S, policy="autotune"),
+    return _using(JitOptions(mode="sync", strict=True, budget_s=BUDGET_S, policy="autotune"),
                   kernel_dir / "tuned")
 
 
@@ -373,7 +374,7 @@ def test_odd_operands_are_served_correctly(jit, poison_uninitialized):
 def test_background_mode_serves_cusparse_first_then_the_kernel(kernel_dir, poison_uninitialized):
     """At the default admission, a new pattern's calls are cuSPARSE's and decide nothing until it
     is admit_age_s old; then a call queues its decision, and what it decides serves after that."""
-    settings = rt.RuntimeSettings(mode="background", budget_s=BUDGET_S)
+    settings = JitOptions(mode="background", budget_s=BUDGET_S)
     assert settings.admit_age_s > 0
     with _using(settings, kernel_dir / "background") as runtime:
         M = ts.load_matrix("rajat01")
@@ -410,7 +411,7 @@ def test_a_hostile_candidate_never_reaches_the_user(kernel_dir, monkeypatch, poi
     monkeypatch.setattr(autotune, "candidates", lambda *args, **kwargs: list(specs))
     monkeypatch.setattr(proposing, "propose", lambda *args, **kwargs: [
         proposing.Proposal(Sample(s.source, [], 0.0, True), s.source, s) for s in specs])
-    settings = rt.RuntimeSettings(mode="sync", budget_s=120, margin=1.0, policy=policy, k=len(specs))
+    settings = JitOptions(mode="sync", budget_s=120, margin=1.0, policy=policy, k=len(specs))
     with _using(settings, kernel_dir / f"hostile-{policy}") as runtime:
         M = ts.load_matrix("cora")
         A = ts.csr(M, dtype=torch.float32, device="cuda")

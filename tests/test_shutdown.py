@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from torch_sparserl.config import JitOptions
+
 SCRIPT = textwrap.dedent('''
     import sys, time, warnings
     warnings.simplefilter("ignore")
     from concurrent.futures import ThreadPoolExecutor
     import torch
     from torch_sparserl import pattern as patterns
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import CacheEntry, KernelCache
 
@@ -39,7 +42,7 @@ SCRIPT = textwrap.dedent('''
         launch = lambda crow, col, val, X: torch.sparse_csr_tensor(crow, col, val, (rows, ncols)).to_dense() @ X
         return KEEPER.submit(lambda: launch).result()
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(sys.argv[1]),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(sys.argv[1]),
                          specializer=Specializer(), installer=installer, interim_installer=installer,
                          devices=("cpu",))
     rt.set_active(runtime)
@@ -87,7 +90,7 @@ def test_work_submitted_after_exit_began_is_dropped(tmp_path):
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import KernelCache
 
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
                          specializer=lambda *a: None, devices=("cpu",))
     runtime._stop_for_exit()
     future = runtime._in_background(lambda: 1 / 0)

@@ -160,20 +160,20 @@ class _Result:
     (1.05, [], None, "", "no correct candidate (S; none evaluated)"),
 ])
 def test_the_specializer_decides_as_the_verdict_says(margin, records, source, family, reason):
-    from torch_sparserl.jit.runtime import RuntimeSettings
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit.specializers import autotune_specializer
 
     best = records[0] if records and records[0].ok else None
-    entry = autotune_specializer(RuntimeSettings(margin=margin))._entry(KEY, _Result(best, *records), "S", "candidate")
+    entry = autotune_specializer(JitOptions(margin=margin))._entry(KEY, _Result(best, *records), "S", "candidate")
     assert (entry.spec_source, entry.family, entry.reason) == (source, family, reason)
     assert entry.record == (best.to_dict() if best is not None else None)
 
 
 def test_a_negative_answer_while_the_device_had_no_memory_decides_nothing():
-    from torch_sparserl.jit.runtime import RuntimeSettings
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit.specializers import autotune_specializer
 
-    decide = autotune_specializer(RuntimeSettings(margin=1.05))._entry
+    decide = autotune_specializer(JitOptions(margin=1.05))._entry
     oom = _record("b", kind=ErrorKind.DEVICE_MEMORY, log="OutOfMemoryError: out of memory\nmore")
     slow = _record("a", speedup=0.9)
     with pytest.raises(TransientFailure, match=r"^no policy kernel decided: 1 of 2 evaluations failed for the "

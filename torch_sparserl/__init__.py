@@ -29,8 +29,13 @@ included):
 
 In the root: ``config`` (the settings tree, :mod:`torch_sparserl.config`) and ``dtypes`` (the
 supported dtypes and the one tolerance table), which every stage reads; ``__main__`` (the
-command); ``_compat``, which keeps the old module names of the flat layout (``runtime``,
-``pyg``, ...) importable as deprecated aliases.
+command).
+
+Configuration: ``ts.config`` is the one settings tree (its docstring lists every field and
+environment variable); ``ts.configure(**fields)`` replaces the process's JIT runtime with
+fields of :class:`~torch_sparserl.config.JitOptions` changed (``ts.configure(mode="sync")``);
+a compiled model's options go through ``torch.compile(..., options={...})``
+(:class:`~torch_sparserl.config.BackendOptions`).
 """
 
 import os
@@ -38,9 +43,7 @@ import sys
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from . import _compat
 from . import config
-from .config import Settings
 
 __version__ = "0.1.0"
 
@@ -66,23 +69,23 @@ if not _started_as_the_command():
     from . import ops  # registers the torch.ops.sparserl operators
     from .tensor.intercept import intercept_sparse
 
-_compat.install()  # the old module names (``runtime``, ``pyg``, ...) stay importable, deprecated
 config.warn_unknown_variables()  # a mistyped SPARSERL_* variable is named, not ignored
 
-__all__ = ["CSRMatrix", "Settings", "compile", "config", "csr", "intercept_sparse", "list_matrices",
+__all__ = ["CSRMatrix", "compile", "config", "configure", "csr", "intercept_sparse", "list_matrices",
            "load_matrix", "ops"]
 
 # Loaded on first use: the tensor subclass imports torch._dynamo (seconds on some hosts), which
 # the sandbox's worker, a process of this package that never compiles, should not wait for.
 _LAZY = {"CSRMatrix": "tensor.csr_matrix", "csr": "tensor.csr_matrix", "compile": "compiler.convert",
          "list_matrices": "data.datasets", "load_matrix": "data.datasets", "ops": "ops",
-         "intercept_sparse": "tensor.intercept"}
+         "intercept_sparse": "tensor.intercept", "configure": "jit.runtime"}
 
 
 if TYPE_CHECKING:  # the lazy names, for type checkers and editors
     from . import ops
     from .compiler.convert import compile
     from .data.datasets import list_matrices, load_matrix
+    from .jit.runtime import configure
     from .tensor.csr_matrix import CSRMatrix, csr
     from .tensor.intercept import intercept_sparse
 
@@ -90,7 +93,7 @@ if TYPE_CHECKING:  # the lazy names, for type checkers and editors
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        return _compat.old_module(name)  # ts.runtime and the like, as before (deprecated); else AttributeError
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = import_module(f".{module}", __name__)
     value = value if module == name else getattr(value, name)  # ``ops`` is the module itself
     globals()[name] = value

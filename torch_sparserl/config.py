@@ -274,7 +274,7 @@ def refuse_unknown(what: str, given, valid, *, also: str = "") -> None:
 
 @dataclass(frozen=True)
 class JitOptions(_Group):
-    """The JIT runtime's settings (``runtime.RuntimeSettings`` is this class):
+    """The JIT runtime's settings:
     ``runtime.configure(mode="sync")``, or the ``SPARSERL_JIT*`` variables."""
 
     mode: str = setting(DEFAULT_JIT_MODE, one_of(MODES))
@@ -336,8 +336,8 @@ class JitOptions(_Group):
 
 @dataclass(frozen=True)
 class BackendOptions(_Group):
-    """Options of the ``sparserl`` backend, for one compiled model (``torch_sparserl.Settings``
-    is this class): ``torch.compile(model, backend="sparserl", options={"fuse_epilogues": True})``.
+    """Options of the ``sparserl`` backend, for one compiled model:
+    ``torch.compile(model, backend="sparserl", options={"fuse_epilogues": True})``.
     No environment variable sets them."""
 
     strict: bool | None = setting(DEFAULT_BACKEND_STRICT, OPTIONAL_BOOL)
@@ -625,9 +625,6 @@ def warn_unknown_variables(environ: Mapping[str, str] | None = None) -> list[str
 
 logger = logging.getLogger("torch_sparserl")
 
-# The backend's options under their former name: ``torch_sparserl.Settings`` (and ``Settings``
-# of the former module ``settings``, now an alias of this one).
-Settings = BackendOptions
 try:
     _level = read("log.level")
 except ValueError:

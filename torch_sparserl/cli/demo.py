@@ -114,6 +114,7 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     import torch
 
     from .. import pattern as patterns
+    from ..config import JitOptions
     from ..jit import runtime as rt
     from ..pattern.features import structural_features
     from ..pattern.fingerprint import fingerprint
@@ -123,7 +124,7 @@ def _demo_kernels(args, M, A, X, device: torch.device) -> int:
     entry = patterns.lookup(A._crow, A._col, M.shape[1])
     print(f"pattern  fingerprint {fingerprint(entry, A._crow, A._col)}; row mean {features['row_mean']:.1f}, "
           f"max {features['row_max']}, cv {features['row_cv']:.2f}")
-    settings = rt.RuntimeSettings(mode="sync", budget_s=args.budget_s)
+    settings = JitOptions(mode="sync", budget_s=args.budget_s)
     print(f"policy   {rt.settings_policy_id(settings)}: its {settings.k} likeliest kernels per product, "
           f"validated, the fastest installed if it beats cuSPARSE by {settings.margin}x")
     if device.type != "cuda":

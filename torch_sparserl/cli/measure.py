@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .. import pattern as patterns
+from ..config import JitOptions
 from ..dtypes import close_to_reference
 from ..jit import runtime as rt
 
@@ -176,7 +177,7 @@ _WARM_SCRIPT = textwrap.dedent("""
     cells = json.loads(sys.argv[1])
     def refuse(*args):
         raise RuntimeError("specialized again: the disk cache did not serve")
-    runtime = rt.Runtime(rt.RuntimeSettings(mode="sync", policy=sys.argv[3]),
+    runtime = rt.Runtime(JitOptions(mode="sync", policy=sys.argv[3]),
                          cache=KernelCache(sys.argv[2]) if sys.argv[2] else None, specializer=refuse)
     rt.set_active(runtime)
     torch.zeros(1, device="cuda"); torch.cuda.synchronize()
@@ -209,7 +210,7 @@ def warm_start(cells: list[tuple[str, str, int]], cache_root: str | None = None,
                policy: str = "learned") -> dict:
     """In a new process, the first ``A @ X`` of each cell with the decisions on disk.
 
-    ``policy``: the ``RuntimeSettings.policy`` whose decisions are looked up (the cache keys
+    ``policy``: the ``JitOptions.policy`` whose decisions are looked up (the cache keys
     name where candidates came from).
 
     ``warm_ms`` of the first cell includes the process's one-time costs (loading the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Settings
+from ..config import BackendOptions
 from ..jit import fastpath
 from ..jit import runtime as rt
 from ..tensor import intercept
@@ -35,7 +35,7 @@ def sparserl_backend(gm, example_inputs, *, options=None, mode=None):
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    settings = Settings.from_options(options)
+    settings = BackendOptions.from_options(options)
     if settings.fast_path and settings.direct_ops and torch.cuda.is_available():
         fastpath.ensure()  # loads it, or builds it in the background (graphs compiled meanwhile switch when it loads)
     if settings.intercept_sparse:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..config import Settings, logger
+from ..config import BackendOptions, logger
 from ..ops import DIRECT_OPS, FAST_OPS, NAMESPACE
 
 
@@ -178,7 +178,7 @@ def to_direct_ops(graph: torch.fx.Graph, fast: bool = False) -> int:
 class SparseOpsPass(CustomGraphPass):
     """Inductor ``post_grad_custom_post_pass`` of the sparserl backend."""
 
-    def __init__(self, settings: Settings, chained: CustomGraphPass | None = None):
+    def __init__(self, settings: BackendOptions, chained: CustomGraphPass | None = None):
         self.settings = settings
         self.chained = chained  # a pass the user had configured already runs first
 

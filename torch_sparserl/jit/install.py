@@ -66,7 +66,7 @@ def inline_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, n
 
 def nvrtc_installer(entry: CacheEntry, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Callable:
     """The same as :func:`inline_installer` from the source's NVRTC build (held for the process's
-    life by ``build.load_kernel``): the interim installer, while the library is built."""
+    life by ``toolchain.load_kernel``): the interim installer, while the library is built."""
     from ..toolchain import load_kernel
 
     spec = entry_spec(entry)

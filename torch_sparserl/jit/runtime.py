@@ -43,7 +43,7 @@ runtime (:func:`active`, :func:`configure`); admission and the decision flow are
 epilogues :mod:`~torch_sparserl.jit.fused`', and the background thread, the specializer's worker
 and the exit :mod:`~torch_sparserl.jit.workers`'.
 
-Settings (:class:`RuntimeSettings`, which is :class:`torch_sparserl.config.JitOptions`) come
+Settings (:class:`torch_sparserl.config.JitOptions`) come
 from :func:`configure` or the ``SPARSERL_JIT*`` environment variables, read when the process's
 runtime is created (:mod:`torch_sparserl.config` lists them).
 """
@@ -57,11 +57,10 @@ from collections.abc import Callable
 import torch
 
 from .. import config
-from ..config import MODES, POLICIES, JitOptions  # noqa: F401 - MODES and POLICIES: their former home
+from ..config import JitOptions
 from ..pattern import Pattern
 from ..pattern.fingerprint import SpecializationKey
 from .specializers import default_specializer, settings_policy_id  # noqa: F401 - settings_policy_id: the CLI's
-from .specializers import autotune_specializer, learned_specializer  # noqa: F401 - their former home
 from . import classes, fastpath
 from .cache import CacheEntry, KernelCache
 from .classes import ClassKernels
@@ -70,11 +69,6 @@ from .decisions import Decision, DecisionTable, Fallback, Installed, Pending, Sp
 from .fused import FusedInstalls
 from .install import DTYPE_NAMES, fused_installer, inline_installer, nvrtc_installer
 from .workers import Workers
-
-
-RuntimeSettings = JitOptions
-"""The runtime's settings: :class:`torch_sparserl.config.JitOptions` (mode, strict, margin,
-budget_s, policy, k, idle_s, admit_calls, admit_age_s, queue)."""
 
 
 Specializer = Callable[[SpecializationKey, torch.Tensor, torch.Tensor, int], CacheEntry]
@@ -98,11 +92,11 @@ class Runtime(Deciding, ClassKernels, FusedInstalls, Workers):
     :class:`~torch_sparserl.jit.classes.ClassKernels`, :class:`~torch_sparserl.jit.fused.FusedInstalls`,
     :class:`~torch_sparserl.jit.workers.Workers`."""
 
-    def __init__(self, settings: RuntimeSettings | None = None, *, cache: KernelCache | None = None,
+    def __init__(self, settings: JitOptions | None = None, *, cache: KernelCache | None = None,
                  specializer: Specializer | None = None, installer: Installer | None = None,
                  interim_installer: Installer | None = None, devices: tuple[str, ...] = ("cuda",),
                  class_installer: Callable | None = None):
-        self.settings = settings or RuntimeSettings()
+        self.settings = settings or JitOptions()
         self._cache = cache
         self.specializer = specializer or default_specializer(self.settings)
         self.installer = installer or inline_installer
@@ -298,18 +292,18 @@ def active_or_none() -> Runtime | None:
     return _ACTIVE
 
 
-def configure(settings: RuntimeSettings | None = None, **changes) -> Runtime:
+def configure(settings: JitOptions | None = None, **changes) -> Runtime:
     """Replace the process's runtime: ``configure(mode="sync")``, ``configure(strict=True)``.
 
-    ``changes`` name fields of :class:`RuntimeSettings` (``mode``, ``strict``, ``margin``,
+    ``changes`` name fields of :class:`JitOptions` (``mode``, ``strict``, ``margin``,
     ``budget_s``, ``policy``, ``k``, ``idle_s``, ``admit_calls``, ``admit_age_s``, ``queue``); another name is a TypeError listing them.
     Unnamed settings keep their current values (the environment's, before the first runtime).
     Decisions of the previous runtime are not reused (they may have been taken under other
     settings); its disk cache is.
     """
     global _ACTIVE
-    if settings is not None and not isinstance(settings, RuntimeSettings):
-        raise TypeError(f"configure: settings must be a RuntimeSettings (got {type(settings).__name__})")
+    if settings is not None and not isinstance(settings, JitOptions):
+        raise TypeError(f"configure: settings must be a JitOptions (got {type(settings).__name__})")
     with _ACTIVE_LOCK:
         previous = _ACTIVE
         base = settings or (previous.settings if previous is not None else config.from_environment().jit)

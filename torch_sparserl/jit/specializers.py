@@ -100,7 +100,7 @@ class autotune_specializer:  # noqa: N801 - used like a function
     def prebuild(self, entry: CacheEntry, arch: str) -> None:
         """Build the library of ``entry``'s kernel in the sandbox's worker, when the worker is
         running (it just specialized the key) and the library is not on disk, so that the
-        installer in this process only loads it (``build.inline.prebuild``). A worker is not
+        installer in this process only loads it (``toolchain.inline.prebuild``). A worker is not
         started for it: where none runs (a later run, its decisions from the disk cache), the
         installer builds a missing library itself."""
         from ..toolchain import inline

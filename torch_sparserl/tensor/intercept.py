@@ -30,7 +30,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..config import Settings, logger
+from ..config import BackendOptions, logger
 from ..dtypes import VALUE_DTYPES
 from ..kernels import vendor
 
@@ -116,10 +116,10 @@ def deactivate_backend() -> None:
 
 
 @contextlib.contextmanager
-def intercept_sparse(settings: Settings | dict | None = None):
+def intercept_sparse(settings: BackendOptions | dict | None = None):
     """Within the block, eager ``torch.sparse.mm`` / ``mm`` / ``@`` / ``mv`` / ``addmm`` /
     ``addmv`` on 2-D ``torch.sparse_csr`` tensors run on the sparserl operators."""
-    settings = Settings.from_options(settings)
+    settings = BackendOptions.from_options(settings)
     stack = getattr(_local, "explicit", None)
     if stack is None:
         stack = _local.explicit = []
@@ -174,7 +174,7 @@ def _sparserl_callback():
         if node is None:
             return None
         if getattr(node, "_sparserl_backend", False):
-            return callback, Settings.from_options(options)
+            return callback, BackendOptions.from_options(options)
         kwargs = getattr(node, "kwargs", None)
         if isinstance(kwargs, dict) and options is None:
             options = kwargs.get("options")
@@ -194,7 +194,7 @@ def _warn_once(callback) -> None:
     logger.warning(GRAPH_BREAK_WARNING)
 
 
-def _route(mat: torch.Tensor, dense: torch.Tensor, dense_dim: int) -> Settings | None:
+def _route(mat: torch.Tensor, dense: torch.Tensor, dense_dim: int) -> BackendOptions | None:
     """The settings to route this product with, or None to leave it to torch."""
     if getattr(_local, "busy", False):
         return None
@@ -225,7 +225,7 @@ def _pattern_views(mat: torch.Tensor):
     return views
 
 
-def _run(settings: Settings, name: str, product, delegate):
+def _run(settings: BackendOptions, name: str, product, delegate):
     _local.busy = True
     try:
         result = product()
@@ -242,7 +242,7 @@ def _run(settings: Settings, name: str, product, delegate):
     return delegate()
 
 
-def _strict(settings: Settings) -> bool:
+def _strict(settings: BackendOptions) -> bool:
     """The model's ``strict`` option, else the runtime's (``jit.strict``: the active runtime's,
     or the environment's before there is one)."""
     if settings.strict is not None:
