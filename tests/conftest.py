@@ -1,5 +1,10 @@
 import os
+import sys
+from pathlib import Path
 
+# Tests are in a folder per pipeline stage (tests/<stage>/): their shared modules (helpers,
+# adversarial) live here, found from any of them.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The operator tests exercise torch's sparse kernels (cuSPARSE, MKL) on many random patterns; the
 # JIT runtime is tested on its own (test_runtime*.py), which configures it explicitly.
 os.environ.setdefault("SPARSERL_JIT", "off")
@@ -14,10 +19,18 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the marker it adds must count there
 def pytest_collection_modifyitems(config, items):
+    """Every test of a ``*_gpu.py`` file is a GPU test (the suite's convention: a stage's GPU-only
+    tests sit beside its CPU tests, in files named so); other tests are marked one by one (the
+    ``cuda`` case of :func:`device`). Without CUDA they are skipped, saying how to run them."""
+    gpu = pytest.mark.gpu
+    for item in items:
+        if item.path.name.endswith("_gpu.py"):
+            item.add_marker(gpu)
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the device)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `python tests/gpu_suite.py` on the device)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

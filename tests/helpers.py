@@ -12,6 +12,11 @@ import torch
 
 import torch_sparserl as ts
 
+TESTS = Path(__file__).resolve().parent
+"""The test suite's folder: the stages' test folders, ``helpers``, ``adversarial``."""
+REPO = TESTS.parent
+"""The repository's root."""
+
 
 def _random(rng, nrows, ncols, density):
     return sp.random(nrows, ncols, density=density, format="csr", random_state=rng, dtype=np.float64)
@@ -169,7 +174,7 @@ def dense_operand(rows, n, dtype, device, *, contiguous=True, seed=0):
     return torch.randn(n, rows, generator=g, dtype=torch.float64).to(device=device, dtype=dtype).t()
 
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 
 
 def load_benchmark(name: str):
