@@ -10,7 +10,7 @@ Three ways in, one runtime:
   :func:`compile`, which also converts sparse arguments and buffers to :class:`CSRMatrix`.
 
 The package is laid out in the pipeline's order: each stage is a folder that imports only from
-the stages above it in this list (``tests/test_layout.py`` checks it, function-level imports
+the stages above it in this list (``tests/repo/test_layout.py`` checks it, function-level imports
 included):
 
     data/          matrices: the shipped ones (``ts.load_matrix``) and synthetic generators

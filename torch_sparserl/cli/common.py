@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 # Only what parsing needs is imported here: ``sparserl --help`` and a usage error answer without
-# importing torch, NumPy or SciPy (tests/test_cli.py checks it); each command imports its own.
+# importing torch, NumPy or SciPy (tests/cli/test_cli.py checks it); each command imports its own.
 from .. import config
 
 MAX_N = 65536  # dense columns: --n beyond this is a typo, not a product anyone runs

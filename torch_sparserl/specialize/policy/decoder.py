@@ -3,7 +3,7 @@
 It computes what ``transformers``' ``LlamaForCausalLM`` computes for the configurations the
 policy uses (rotary positions with base 10000, RMSNorm, SiLU-gated MLP, multi-head attention
 through ``scaled_dot_product_attention``, tied input and output embeddings) and names its
-parameters the same way, so a checkpoint is the same file for both; ``tests/test_policy_decoder.py``
+parameters the same way, so a checkpoint is the same file for both; ``tests/specialize/test_policy_decoder.py``
 compares logits, losses, gradients and cached decoding with ``transformers``' model.
 
 It exists because the policy is loaded on the runtime's critical path: the sandbox's worker
