@@ -1,17 +1,8 @@
-"""The cases of the compiled-shapes tests (``test_compile_shapes*.py``): matrices of given
-sizes, size sequences, the product spellings and the check every case runs.
+"""The cases of the compiled-shapes tests (``test_compile_shapes*.py``, whose docstring tells the
+story): matrices of given sizes, size sequences, the product spellings, and the check every
+product case runs (:func:`product_tests`, one sixth of them per file)."""
 
-Compiled graphs follow every size they depend on (issue 33, class 3).
-
-A CSRMatrix's ``ncols`` lives only in the wrapper's shape, in none of ``crow``, ``col`` and
-``val``. The backend's flatten pass once rebuilt the matrix from its parts with the shape of
-the example in hand as a constant; once automatic dynamic shapes made the graph symbolic
-(the second size), Dynamo no longer guarded that size and every later size reused it:
-``(X.t() @ A).t()`` with matrices of 2×4, 2×9, 2×2 gave 4×3, 9×3, 9×3. Each test here
-runs a sequence of sizes through one compiled function, compares every call against a float64
-reference computed eagerly, and checks that dynamic shapes still spare a recompile per size.
-"""
-
+import pytest
 import torch
 
 import torch_sparserl as ts
@@ -100,3 +91,16 @@ def products_follow_every_size(spelling: str, changes: str, flatten: bool, dynam
         assert graphs == distinct, (graphs, distinct)
     else:
         assert graphs <= 2, graphs
+
+
+def product_tests(flatten: bool, dynamic: str):
+    """The product cases for one (``flatten``, ``dynamic``) pair, every spelling and sequence: a
+    test function for a module to bind as ``test_compiled_products_follow_every_size``."""
+    @pytest.mark.slow
+    @pytest.mark.usefixtures("fresh_dynamo")
+    @pytest.mark.parametrize("changes", sorted(SEQUENCES))
+    @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+    def test(spelling, changes):
+        products_follow_every_size(spelling, changes, flatten=flatten, dynamic=dynamic)
+
+    return test
