@@ -1,4 +1,4 @@
-"""What the library trusts on disk, and how it checks it (README, "Trust model and the kernel cache").
+"""What the library trusts on disk, and how it checks it (docs/trust-model.md).
 
 * **The key.** Cache entries and built libraries are authenticated with HMAC-SHA256 under a
   per-user secret key, ``<cache_dir>/hmac.key`` (32 random bytes, mode 0600, created with
