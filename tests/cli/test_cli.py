@@ -289,3 +289,26 @@ def test_demo_times_the_fast_path_with_a_fresh_cache(tmp_path):
     assert lines[timed].endswith("A @ X served by the C++ fast path"), out.stdout
     built = [i for i, line in enumerate(lines) if line.startswith("fastpath ")]  # absent if loaded already
     assert all(i < timed for i in built) and (not built or "loaded from" in lines[built[-1]]), out.stdout
+
+
+def test_the_warm_start_script_names_only_what_it_binds():
+    """measure._WARM_SCRIPT runs in a child process on the GPU machine, where a name it does not
+    import fails only there: every name it reads is bound in it (an import, an assignment, a
+    function, a loop or an argument) or a builtin."""
+    import ast
+    import builtins
+
+    from torch_sparserl.cli import measure
+
+    tree = ast.parse(measure._WARM_SCRIPT)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.Lambda)):
+            bound |= {a.arg for a in node.args.args + node.args.kwonlyargs} | (
+                {node.name} if isinstance(node, ast.FunctionDef) else set())
+    read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    assert read <= bound, sorted(read - bound)

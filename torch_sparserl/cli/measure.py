@@ -170,6 +170,7 @@ _WARM_SCRIPT = textwrap.dedent("""
     import json, sys, time
     import torch
     import torch_sparserl as ts
+    from torch_sparserl.config import JitOptions
     from torch_sparserl.jit import runtime as rt
     from torch_sparserl.jit.cache import KernelCache
     from torch_sparserl.data.datasets import load_matrix
