@@ -76,7 +76,7 @@ __all__ = ["CSRMatrix", "compile", "config", "configure", "csr", "intercept_spar
 
 # Loaded on first use: the tensor subclass imports torch._dynamo (seconds on some hosts), which
 # the sandbox's worker, a process of this package that never compiles, should not wait for.
-_LAZY = {"CSRMatrix": "tensor.csr_matrix", "csr": "tensor.csr_matrix", "compile": "compiler.convert",
+_LAZY = {"CSRMatrix": "tensor.csr_matrix", "csr": "tensor.construct", "compile": "compiler.convert",
          "list_matrices": "data.datasets", "load_matrix": "data.datasets", "ops": "ops",
          "intercept_sparse": "tensor.intercept", "configure": "jit.runtime"}
 
@@ -86,7 +86,8 @@ if TYPE_CHECKING:  # the lazy names, for type checkers and editors
     from .compiler.convert import compile
     from .data.datasets import list_matrices, load_matrix
     from .jit.runtime import configure
-    from .tensor.csr_matrix import CSRMatrix, csr
+    from .tensor.construct import csr
+    from .tensor.csr_matrix import CSRMatrix
     from .tensor.intercept import intercept_sparse
 
 

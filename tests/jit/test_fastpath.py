@@ -402,15 +402,15 @@ def test_cuda_products_cusparse_serves_are_called_from_cxx(monkeypatch):
 
 
 def test_ts_csr_stages_host_arrays_through_the_library_where_it_can(monkeypatch):
-    """csr_matrix._staged: host CSR arrays bound for CUDA go through the library's stage_csr
+    """construct._staged: host CSR arrays bound for CUDA go through the library's stage_csr
     (copy and check in one pass) when it is loaded; values whose copy autograd records stay in
     Python; a decline (a failed check among them) returns None, and the Python path names it;
     metadata is checked before the library is asked."""
-    from torch_sparserl.tensor import csr_matrix
+    from torch_sparserl.tensor import construct
 
     crow, col, val = torch.tensor([0, 1, 2]), torch.tensor([0, 2]), torch.ones(2)
     monkeypatch.setattr(fastpath, "stage_csr", None)
-    assert csr_matrix._staged("op", crow, col, val, (2, 3), "cuda") is None  # not loaded
+    assert construct._staged("op", crow, col, val, (2, 3), "cuda") is None  # not loaded
     calls, answer = [], {}
 
     def stage(c, k, v, nrows, ncols, device):
@@ -419,22 +419,22 @@ def test_ts_csr_stages_host_arrays_through_the_library_where_it_can(monkeypatch)
 
     monkeypatch.setattr(fastpath, "stage_csr", stage)
     answer["out"] = staged = [crow.clone(), col.clone(), val.clone()]
-    got = csr_matrix._staged("op", crow, col, val, (2, 3), "cuda")
+    got = construct._staged("op", crow, col, val, (2, 3), "cuda")
     assert [t is s for t, s in zip(got, staged)] == [True] * 3 and calls == [(True, 3, "cuda")]
     answer["out"] = staged[:2]
-    got = csr_matrix._staged("op", crow, col, val.clone().requires_grad_(), (2, 3), "cuda")
+    got = construct._staged("op", crow, col, val.clone().requires_grad_(), (2, 3), "cuda")
     assert len(got) == 2 and calls[-1] == (False, 3, "cuda")  # autograd's copy of the values stays in Python
     answer["out"] = []
-    assert csr_matrix._staged("op", crow, col, val, (2, 3), "cuda") is None  # declined
+    assert construct._staged("op", crow, col, val, (2, 3), "cuda") is None  # declined
     answer["out"] = staged[:2]
-    assert csr_matrix._staged("op", crow, col, val, (2, 3), "cuda") is None  # values asked for, not given
+    assert construct._staged("op", crow, col, val, (2, 3), "cuda") is None  # values asked for, not given
     with pytest.raises(ValueError, match=r"crow must have nrows \+ 1 = 4 elements"):
-        csr_matrix._staged("torch_sparserl.csr", crow, col, val, (3, 3), "cuda")
+        construct._staged("torch_sparserl.csr", crow, col, val, (3, 3), "cuda")
     assert len(calls) == 4
 
 
 def test_ts_csr_takes_the_short_path_for_host_triples_bound_for_cuda(monkeypatch):
-    """csr_matrix._staged_matrix: ts.csr of a host (crow, col, val) triple bound for CUDA is one
+    """construct._staged_matrix: ts.csr of a host (crow, col, val) triple bound for CUDA is one
     call of the library's stage_csr (with the shape's rows and columns) and a pattern registered
     as validated; what needs a conversion, autograd or inference mode, what is not bound for
     CUDA, and what the library declines go the general path."""

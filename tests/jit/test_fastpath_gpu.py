@@ -835,11 +835,11 @@ def test_host_arrays_travel_checked_in_one_pass(poison_uninitialized, monkeypatc
     indices in one pass (Python's check is not called) into tensors of their own; the products
     read what was checked whatever the caller writes afterwards; bad indices are named as in
     Python; a compiled step finds the pattern validated (no device check per batch)."""
-    from torch_sparserl.tensor import csr_matrix
+    from torch_sparserl.tensor import construct
 
     python_checks = []
-    real = csr_matrix.check_csr_values
-    monkeypatch.setattr(csr_matrix, "check_csr_values", lambda *a: python_checks.append(1) or real(*a))
+    real = construct.check_csr_values
+    monkeypatch.setattr(construct, "check_csr_values", lambda *a: python_checks.append(1) or real(*a))
     M = make_pattern("random", seed=3)
     crow = torch.tensor(M.indptr, dtype=index_dtype).pin_memory()
     col = torch.tensor(M.indices, dtype=index_dtype).pin_memory()

@@ -285,11 +285,11 @@ def test_host_indices_bound_for_another_device_are_checked_on_the_host(monkeypat
     import scipy.sparse as sp
 
     from torch_sparserl import pattern as patterns
-    from torch_sparserl.tensor import csr_matrix
+    from torch_sparserl.tensor import construct
 
     checked = []
-    real = csr_matrix.check_csr_values
-    monkeypatch.setattr(csr_matrix, "check_csr_values",
+    real = construct.check_csr_values
+    monkeypatch.setattr(construct, "check_csr_values",
                         lambda op, crow, col, ncols: checked.append((crow.device.type, col.device.type)) or
                         real(op, crow, col, ncols))
     M = sp.random(20, 10, density=0.3, format="csr", random_state=np.random.default_rng(0))

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from .. import pattern as patterns
-from ..config import JitOptions
 from ..dtypes import close_to_reference
 from ..jit import runtime as rt
 

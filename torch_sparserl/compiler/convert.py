@@ -16,7 +16,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..tensor import intercept
-from ..tensor.csr_matrix import CSRMatrix, csr
+from ..tensor.construct import csr
+from ..tensor.csr_matrix import CSRMatrix
 
 _SPARSE_LAYOUTS = (torch.sparse_csr, torch.sparse_coo, torch.sparse_csc)
 _converted = WeakIdKeyDictionary()  # sparse tensor -> CSRMatrix, so patterns stay cached

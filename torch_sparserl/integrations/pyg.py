@@ -59,7 +59,8 @@ import torch
 from torch import Tensor
 
 from .. import pattern as patterns
-from ..tensor.csr_matrix import CSRMatrix, csr, indices_of, torch_csr, values_of
+from ..tensor.construct import csr
+from ..tensor.csr_matrix import CSRMatrix, indices_of, torch_csr, values_of
 
 __all__ = ["install", "installed", "adjacency", "gcn_norm", "spmm", "remove_self_loops", "add_self_loops",
            "to_edge_index", "set_sparse_value", "is_torch_sparse_tensor"]
