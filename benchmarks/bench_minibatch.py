@@ -100,7 +100,8 @@ def pyg_model(model):
 _BREAKDOWN = (  # (module, attribute, label): the library's per-pattern host work, timed by --breakdown
     ("torch_sparserl", "csr", "ts.csr"),
     ("torch_sparserl.tensor.construct", "check_csr_values", "index check"),  # host indices, in ts.csr
-    ("torch_sparserl.pattern.cache", "check_csr_values", "index check"),  # device indices, at the first product
+    ("torch_sparserl.pattern.cache", "check_csr_values", "index check"),  # CPU indices, at the first product
+    ("torch_sparserl.pattern.cache", "DeviceCheck", "index check on the device"),  # CUDA indices, queued
     ("torch_sparserl.pattern", "Pattern.transpose", "transpose"),
     ("torch_sparserl.jit.runtime", "Runtime.call", "runtime.call"),
     ("torch_sparserl.kernels.vendor", "_product", "vendor product, Python path"),  # cuSPARSE on CUDA

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -192,3 +193,22 @@ def load_benchmark(name: str):
         sys.modules[module] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[module])
     return sys.modules[module]
+
+
+def raises_index_error(call, match: str):
+    """``call()`` refused for the indices it multiplies by, with a ``ValueError`` matching ``match``:
+    at once on the CPU; on CUDA, where the device checks new indices without the host waiting
+    (:class:`torch_sparserl.pattern.device_check.DeviceCheck`), the call itself returns NaN and
+    the first call after the device ran the check raises."""
+    import pytest
+
+    try:
+        out = call()
+    except ValueError as exc:
+        assert re.search(match, str(exc)), f"{exc!r} does not match {match!r}"
+        return
+    assert out.is_cuda, "indices on the host are checked at once"
+    assert out.isnan().all(), "a product made before the device's verdict must be NaN"
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -160,6 +160,11 @@ class Deciding:
                 return self._fallback(pattern, decision, None, "first asked for while a CUDA graph was being captured, "
                                       "where no decision can run (warm the graph up first)", None)
             try:
+                pattern.settle(block=True)  # the host reads the indices below: only once they passed
+            except ValueError as exc:  # the next product on the pattern raises it to the caller
+                return self._fallback(pattern, decision, None, f"its indices failed their check: {exc}", None,
+                                      quiet=True)
+            try:
                 key = self._key(op, n, pattern, crow, col, dtype)
             except Exception as exc:  # noqa: BLE001 - fingerprinting must not break a product
                 return self._fallback(pattern, decision, None, f"fingerprint failed: {exc}", exc)

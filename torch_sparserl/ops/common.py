@@ -28,11 +28,13 @@ def _product(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: T
     the caller's tensors again.
     """
     crow, col = entry.indices(crow, col)
+    check = entry.check  # a device check whose verdict has not come: the product is poisoned should it fail
     if not (entry.transient or entry.overfull):
         out = runtime.active().call(op, entry, crow, col, val, X)
         if out is not None:
-            return out
-    return _vendor(op, entry, crow, col, val, X)
+            return out if check is None else check.poison(out)
+    out = _vendor(op, entry, crow, col, val, X)
+    return out if check is None else check.poison(out)
 
 
 def _vendor(op: str, entry: patterns.Pattern, crow: Tensor, col: Tensor, val: Tensor, X: Tensor) -> Tensor:

@@ -190,7 +190,7 @@ def _keep(door: Door, runtime, op: str, crow: Tensor, col: Tensor, val: Tensor, 
     n = X.shape[1] if op == "spmm" else 1
     entry = patterns.lookup(crow, col, door.ncols)
     decision = runtime.decision(op, entry, n, val.dtype)
-    if isinstance(decision.state, Installed) and not entry.transient:
+    if isinstance(decision.state, Installed) and not entry.transient and entry.settle():
         # the pattern is kept too: the record lives as long as it does
         door.hot[(X.dim(), n)] = (runtime, decision, entry, patterns.versions(crow, col),
                                   entry.indices(crow, col), X.device, val.dtype, door.ncols)

@@ -43,11 +43,13 @@ def _sddmm(crow: Tensor, col: Tensor, Y: Tensor, X: Tensor) -> Tensor:
         entry = patterns.lookup(crow, col, X.shape[0])
         entry.validate(op, crow, col)
     crow, col = entry.indices(crow, col)
+    check = entry.check  # a device check whose verdict has not come: the product is poisoned should it fail
+    out = None
     if not (entry.transient or entry.overfull):
         out = runtime.active().call("sddmm", entry, crow, col, Y, X)  # Y rides in the kernels' val slot
-        if out is not None:
-            return out
-    return vendor.sddmm(entry, crow, col, Y, X)
+    if out is None:
+        out = vendor.sddmm(entry, crow, col, Y, X)
+    return out if check is None else check.poison(out)
 
 
 @torch.library.custom_op("sparserl::sddmm", mutates_args=())

@@ -18,6 +18,8 @@ import torch
 from . import derived
 from .derived import row_indices
 from .streams import _side_stream_ready, run_kept, to_host
+from . import device_check
+from .device_check import DeviceCheck
 from .validation import check_csr_values
 
 HOST_KEPT_MAX = 1 << 18
@@ -43,8 +45,10 @@ _OWNED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDict
 
 
 def own(*tensors: torch.Tensor) -> None:
-    """Mark index tensors that the library made and never writes (its private copies, derived
-    patterns), so that a pattern on them needs no copy of its own. Not for a caller's tensors."""
+    """Mark index tensors that the library made (its private copies, derived patterns), so
+    that a pattern on them needs no copy of its own. Not for a caller's tensors. The library
+    writes them only to make indices that failed their device check harmless
+    (:class:`~.device_check.DeviceCheck`)."""
     for t in tensors:
         _OWNED[id(t)] = t
 
@@ -79,7 +83,7 @@ class Pattern:
 
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "_row_indices", "_transpose", "_diagonal",
-                 "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "is_transpose",
+                 "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "is_transpose", "check",
                  "_frozen", "_owned", "_freeze_lock", "transient", "transposed_products", "created",
                  "_aliases", "__weakref__")
 
@@ -94,6 +98,9 @@ class Pattern:
         self.device = col.device
         self.index_dtype = col.dtype
         self.validated = False
+        # the check of CUDA indices still on the device (DeviceCheck), or the one that failed;
+        # None once it passed, and for indices checked on the host
+        self.check: DeviceCheck | None = None
         self.fingerprint: str | None = None  # set by fingerprint.fingerprint()
         self._row_indices: torch.Tensor | None = None
         # derived forms, each (value, the index tensors it hands out, their versions): _derived()
@@ -155,13 +162,43 @@ class Pattern:
             self._aliases.append((ref, weakref.ref(col), (_version(crow), _version(col)), own_indices))
             _CACHE[key] = self
 
-    def validate(self, op: str, crow: torch.Tensor, col: torch.Tensor) -> None:
+    def validate(self, op: str, crow: torch.Tensor, col: torch.Tensor, source=None) -> None:
         """Check the index data once (monotone rows, columns in range), on the copy that every
-        later product of this pattern reads (:meth:`indices`)."""
+        later product of this pattern reads (:meth:`indices`). CUDA indices are checked on
+        their device without the host waiting (:class:`~.device_check.DeviceCheck`): the
+        verdict is read by a later use (:meth:`settle`). ``source``: the caller's tensors that
+        the library's own ``crow``/``col`` were copied from, which a failure names."""
         if not self.validated:
-            crow, col = self._freeze(crow, col)
-            check_csr_values(op, crow, col, self.ncols)
+            if crow.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{op}: the indices of a matrix first used while a CUDA graph is captured "
+                                   "cannot be checked there; use the matrix once before capturing (a warm-up step)")
+            own_crow, own_col = self._freeze(crow, col)
+            copied = own_crow is not crow  # a caller's tensors: the private copy is checked
+            if (self._owned or copied) and device_check.defers(own_crow, own_col):  # only the library holds them
+                if source is None and copied:
+                    source = (crow, col)
+                if source is not None:
+                    source = (source[0], source[1], (_version(source[0]), _version(source[1])))
+                self.check = DeviceCheck(op, own_crow, own_col, self.ncols, source)
+            else:
+                check_csr_values(op, own_crow, own_col, self.ncols)
             self.validated = True
+
+    def settle(self, block: bool = False) -> bool:
+        """Whether this pattern's indices are known to have passed their check: True for indices
+        checked on the host, and once a device check's verdict came (waiting for it with
+        ``block``); False while the device has not run it. Raises the check's ``ValueError``
+        when they failed, at this and every later use."""
+        check = self.check
+        if check is None:
+            return True
+        verdict = check.verdict(block)
+        if verdict is None:
+            return False
+        if not verdict:
+            check.raise_failure()
+        self.check = None
+        return True
 
     def checked_on_host(self, crow: torch.Tensor, col: torch.Tensor) -> None:
         """Mark the pattern validated: ``crow`` and ``col`` are the library's own tensors, copied
@@ -195,7 +232,10 @@ class Pattern:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(crow, col)`` as validated: what every product of this pattern reads. ``crow`` and
         ``col`` are the tensors the pattern was looked up with (the library's own ones are
-        read through the pattern's weak references when not given)."""
+        read through the pattern's weak references when not given). Raises the ``ValueError``
+        of a device check that failed, once its verdict came (:meth:`settle`)."""
+        if self.check is not None:
+            self.settle()
         frozen = self._frozen
         if frozen is not None:
             return frozen
@@ -208,7 +248,10 @@ class Pattern:
         :data:`HOST_KEPT_MAX` index elements keeps its copy, so that its fingerprint and the
         specializer's searches (one per op and width) share one device-to-host copy; CPU
         indices are returned as they are and never kept (the cache holds no strong reference
-        to a user's tensors)."""
+        to a user's tensors). Waits for the device check's verdict (the copy waits for the device
+        anyway): the host never reads indices that failed it."""
+        if self.check is not None:
+            self.settle(block=True)
         kept = self._host
         if kept is not None:
             return kept
@@ -339,6 +382,7 @@ def _derived_entry(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, ncol
     own(crow, col)
     entry = lookup(crow, col, ncols)
     entry.validated = pattern.validated
+    entry.check = pattern.check  # computed from the same indices: the same verdict
     entry.transient = pattern.transient  # a form of an uncached pattern is used once, never specialized
     return entry
 

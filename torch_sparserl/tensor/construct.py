@@ -2,9 +2,10 @@
 
 Torch sparse tensors (CSR, COO, CSC; COO and CSC indices checked before torch reads them), dense
 tensors, SciPy matrices, another CSRMatrix, or a ``(crow, col, val)`` triple; the indices are
-copied into tensors the library owns and validated once, host arrays bound for a CUDA device on
-the host (through the C++ library's one-pass copy and check where it is loaded), so that no
-product waits for the device to check them.
+copied into tensors the library owns and validated once, so that no product waits for the device
+to check them: host arrays bound for a CUDA device on the host (through the C++ library's one-pass
+copy and check where it is loaded), CUDA indices on their device, the host reading the verdict
+later (:class:`~torch_sparserl.pattern.device_check.DeviceCheck`).
 """
 
 from __future__ import annotations
@@ -169,7 +170,9 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     values, the indices and the whole; integer or boolean values become the default float
     dtype; complex values are refused. With ``validate`` (the default) the index data is
     checked once here (monotone row pointers, columns in range), so later products skip that
-    check.
+    check. Indices already on a CUDA device are checked there without the host waiting for
+    the device: bad ones raise their ``ValueError`` at the first use of the matrix after the
+    device ran the check (products made before then are NaN, never out-of-bounds reads).
 
     The matrix owns its indices: they are copied (once; a CSRMatrix's own are reused), so
     that nothing later written to the caller's arrays reaches it. Values given as a torch
@@ -255,6 +258,7 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     # The matrix owns its indices: a copy, so that no later write to the caller's arrays (in
     # place, through .data, through NumPy, under inference_mode) reaches it, made an ordinary
     # tensor with a version counter even under inference_mode (pattern.private_copy).
+    given = (crow, col)
     crow, col = (t if patterns.owned(t) else patterns.private_copy(t) for t in (crow, col))
     if val.is_inference():
         with torch.inference_mode(False):
@@ -263,8 +267,8 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         entry = patterns.lookup(crow, col, size[1])
         if checked:
             entry.checked_on_host(crow, col)
-        else:
-            entry.validate(op, crow, col)
+        else:  # CUDA indices are checked on the device, the host not waiting (Pattern.validate)
+            entry.validate(op, crow, col, source=None if given[0] is crow else given)
     if val.requires_grad and torch.is_grad_enabled():
         return CSRMatrix(crow, col, val, size)  # linked to val's graph (_FromParts)
     return CSRMatrix._wrap(crow, col, val, size)  # the parts checked above

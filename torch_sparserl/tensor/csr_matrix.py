@@ -383,11 +383,15 @@ def indices_of(A: CSRMatrix, op: str) -> tuple[Tensor, Tensor]:
     """``(crow, col)`` of ``A`` as its pattern validated them (:meth:`Pattern.indices`; ``op``
     names the caller in a validation error) in eager code, so that every use of a matrix reads
     the same checked indices; its parts while tracing. The library's own tensors: read them,
-    never write them or hand them to a caller (clone them first)."""
+    never write them or hand them to a caller (clone them first). A CUDA pattern whose device
+    check has not come back is waited for (its verdict raised): unlike the products, what these
+    indices feed is not poisoned should the check fail."""
     if torch.compiler.is_compiling() or is_fake(A._col):
         return A._crow, A._col
     entry = patterns.lookup(A._crow, A._col, A.shape[1])
     entry.validate(op, A._crow, A._col)
+    if entry.check is not None:
+        entry.settle(block=True)
     return entry.indices(A._crow, A._col)
 
 

@@ -1,0 +1,152 @@
+"""CUDA indices checked on their device: intake and first products make no synchronizing call, bad
+indices give NaN and then a named error, never a read out of bounds, under a CUDA graph too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_sparserl as ts
+from torch_sparserl import pattern as patterns
+from torch_sparserl.config import JitOptions
+from torch_sparserl.dtypes import assert_close_to_reference
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+
+from helpers import make_pattern, ref_spmm, ref_spmm_transposed, to_parts
+
+
+@pytest.fixture(autouse=True)
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    """A background runtime that decides cuSPARSE for everything (no kernel build in these tests)."""
+    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
+                         specializer=lambda key, crow, col, ncols: CacheEntry(key, None, reason="the test's: cuSPARSE"))
+    previous = rt.set_active(runtime)
+    yield runtime
+    rt.set_active(previous)
+    runtime.close()
+
+
+def _cuda_parts(seed, dtype=torch.float32):
+    M = make_pattern("random", seed=seed)
+    return M, to_parts(M, dtype, torch.int32, "cuda")
+
+
+class _NoSync:
+    """``torch.cuda.set_sync_debug_mode("error")`` for the block: a synchronizing call raises."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("source", ["torch csr", "parts"])
+def test_intake_and_first_products_of_cuda_indices_wait_for_nothing(runtime, source):
+    M, (crow, col, val) = _cuda_parts(seed=11)
+    ts.csr((crow.clone(), col.clone(), val), M.shape) @ torch.randn(M.shape[1], 4, device="cuda")  # process warm-up
+    runtime.wait()
+    X = torch.randn(M.shape[1], 16, device="cuda")
+    x = torch.randn(M.shape[1], device="cuda")
+    G = torch.randn(M.shape[0], 16, device="cuda")
+    with _NoSync():
+        data = (torch.sparse_csr_tensor(crow, col, val, M.shape, check_invariants=False) if source == "torch csr"
+                else (crow, col, val))
+        A = ts.csr(data, M.shape if source == "parts" else None)
+        Y, y, Z = A @ X, A @ x, G.T @ A
+    torch.cuda.synchronize()
+    assert_close_to_reference(Y.cpu(), ref_spmm(crow, col, val, M.shape[1], X), torch.float32)
+    assert_close_to_reference(y.cpu(), ref_spmm(crow, col, val, M.shape[1], x.unsqueeze(1)).squeeze(1), torch.float32)
+    assert_close_to_reference(Z.T.cpu(), ref_spmm_transposed(crow, col, val, M.shape[1], G), torch.float32)
+    assert patterns.lookup(A._crow, A._col, M.shape[1]).settle()
+    runtime.wait()
+
+
+def test_a_training_step_on_a_new_cuda_matrix_waits_for_nothing(runtime):
+    M, (crow, col, val) = _cuda_parts(seed=12)
+    W = torch.randn(M.shape[1], 8, device="cuda", requires_grad=True)
+    ts.csr((crow.clone(), col.clone(), val), M.shape) @ W.detach()  # process warm-up
+    weights = val.clone().requires_grad_()
+    with _NoSync():
+        A = ts.csr((crow, col, weights), M.shape)
+        loss = (A @ W).square().sum()
+        loss.backward()
+    torch.cuda.synchronize()
+    assert torch.isfinite(W.grad).all() and torch.isfinite(weights.grad).all()
+    runtime.wait()
+
+
+@pytest.mark.parametrize("where", ["col", "crow"])
+def test_bad_cuda_indices_give_nan_then_the_named_error(runtime, where):
+    M, (crow, col, val) = _cuda_parts(seed=13)
+    crow, col = crow.clone(), col.clone()
+    if where == "col":
+        col[5] = M.shape[1] + 10**6  # far out: an unchecked read would fault
+        message = rf"^torch_sparserl\.csr: col must be < ncols = {M.shape[1]} \(got col\[5\]"
+    else:
+        crow[3] = 10**7
+        message = r"^torch_sparserl\.csr: crow must be non-decreasing"
+    with _NoSync():
+        A = ts.csr((crow, col, val), M.shape)
+        first = A @ torch.randn(M.shape[1], 8, device="cuda")
+    torch.cuda.synchronize()  # the device ran the check, and no kernel faulted
+    assert first.isnan().all()
+    with pytest.raises(ValueError, match=message):
+        A @ torch.randn(M.shape[1], 8, device="cuda")
+    with pytest.raises(ValueError, match=r"must be"):
+        A.to_dense()
+    runtime.wait()
+
+
+def test_the_operator_on_bad_cuda_tensors_names_the_entry(runtime):
+    M, (crow, col, val) = _cuda_parts(seed=14)
+    col = col.clone()
+    col[0] = -1
+    X = torch.randn(M.shape[1], 8, device="cuda")
+    first = torch.ops.sparserl.spmm(crow, col, val, M.shape[1], X)
+    torch.cuda.synchronize()
+    assert first.isnan().all()
+    with pytest.raises(ValueError, match=r"^sparserl\.spmm: col must be >= 0 \(got col\[0\] = -1\)"):
+        torch.ops.sparserl.spmm(crow, col, val, M.shape[1], X)
+
+
+def test_under_a_cuda_graph_a_new_matrix_is_refused_and_a_pending_check_stays_poisoned(runtime):
+    M, (crow, col, val) = _cuda_parts(seed=15)
+    X = torch.randn(M.shape[1], 8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"first used while a CUDA graph is captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            ts.csr((crow, col, val), M.shape) @ X
+    torch.cuda.synchronize()
+    bad = col.clone()
+    bad[1] = M.shape[1]
+    A = ts.csr((crow, bad, val), M.shape)  # checked on the device: the capture below does not ask the event
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        static = A @ X
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert static.isnan().all()  # every replay of a product made before the verdict is poisoned
+    with pytest.raises(ValueError, match=r"col must be < ncols"):
+        A @ X
+
+
+def test_good_cuda_indices_keep_their_results_exact_in_every_dtype(runtime):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        M, (crow, col, val) = _cuda_parts(seed=16, dtype=dtype)
+        A = ts.csr(torch.sparse_csr_tensor(crow, col, val, M.shape, check_invariants=False))
+        X = torch.randn(M.shape[1], 32, device="cuda", dtype=dtype)
+        for _ in range(3):
+            out = A @ X
+        want = ref_spmm(crow, col, val, M.shape[1], X)
+        assert_close_to_reference(out.cpu(), torch.from_numpy(np.asarray(want)), dtype)
+    runtime.wait()
