@@ -110,6 +110,7 @@ def test_padding_keeps_a_valid_csr_with_the_real_rows_first(batches):
         assert all(np.array_equal(getattr(again, f), getattr(batch, f)) for f in ("nodes", "crow", "col"))
         assert buckets.pad(padded).nnz == padded.nnz  # padded again from its real part
     assert len(shapes) <= 3 < len({(b.nodes.size, b.nnz) for b in batches})
+    assert Buckets.fit(map(buckets.pad, batches), count=3).sizes == buckets.sizes  # fitted on the real sizes
 
 
 def test_int64_batches_pad_to_int32_where_the_bucket_fits():
@@ -146,8 +147,8 @@ def test_the_real_rows_of_the_products_are_the_unpadded_ones(batches, values, po
         G = torch.randn(n, 6, generator=g)
         G_pad = torch.cat([G, torch.full((rows - n, 6), float("nan"))])
         assert torch.equal((A_pad.t() @ G_pad)[:n], A.t() @ G)
-        assert_close_to_reference((A_pad.t() @ G_pad)[:n],
-                                  torch.from_numpy(_float64(batch.adjacency(values).T.tocsr(), G.numpy())), torch.float32)
+        transposed = torch.from_numpy(_float64(batch.adjacency(values).T.tocsr(), G.numpy()))
+        assert_close_to_reference((A_pad.t() @ G_pad)[:n], transposed, torch.float32)
         # finite padding rows: the padding block multiplies by zeros
         X_fin = torch.cat([X, torch.randn(rows - n, 6, generator=g)])
         assert torch.all((A_pad @ X_fin)[n:] == 0)

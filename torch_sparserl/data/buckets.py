@@ -111,14 +111,17 @@ class Buckets:
         products), and rows follow nonzeros closely in sampled subgraphs. Batches of a fixed seed
         count differ by a few percent, but for the last, smaller one: 2 to 4 buckets leave a few
         percent of padding. Over more than 2048 distinct nonzero counts, group boundaries are
-        taken from 2048 evenly spaced ranks (near the least padding, not always at it).
-        ``oversize`` and ``growth``: as in :class:`Buckets`.
+        taken from 2048 evenly spaced ranks (near the least padding, not always at it). A
+        :class:`PaddedBatch` counts with its real size. ``oversize`` and ``growth``: as in
+        :class:`Buckets`.
         """
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
             raise ValueError(f"Buckets.fit: count must be a whole number >= 1 (got {count!r})")
         rows, nnz = [], []
         for number, batch in enumerate(batches):
             _check_batch("Buckets.fit", batch, f"batches[{number}]")
+            if isinstance(batch, PaddedBatch):  # its real part, the one pad() pads
+                batch = batch.unpadded()
             rows.append(batch.nodes.size)
             nnz.append(batch.nnz)
         if not rows:
