@@ -11,7 +11,8 @@ drift of the host's speed over the run reaches them alike:
 * ``torch`` — ``torch.sparse.mm`` on a ``torch.sparse_csr`` tensor (cuSPARSE);
 * ``sparserl`` — ``ts.csr(A_i, device=...) @ X`` in eager code (the indices checked on the host),
   at the runtime's settings (``--admit-calls``);
-* ``sparserl_compiled`` — the same model under ``torch.compile(backend="sparserl", dynamic=True)``;
+* ``sparserl_compiled`` — the same model under ``torch.compile(backend="sparserl", dynamic=True)``
+  (``dynamic=False`` with ``--buckets``: below);
 * ``sparserl_classes`` — ``sparserl`` with class kernels on (``jit.class_after``, ``--class-after``):
   after that many young patterns of a class, one kernel decided in the background serves the
   class's new patterns (``torch_sparserl.jit.classes``);
@@ -25,9 +26,19 @@ per-pattern host work in the sparserl ways (``ts.csr``, its index check, the tra
 backward, the runtime's call, the vendor product's Python path, the C++ recording), in host ms per step
 of the last epoch; its wrappers add a microsecond or so per call to the epochs.
 
+``--buckets K`` pads every batch to one of K sizes (``torch_sparserl.data.buckets``: the K sizes that
+pad the epoch's batches with the fewest nonzeros), for every way alike: the padding rows gather the
+batch's first node, the padding entries (value 0) lie in the padding rows and columns only, and the
+loss is over the seed rows as before, so the losses are the unpadded run's within float32 rounding.
+``sparserl_compiled`` then compiles with ``dynamic=False``: an epoch shows at most K shapes, each
+compiled once with every size static (what per-shape CUDA graph capture needs), where
+``dynamic=True`` would pay the padding for shapes it does not need. The report gives the padding's
+overhead: padded rows and nonzeros over the real ones, over the epoch.
+
     python benchmarks/bench_minibatch.py --graph dblp-2010 --out benchmarks/results/
     python benchmarks/bench_minibatch.py --graph rmat:scale=22,edge_factor=16 --epochs 2 --batches 300
     python benchmarks/bench_minibatch.py --graph cora --device cpu --epochs 2 --batches 3 --out /tmp/m.json
+    python benchmarks/bench_minibatch.py --graph dblp-2010 --buckets 3 --ways torch,sparserl,sparserl_compiled
 """
 
 from __future__ import annotations
@@ -186,8 +197,10 @@ class WayRun:
             self.error = f"{type(exc).__name__}: {exc}"
             return
         self.model = model.to(self.device)
-        self.step = torch.compile(self.model, backend="sparserl", dynamic=True) if way == "sparserl_compiled" \
-            else self.model
+        self.buckets = getattr(args, "buckets", 0)
+        # padded to buckets, the shapes repeat: each compiled static, once (see the module's docstring)
+        self.step = torch.compile(self.model, backend="sparserl", dynamic=not self.buckets) \
+            if way == "sparserl_compiled" else self.model
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
 
     def epoch(self) -> None:
@@ -210,7 +223,8 @@ class WayRun:
                 self.breakdown.reset()  # the last epoch's is reported
             started = time.perf_counter()
             losses = []
-            with self.breakdown if self.breakdown is not None else contextlib.nullcontext():
+            with self.breakdown if self.breakdown is not None else contextlib.nullcontext(), \
+                    recompiles_allowed(self.buckets):
                 if getattr(self.args, "prefetch", False):  # the next batch moved while this one trains
                     items = prefetch(self.batches, lambda b: (b, to_device(self.way, b, self.device)))
                 else:  # on the host, pinned, as a loader hands them over
@@ -260,6 +274,18 @@ def to_device(way: str, batch, device):
     else:  # checked on the host, sent without blocking
         A = ts.csr(batch.csr, shape, device=device)
     return nodes, A
+
+
+def recompiles_allowed(shapes: int):
+    """Dynamo's recompile limit raised to ``shapes`` (padded batches: one compile per bucket), so
+    that more buckets than its default limit (8) are compiled rather than run eagerly."""
+    import contextlib
+
+    import torch
+
+    if shapes <= torch._dynamo.config.recompile_limit:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(recompile_limit=shapes)
 
 
 def train_step(way: str, step, opt, batch, features, labels, device, moved=None):
@@ -332,6 +358,10 @@ def markdown(doc: dict) -> str:
              "compiles. "
              + ("Every way moved the next batch to the device on a background thread while the current one "
                 "trained (`--prefetch`). " if setup.get("prefetch") else "")
+             + (f"Every batch padded to one of {setup['buckets']} sizes (`--buckets`; rows, nonzeros: "
+                + ", ".join(f"{r}, {z}" for r, z in setup["padding"]["sizes"]) + "): padded rows / real rows "
+                f"{setup['padding']['rows']:.3f}, padded nonzeros / real nonzeros {setup['padding']['nnz']:.3f}; "
+                "sparserl_compiled compiled with static shapes. " if setup.get("buckets") else "")
              + "First epoch: the median over the rounds (each listed); steady: the median of the later epochs. "
              "The other columns are the first round's.", "",
              *tables.header(["way", "first epoch s", "first epochs s", "steady epoch s", "vs torch first / steady",
@@ -414,16 +444,22 @@ def main(argv=None) -> int:
                         help="the sparserl_classes way's jit.class_after (default: 16)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the library's per-pattern host work in the sparserl ways")
+    parser.add_argument("--buckets", type=int, default=0,
+                        help="pad every batch to one of this many sizes fitted on the epoch's batches, and compile "
+                             "sparserl_compiled with static shapes (default: 0, no padding)")
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     parser.add_argument("--out", default="benchmarks/results/", help="a .json file, or a folder for the default name")
     args = parser.parse_args(argv)
     ways = args.ways.split(",")
     if not set(ways) <= set(WAYS):
         parser.error(f"--ways: expected some of {','.join(WAYS)} (got {args.ways})")
+    if args.buckets < 0:
+        parser.error(f"--buckets: expected a count >= 0, 0 for none (got {args.buckets})")
 
     import numpy as np
     import torch
 
+    from torch_sparserl.data.buckets import Buckets
     from torch_sparserl.data.sampling import neighbor_batches
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -431,7 +467,14 @@ def main(argv=None) -> int:
     A = ((A + A.T) > 0).astype(np.float32).tocsr()  # neighbours both ways
     fanouts = [int(f) for f in args.fanouts.split(",")]
     sampled = list(neighbor_batches(A, args.batch_size, fanouts, seed=0, limit=args.batches))
-    batches = [PreparedBatch(b, args.device) for b in sampled]
+    trained, padding = sampled, None
+    if args.buckets:  # every way trains on the same padded batches
+        buckets = Buckets.fit(sampled, count=args.buckets)
+        trained = [buckets.pad(b) for b in sampled]
+        padding = {"sizes": [list(size) for size in buckets.sizes],
+                   "rows": sum(b.nodes.size for b in trained) / sum(b.nodes.size for b in sampled),
+                   "nnz": sum(b.nnz for b in trained) / max(1, sum(b.nnz for b in sampled))}
+    batches = [PreparedBatch(b, args.device) for b in trained]
     g = torch.Generator().manual_seed(0)
     features = torch.randn(A.shape[0], args.features, generator=g).to(args.device)
     labels = torch.randint(0, args.classes, (A.shape[0],), generator=g).to(args.device)
@@ -448,7 +491,8 @@ def main(argv=None) -> int:
                      "fanouts": fanouts, "hidden": args.hidden, "epochs": args.epochs, "batches": len(batches),
                      "mean_rows": float(np.mean([b.nodes.size for b in sampled])),
                      "mean_nnz": float(np.mean([b.nnz for b in sampled])), "device": args.device,
-                     "warmup_steps": len(batches), "rounds": args.rounds, "prefetch": args.prefetch},
+                     "warmup_steps": len(batches), "rounds": args.rounds, "prefetch": args.prefetch,
+                     "buckets": args.buckets, "padding": padding},
            "ways": {}}
     warm_up(batches, features, labels, model0, args.device)
     for round_number in range(args.rounds):  # each round from fresh runtimes, caches, weights and compiles

@@ -472,6 +472,43 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
         assert prefetched["ways"][way]["losses"] == doc["ways"][way]["losses"]
 
 
+def test_bench_minibatch_buckets_repeat_the_shapes_and_keep_the_losses(tmp_path):
+    """--buckets 3: every way trains on batches padded to at most 3 sizes, with the losses of the
+    unpadded batches (the loss over the seed rows only); the compiled way, static, compiles one
+    graph per bucket where the 6 batches have 6 sizes; the report gives the padding's overhead."""
+    import torch
+
+    from torch_sparserl.dtypes import tolerance
+
+    bench = load_benchmark("bench_minibatch")
+    common = ["--graph", "cora", "--device", "cpu", "--epochs", "2", "--batches", "6", "--batch-size", "96",
+              "--hidden", "16", "--features", "8", "--ways", "torch,sparserl,sparserl_compiled"]
+    plain, padded = tmp_path / "plain.json", tmp_path / "padded.json"
+    assert bench.main(common + ["--out", str(plain)]) == 0
+    assert bench.main(common + ["--buckets", "3", "--out", str(padded)]) == 0
+    plain, padded = json.loads(plain.read_text()), json.loads(padded.read_text())
+    tol = tolerance(torch.float32)
+    for way in ("torch", "sparserl", "sparserl_compiled"):
+        assert padded["ways"][way]["status"] == "ok"
+        np.testing.assert_allclose(padded["ways"][way]["losses"], plain["ways"][way]["losses"], rtol=tol.rtol,
+                                   atol=tol.atol)
+    setup = padded["setup"]
+    assert setup["buckets"] == 3 and plain["setup"]["buckets"] == 0 and plain["setup"]["padding"] is None
+    assert (setup["mean_rows"], setup["mean_nnz"]) == (plain["setup"]["mean_rows"], plain["setup"]["mean_nnz"])
+    sizes = setup["padding"]["sizes"]
+    assert len(sizes) == 3 and 1.0 < setup["padding"]["rows"] < 2.0 and 1.0 <= setup["padding"]["nnz"] < 2.0
+    assert padded["ways"]["sparserl_compiled"]["graphs"] == 3  # one static graph per bucket, over both epochs
+    text = (tmp_path / "padded.md").read_text()
+    assert (f"padded rows / real rows {setup['padding']['rows']:.3f}, padded nonzeros / real nonzeros "
+            f"{setup['padding']['nnz']:.3f}") in text and "compiled with static shapes" in text
+    assert "(`--buckets`" not in (tmp_path / "plain.md").read_text()
+    limit = torch._dynamo.config.recompile_limit
+    with bench.recompiles_allowed(limit + 5):  # more buckets than Dynamo recompiles by default: compiled too
+        assert torch._dynamo.config.recompile_limit == limit + 5
+    assert torch._dynamo.config.recompile_limit == limit
+    with pytest.raises(SystemExit):
+        bench.main(common + ["--buckets", "-1", "--out", str(tmp_path / "bad.json")])
+
 def test_bench_host_summary_and_markdown():
     host = load_benchmark("bench_host")
     cell = dict(n=32, correct=True, alloc=1.0, launch=1.0, empty=2.0)
