@@ -21,7 +21,8 @@ drift of the host's speed over the run reaches them alike:
 Per way: each epoch's wall time (the first includes compiles and decisions), the losses (equal
 across ways within float32 tolerance), the runtime's counters (decisions installed, calls
 before admission, decisions not queued), the kernel cache's entries and bytes on disk, and the
-process's resident memory growth over the way's epochs. ``--breakdown`` also times the library's
+process's resident memory growth over the way's epochs; on CUDA, per step, the steady wall time
+and the device time of one more, profiled epoch (``--no-profile`` skips it). ``--breakdown`` also times the library's
 per-pattern host work in the sparserl ways (``ts.csr``, its index check, the transpose for the
 backward, the runtime's call, the vendor product's Python path, the C++ recording), in host ms per step
 of the last epoch; its wrappers add a microsecond or so per call to the epochs.
@@ -55,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, load_graph, plots, results_path, rss_mb, tables, write_json_md  # noqa: E402
+from common import environment, load_graph, plots, results_path, rss_mb, tables, timing, write_json_md  # noqa: E402
 from common.gnn import PreparedBatch  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_minibatch/1"
@@ -190,6 +191,7 @@ class WayRun:
         self.runtime = rt.Runtime(rt.config.from_environment().jit.replace("bench_minibatch", **changes),
                                   cache=KernelCache(tempfile.mkdtemp(prefix=f"sparserl-minibatch-{way}-")))
         self.rss_growth, self.graphs = 0.0, 0  # over this way's epochs
+        self.gpu_ms_per_step: float | None = None  # profile()
         self.breakdown = HostBreakdown() if getattr(args, "breakdown", False) and way.startswith("sparserl") else None
         try:
             model = pyg_model(model0) if way == "pyg" else copy.deepcopy(model0)
@@ -203,8 +205,9 @@ class WayRun:
             if way == "sparserl_compiled" else self.model
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
 
-    def epoch(self) -> None:
-        """One epoch over every batch, timed from a synchronized device to a synchronized device."""
+    def epoch(self, record: bool = True) -> None:
+        """One epoch over every batch, timed from a synchronized device to a synchronized device;
+        its time and losses recorded unless ``record`` is false (the profiled epoch)."""
         import contextlib
 
         import torch
@@ -234,12 +237,19 @@ class WayRun:
                                              self.device, moved))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            self.epochs.append(time.perf_counter() - started)
-            self.losses.append([float(v) for v in torch.stack(losses).cpu()])
+            if record:
+                self.epochs.append(time.perf_counter() - started)
+                self.losses.append([float(v) for v in torch.stack(losses).cpu()])
         finally:
             rt.set_active(previous)
             self.rss_growth += rss_mb() - rss0
             self.graphs += torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs0
+
+    def profile(self) -> None:
+        """The device time of one more epoch (the profiler's; none on the CPU), per step."""
+        if self.error is None:
+            device_ms = timing.device_ms(lambda: self.epoch(record=False), self.device)
+            self.gpu_ms_per_step = None if device_ms is None else device_ms / len(self.batches)
 
     def finish(self) -> dict:
         """The way's result; closes its runtime."""
@@ -252,7 +262,7 @@ class WayRun:
                        for key, what in self.runtime.classes()]
             return {"status": "ok", "epoch_s": self.epochs, "losses": self.losses, "runtime": stats, "classes": decided,
                     "cache_entries": len(entries), "cache_bytes": sum(p.stat().st_size for p in entries),
-                    "rss_growth_mb": self.rss_growth, "graphs": self.graphs,
+                    "rss_growth_mb": self.rss_growth, "graphs": self.graphs, "gpu_ms_per_step": self.gpu_ms_per_step,
                     "host_ms_per_step": self.breakdown.per_step(len(self.batches)) if self.breakdown is not None
                     else None}
         finally:
@@ -332,9 +342,15 @@ def summary(doc: dict) -> list[dict]:
         later = [t for epochs in rounds for t in epochs[1:]]
         flat = [v for epoch in result["losses"] for v in epoch]
         ref = [v for epoch in reference for v in epoch]
+        steady = statistics.median(later) if later else None
+        steps = doc["setup"]["batches"]
+        gpu_ms = result.get("gpu_ms_per_step")
         rows.append({"way": way, "status": "ok", "first_epoch_s": statistics.median(e[0] for e in rounds),
                      "first_epochs_s": [e[0] for e in rounds],
-                     "steady_epoch_s": statistics.median(later) if later else None,
+                     "steady_epoch_s": steady,
+                     "steady_step_ms": None if steady is None else steady * 1e3 / steps,
+                     "gpu_step_ms": gpu_ms,
+                     "wall_over_gpu": None if steady is None or not gpu_ms else steady * 1e3 / steps / gpu_ms,
                      "loss_max_diff": max(abs(a - b) for a, b in zip(flat, ref)),
                      "installs": result["runtime"].get("installs", 0),
                      "unadmitted_calls": result["runtime"].get("unadmitted_calls", 0)
@@ -362,15 +378,18 @@ def markdown(doc: dict) -> str:
                 + ", ".join(f"{r}, {z}" for r, z in setup["padding"]["sizes"]) + "): padded rows / real rows "
                 f"{setup['padding']['rows']:.3f}, padded nonzeros / real nonzeros {setup['padding']['nnz']:.3f}; "
                 "sparserl_compiled compiled with static shapes. " if setup.get("buckets") else "")
-             + "First epoch: the median over the rounds (each listed); steady: the median of the later epochs. "
+             + "First epoch: the median over the rounds (each listed); steady: the median of the later epochs; "
+             "GPU ms per step: the device time of one more, profiled epoch (the profiler's kernels, copies and "
+             "memsets, summed), and wall / GPU the steady step's wall time over it (1 where the host keeps up). "
              "The other columns are the first round's.", "",
              *tables.header(["way", "first epoch s", "first epochs s", "steady epoch s", "vs torch first / steady",
+                             "steady step ms", "GPU ms per step", "wall / GPU",
                              "loss diff", "kernels", "calls before admission", "calls by class kernels", "not queued",
-                             "cache entries (kB)", "RSS growth MB", "graphs compiled"], "lrlrlrrrrrrrr")]
+                             "cache entries (kB)", "RSS growth MB", "graphs compiled"], "lrlrlrrrrrrrrrrr")]
     torch_row = next((r for r in doc["summary"] if r["way"] == "torch" and r["status"] == "ok"), None)
     for row in doc["summary"]:
         if row["status"] != "ok":
-            lines.append(f"| {row['way']} | {row['status']}: {html.escape(str(row.get('error'))[:80])} |||||||||||| ")
+            lines.append(f"| {row['way']} | {row['status']}: {html.escape(str(row.get('error'))[:80])} ||||||||||||||| ")
             continue
         steady = "–" if row["steady_epoch_s"] is None else f"{row['steady_epoch_s']:.3f}"
         firsts = ", ".join(f"{t:.3f}" for t in row.get("first_epochs_s", [row["first_epoch_s"]]))
@@ -379,7 +398,9 @@ def markdown(doc: dict) -> str:
             versus = f"{torch_row['first_epoch_s'] / row['first_epoch_s']:.2f}× / " + (
                 f"{torch_row['steady_epoch_s'] / row['steady_epoch_s']:.2f}×" if row["steady_epoch_s"]
                 and torch_row["steady_epoch_s"] else "–")
-        lines.append(tables.row([row["way"], f"{row['first_epoch_s']:.3f}", firsts, steady, versus,
+        step = [("–" if row.get(key) is None else f"{row[key]:{form}}")
+                for key, form in (("steady_step_ms", ".3f"), ("gpu_step_ms", ".3f"), ("wall_over_gpu", ".2f"))]
+        lines.append(tables.row([row["way"], f"{row['first_epoch_s']:.3f}", firsts, steady, versus, *step,
                                  f"{row['loss_max_diff']:.1e}", row["installs"], row["unadmitted_calls"],
                                  row.get("class_calls", 0), row["dropped"],
                                  f"{row['cache_entries']} ({row['cache_kb']:.0f})", f"{row['rss_growth_mb']:.0f}",
@@ -447,6 +468,8 @@ def main(argv=None) -> int:
     parser.add_argument("--buckets", type=int, default=0,
                         help="pad every batch to one of this many sizes fitted on the epoch's batches, and compile "
                              "sparserl_compiled with static shapes (default: 0, no padding)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip the extra profiled epoch per way that gives its device time per step (CUDA)")
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     parser.add_argument("--out", default="benchmarks/results/", help="a .json file, or a folder for the default name")
     args = parser.parse_args(argv)
@@ -501,6 +524,9 @@ def main(argv=None) -> int:
         for _ in range(args.epochs):  # epoch e of every way, then epoch e + 1 of every way
             for run in runs:
                 run.epoch()
+        if round_number == 0 and args.profile:
+            for run in runs:
+                run.profile()
         for run in runs:
             result = run.finish()
             if round_number == 0:

@@ -5,6 +5,7 @@
   training loop sees them;
 * :func:`host_us` — host microseconds of issuing calls, no synchronization inside the loop;
 * :func:`gpu_us` — device microseconds per call of everything a call launches (profiler);
+* :func:`device_ms` — the same for one call of a longer run (an epoch), None off CUDA;
 * :func:`wall_us` — wall time per call of a loop, the median of repeated loops, on any device;
 * :func:`kernel_us` — a kernel alone as the evaluator times candidates: CUDA events, the L2
   flushed and the GPU kept busy before each run.
@@ -47,18 +48,34 @@ def host_us(fn: Callable[[], object], calls: int = HOST_CALLS, repeats: int = 5)
 def gpu_us(fn: Callable[[], object], calls: int = 20) -> float:
     """Device microseconds per call of everything ``fn`` launches (kernels, memsets, copies),
     from the profiler over ``calls`` calls after one untimed call (CUDA)."""
+    fn()
+    return _device_us(fn, calls) / calls
+
+
+def device_ms(fn: Callable[[], object], device) -> float | None:
+    """Device milliseconds of everything one call of ``fn`` launches (kernels, memsets, copies,
+    summed; the profiler), with no untimed call first: for a whole epoch or step sequence that
+    cannot be repeated as it was. None where ``device`` is not CUDA (there is no device time to
+    tell apart from the host's)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    return _device_us(fn, 1) / 1e3
+
+
+def _device_us(fn: Callable[[], object], calls: int) -> float:
+    """Device microseconds of ``calls`` calls of ``fn`` in all (the profiler's CUDA activity)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
-                and not e.key.startswith("ProfilerStep"))
-    return total / calls
+    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
+               and not e.key.startswith("ProfilerStep"))
 
 
 def wall_us(fn: Callable[[], object], *, calls: int = 1, repeats: int, warmup: int = 1, device=None) -> float:

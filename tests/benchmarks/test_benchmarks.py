@@ -446,6 +446,10 @@ def test_bench_minibatch_trains_every_way_on_the_same_batches(tmp_path):
     assert doc["setup"]["warmup_steps"] == 3  # an epoch of torch's way, untimed, before the first way
     assert all(len(doc["ways"][w]["rounds_epoch_s"]) == 2 for w in rows)  # fresh runtimes each round
     assert all(r["first_epoch_s"] == statistics.median(r["first_epochs_s"]) for r in rows.values())
+    # per step: the steady wall time; the device time is the profiler's on CUDA only
+    assert all(r["steady_step_ms"] == pytest.approx(r["steady_epoch_s"] * 1e3 / 3) for r in rows.values())
+    assert all(r["gpu_step_ms"] is None and r["wall_over_gpu"] is None for r in rows.values())
+    assert all(len(doc["ways"][w]["losses"]) == 2 for w in rows)  # the profiled epoch is not recorded
     text = out.with_suffix(".md").read_text()
     assert "| sparserl_compiled |" in text and "after 3 untimed steps of torch's way" in text
     assert "in 2 round(s)" in text and "| 1.00× / 1.00× |" in text  # torch against itself
