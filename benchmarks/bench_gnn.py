@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (cuda_available, emit_markdown, environment, fmt, geomean, matrix_list, plots,  # noqa: E402
                     tables, write_json_md)
-from common.gnn import (BOUND_WAYS, CLASSES, EXTRA_WAYS, FEATURES, SPARSERL_WAYS, WAYS, build_task,  # noqa: E402
-                        epoch_fn, fresh_copy, prepare_graph, reset_compiled, sync)
+from common.gnn import (BOUND_WAYS, CAPTURED_WAYS, CLASSES, EXTRA_WAYS, FEATURES, SPARSERL_WAYS, WAYS,  # noqa: E402
+                        build_task, epoch_fn, fresh_copy, prepare_graph, reset_compiled, sync)
 
 SCHEMA = "torch_sparserl.bench_gnn/1"
 GRAPHS = ["pubmed", "dblp-2010", "fb100_Cornell5", "uk-2007-05_100000", "rmat:scale=22,edge_factor=16"]
@@ -69,12 +69,13 @@ LOSS_RTOL = 1e-3  # fp32 with different summation orders, over 20 Adam steps
 # ----------------------------------------------------------------------- training
 
 
-def start_training(task, params, device, min_chunk_s: float) -> tuple[dict, object]:
+def start_training(task, params, device, min_chunk_s: float, capture: bool = False) -> tuple[dict, object]:
     """20 epochs with their losses (the first timed alone: compilation, JIT), then one more
-    timed epoch to size the way's chunks. Returns the result so far and the epoch function."""
+    timed epoch to size the way's chunks. Returns the result so far and the epoch function.
+    ``capture``: epochs through ``ts.capture_step`` (:func:`common.gnn.epoch_fn`)."""
     import torch
 
-    epoch = epoch_fn(task, params)
+    epoch = epoch_fn(task, params, capture=capture)
     sync(device)
     start = time.perf_counter()
     losses = [epoch()]
@@ -160,7 +161,8 @@ def run_row(ways: list[str], model_name, hidden, graph, device, args) -> dict:
                 passes.REPORTS.clear()  # what an earlier way compiled is not this way's
             try:
                 task = build_task(way, model_name, hidden, graph, device, args)
-                results[way], epochs[way] = start_training(task, list(task.parameters()), device, args.min_chunk_s)
+                results[way], epochs[way] = start_training(task, list(task.parameters()), device, args.min_chunk_s,
+                                                           capture=way in CAPTURED_WAYS)
             except Exception as exc:  # noqa: BLE001 - recorded, the row goes on
                 results[way] = _failed(exc)
                 epochs.pop(way, None)
@@ -312,6 +314,12 @@ def row_metrics(row: dict) -> dict:
         best = [ms[w] for w in ("inductor", "pyg") if w in ms]
         if best:
             out["cudagraphs_vs_best_other"] = min(best) / graphs["epoch_ms"]
+    captured = ways.get("sparserl_captured", {})
+    if captured.get("status") == "ok":
+        if "eager" in ms:
+            out["captured_vs_eager"] = ms["eager"] / captured["epoch_ms"]
+        if uncompiled.get("status") == "ok":
+            out["captured_vs_uncaptured"] = uncompiled["epoch_ms"] / captured["epoch_ms"]
     bound = ways.get("bound_inductor", {})
     if bound.get("status") == "ok" and "eager" in ms:
         out["bound_vs_eager"] = ms["eager"] / bound["epoch_ms"]
@@ -459,6 +467,18 @@ def markdown(doc: dict) -> str:
                      over_graphs(sel, "cudagraphs_vs_eager"), over_graphs(sel, "cudagraphs_vs_best_other")])
 
     lines += _way_section(
+        rows, "sparserl_captured",
+        "Whole step captured: sparserl_captured (the sparserl_eager model, each epoch replayed as one CUDA graph "
+        "by ts.capture_step, Adam capturable; eager on the CPU), timed in the same rounds, against eager "
+        "torch.sparse and against sparserl_eager (the same model and kernels, launched one by one):",
+        ["sparserl_captured ms", "vs eager", "vs sparserl_eager"], "rrr",
+        lambda r, m: [fmt(r["ways"]["sparserl_captured"].get("epoch_ms"), ".3f"),
+                      fmt(m.get("captured_vs_eager"), ".2f", "×") + _range(_bounds(r["ways"], "eager", "sparserl_captured")),
+                      fmt(m.get("captured_vs_uncaptured"), ".2f", "×")],
+        lambda sel: ["geometric mean over the graphs (each graph one mean)", "", "", "", "",
+                     over_graphs(sel, "captured_vs_eager"), over_graphs(sel, "captured_vs_uncaptured")])
+
+    lines += _way_section(
         rows, "bound_inductor",
         "The bound of a compiled way: bound_inductor is the model compiled by Inductor with the adjacency "
         "product taken out, what a compiled epoch would cost with free sparse products (Dynamo, AOTAutograd "
@@ -516,7 +536,7 @@ def save(doc: dict, path: Path) -> None:
 
 
 COMPARED = (("speedup_vs_eager", "sparserl vs eager"), ("speedup_vs_best_other", "sparserl vs best other"),
-            ("cudagraphs_vs_eager", "sparserl_cudagraphs vs eager"))
+            ("cudagraphs_vs_eager", "sparserl_cudagraphs vs eager"), ("captured_vs_eager", "sparserl_captured vs eager"))
 
 
 def compare(paths: list[Path]) -> str:

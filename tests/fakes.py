@@ -5,16 +5,45 @@ running them (:class:`FakeSandbox`)."""
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 
 import torch
 
 from torch_sparserl.evaluate.record import ErrorKind, EvalRecord, TransientFailure
-from torch_sparserl.jit.cache import CacheEntry
+from torch_sparserl.jit import runtime as rt
+from torch_sparserl.jit.cache import CacheEntry, KernelCache
+from torch_sparserl.specialize import families
 from torch_sparserl.specialize.autotune import FINAL_CONFIG
 
 # a source the cache accepts on a hit (the ABI's plan and kernel, device code only); the fake installer ignores it
 SOURCE = ('// sparserl: op=spmm dtype=f32 block=32 grid=1\n'
           'extern "C" __global__ void sparserl_kernel(const int* rowptr) {}\n')
+
+
+# What the fixed specializer installs for each op: families that render for every dtype and the
+# widths the GPU tests use; group_row stores each row once, so the fused epilogues have a kernel too.
+FIXED_FAMILIES = {"spmv": "rowchunks", "spmm": "group_row", "sddmm": "group_row"}
+
+
+def fixed_specializer(key, crow, col, ncols):
+    """Every key's kernel from :data:`FIXED_FAMILIES` with the family's defaults, no search: the
+    GPU tests named for specialized kernels use it, so that what serves them is an installed
+    kernel whatever a search would have decided (a search may rightly leave a product to cuSPARSE)."""
+    family = FIXED_FAMILIES[key.op]
+    spec = families.render(family, None, op=key.op, dtype=key.dtype, n=key.n)
+    return CacheEntry(key, spec.source, family=family, reason="chosen by the test")
+
+
+@contextmanager
+def using_runtime(settings, cache_root, **parts):
+    """A runtime active inside the block, closed after it; ``parts``: its specializer, installer."""
+    runtime = rt.Runtime(settings, cache=KernelCache(cache_root), **parts)
+    previous = rt.set_active(runtime)
+    try:
+        yield runtime
+    finally:
+        rt.set_active(previous)
+        runtime.close()
 
 
 class Fakes:

@@ -9,6 +9,8 @@ Three ways in, one runtime:
 * ``torch.compile(model, backend="sparserl")`` (found by name, no import needed) and
   :func:`compile`, which also converts sparse arguments and buffers to :class:`CSRMatrix`.
 
+:func:`capture_step` runs an eager training step on a fixed graph as one CUDA graph.
+
 The package is laid out in the pipeline's order: each stage is a folder that imports only from
 the stages above it in this list (``tests/repo/test_layout.py`` checks it, function-level imports
 included):
@@ -25,6 +27,7 @@ included):
     tensor/        CSRMatrix and csr(); raw torch.sparse_csr products routed to the operators
     compiler/      torch.compile: the sparserl backend, its passes, ts.compile
     integrations/  other libraries on the operators: PyTorch Geometric
+    train/         a whole training step as one CUDA graph (``ts.capture_step``)
     cli/           the sparserl command (python -m torch_sparserl); sparserl bench's measurements
 
 In the root: ``config`` (the settings tree, :mod:`torch_sparserl.config`) and ``dtypes`` (the
@@ -71,14 +74,14 @@ if not _started_as_the_command():
 
 config.warn_unknown_variables()  # a mistyped SPARSERL_* variable is named, not ignored
 
-__all__ = ["CSRMatrix", "compile", "config", "configure", "csr", "intercept_sparse", "list_matrices",
-           "load_matrix", "ops"]
+__all__ = ["CSRMatrix", "capture_step", "compile", "config", "configure", "csr", "intercept_sparse",
+           "list_matrices", "load_matrix", "ops"]
 
 # Loaded on first use: the tensor subclass imports torch._dynamo (seconds on some hosts), which
 # the sandbox's worker, a process of this package that never compiles, should not wait for.
 _LAZY = {"CSRMatrix": "tensor.csr_matrix", "csr": "tensor.construct", "compile": "compiler.convert",
          "list_matrices": "data.datasets", "load_matrix": "data.datasets", "ops": "ops",
-         "intercept_sparse": "tensor.intercept", "configure": "jit.runtime"}
+         "intercept_sparse": "tensor.intercept", "configure": "jit.runtime", "capture_step": "train.capture"}
 
 
 if TYPE_CHECKING:  # the lazy names, for type checkers and editors
@@ -89,6 +92,7 @@ if TYPE_CHECKING:  # the lazy names, for type checkers and editors
     from .tensor.construct import csr
     from .tensor.csr_matrix import CSRMatrix
     from .tensor.intercept import intercept_sparse
+    from .train.capture import capture_step
 
 
 def __getattr__(name: str):

@@ -30,14 +30,18 @@ WAYS = ["eager", "inductor", "pyg", "sparserl"]
 # sparserl way with options={"flatten_matrices": False} (the CSRMatrix reaches AOTAutograd as
 # a tensor subclass), to measure what the flattening is worth per epoch; and sparserl_python, the
 # sparserl way with options={"fast_path": False} (every product through its Python
-# implementation: sparserl_direct), to measure what the C++ fast path is worth per epoch
+# implementation: sparserl_direct), to measure what the C++ fast path is worth per epoch; and
+# sparserl_captured, the sparserl_eager model with its whole epoch (forward, loss, backward, a
+# capturable Adam's step) replayed as one CUDA graph by ts.capture_step: no compiler (on the CPU
+# the step runs eagerly)
 EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass", "sparserl_python",
-              "bound_inductor"]
+              "sparserl_captured", "bound_inductor"]
 WAY_OPTIONS = {"sparserl_fused": {"fuse_epilogues": True}, "sparserl_subclass": {"flatten_matrices": False},
                "sparserl_python": {"fast_path": False}}
 BOUND_WAYS = ("bound_inductor",)  # not the same computation: no loss comparison
 SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass",
-                 "sparserl_python")
+                 "sparserl_python", "sparserl_captured")
+CAPTURED_WAYS = ("sparserl_captured",)  # epochs through ts.capture_step (epoch_fn's capture)
 COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "sparserl_subclass",
                  "sparserl_python", "bound_inductor")
 
@@ -203,14 +207,31 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def epoch_fn(task, params=None):
+def epoch_fn(task, params=None, capture: bool = False):
     """One training epoch of ``task`` with Adam (lr 0.01) as a function returning the loss.
 
     CUDA graphs (``--mode reduce-overhead``) reuse their outputs' memory on the next replay:
-    each epoch is marked a new step and returns a copy of the loss."""
+    each epoch is marked a new step and returns a copy of the loss. ``capture``: the epoch is
+    replayed as one CUDA graph by ``ts.capture_step`` (Adam capturable on a GPU), whose loss is
+    copied out of the graph's memory; on the CPU it runs eagerly."""
     import torch
 
-    opt = torch.optim.Adam(list(task.parameters()) if params is None else params, lr=0.01)
+    params = list(task.parameters()) if params is None else params
+    if capture:
+        import torch_sparserl as ts
+
+        opt = torch.optim.Adam(params, lr=0.01, capturable=params[0].is_cuda)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = task()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        captured = ts.capture_step(step)
+        return lambda: captured().clone()
+    opt = torch.optim.Adam(params, lr=0.01)
 
     def epoch():
         torch.compiler.cudagraph_mark_step_begin()

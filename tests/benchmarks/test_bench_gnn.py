@@ -111,7 +111,7 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse
     assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
                        "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,sparserl_cudagraphs,sparserl_subclass,sparserl_python,"
-                       "bound_inductor",
+                       "sparserl_captured,bound_inductor",
                        "--chunks", "1",
                        "--min-chunk-s", "0.01",
                        "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
@@ -132,6 +132,11 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     assert row["flatten_speedup"] > 0 and "Flattened CSRMatrix inputs" in md
     # every product through Python (fast_path off), against the default
     assert row["fast_path_speedup"] > 0 and "C++ fast path" in md and row["losses_equal"]
+    # the whole epoch through ts.capture_step (eager on the CPU): its losses are in the comparison
+    captured = row["ways"]["sparserl_captured"]
+    assert captured["status"] == "ok" and len(captured["losses"]) == bench.LOSS_EPOCHS
+    assert captured["losses"] == pytest.approx(row["ways"]["sparserl_eager"]["losses"], rel=bench.LOSS_RTOL)
+    assert row["captured_vs_eager"] > 0 and row["captured_vs_uncaptured"] > 0 and "Whole step captured" in md
     with pytest.raises(SystemExit):
         bench.main(["--ways", "eager,fastest", "--out", str(tmp_path)])
 
@@ -214,15 +219,17 @@ def test_repeated_runs_are_compared(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_train_gcn_example_on_cpu(tmp_path, mode):
+@pytest.mark.parametrize("options", [["--mode", "default"], ["--mode", "reduce-overhead"], ["--capture"]])
+def test_train_gcn_example_on_cpu(tmp_path, options):
     """The user-facing example runs on the shipped cora in both compile modes (CUDA graphs are
-    skipped by Inductor on the CPU) and its two models end with the same loss."""
+    skipped by Inductor on the CPU) and with its step captured (run eagerly on the CPU), and its
+    two models end with the same loss."""
     env = {k: v for k, v in os.environ.items() if "TORCHINDUCTOR" not in k and not k.startswith("SPARSERL_CACHE")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["SPARSERL_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])  # this checkout's package
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gcn.py"), "--epochs", "4", "--hidden", "16",
-                             "--device", "cpu", "--mode", mode],
+                             "--device", "cpu", *options],
                             capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = result.stdout.splitlines()
@@ -230,5 +237,6 @@ def test_train_gcn_example_on_cpu(tmp_path, mode):
     # each phase says on stderr what it starts, and the epochs' progress
     assert "pyg: 4 epochs on PyG's default path" in result.stderr and "sparserl: epoch 4/4, " in result.stderr
     assert "sparserl: one eager forward" in result.stderr, result.stderr
+    assert ("ts.capture_step" in result.stderr) == (options == ["--capture"]), result.stderr
     diff = float(lines[2].split("differ by ")[1])
     assert diff < 1e-4, result.stdout

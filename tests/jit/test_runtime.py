@@ -12,7 +12,7 @@ import torch
 from torch_sparserl import pattern as patterns
 from torch_sparserl.evaluate.record import TransientFailure
 from torch_sparserl.jit.cache import KernelCache
-from torch_sparserl.jit.runtime import Runtime, SpecializationError
+from torch_sparserl.jit.runtime import Installed, Runtime, SpecializationError
 from torch_sparserl.config import JitOptions
 
 from fakes import SOURCE, Fakes
@@ -837,3 +837,44 @@ def test_the_runtime_module_keeps_the_hot_path_and_its_parts_live_apart():
     for name in ("Runtime", "JitOptions", "active", "active_or_none", "set_active", "configure", "Installed",
                  "Fallback", "Pending", "SpecializationError", "OPS", "settings_policy_id"):
         assert hasattr(rt, name), name
+
+
+def test_no_decision_starts_while_a_cuda_graph_is_captured(tmp_path, monkeypatch):
+    """A product first asked for inside a capture is served by the vendor and leaves no trace: no
+    Fallback for good, nothing queued; the next call outside the capture decides it."""
+    from torch_sparserl.jit import decide
+
+    for mode in ("sync", "background"):
+        runtime, fakes, A, crow, col, val, X = setup(tmp_path / mode, mode=mode, strict=True)
+        entry = patterns.lookup(crow, col, A.shape[1])
+        monkeypatch.setattr(decide, "capturing", lambda t: True)
+        assert call(runtime, A, crow, col, val, X) is None
+        assert runtime.state("spmm", entry, 8, torch.float32) is None and fakes.specialized == []
+        monkeypatch.undo()
+        call(runtime, A, crow, col, val, X)
+        runtime.wait(10)
+        torch.testing.assert_close(call(runtime, A, crow, col, val, X), expected(A, crow, col, val, X))
+        assert isinstance(runtime.state("spmm", entry, 8, torch.float32), Installed) and len(fakes.specialized) == 1
+        runtime.close()
+
+
+def test_the_epoch_moves_when_a_decision_lands_or_the_runtime_is_replaced_or_closed(tmp_path):
+    from torch_sparserl.jit import runtime as rt
+
+    gate = threading.Event()
+    runtime, fakes, A, crow, col, val, X = setup(tmp_path, mode="background", gate=gate)
+    call(runtime, A, crow, col, val, X)  # Pending: nothing a copy repeats changed yet
+    assert runtime.epoch == 0 and not runtime.closed
+    gate.set()
+    runtime.wait(10)
+    landed = runtime.epoch
+    assert landed > 0
+    previous = rt.set_active(runtime)
+    other = Runtime(JitOptions(mode="off"), devices=("cpu",))
+    rt.set_active(other)
+    assert runtime.epoch > landed
+    rt.set_active(previous)
+    other.close()
+    replaced = runtime.epoch
+    runtime.close()
+    assert runtime.closed and runtime.epoch > replaced

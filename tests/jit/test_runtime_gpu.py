@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.specialize import autotune, families
 from torch_sparserl.config import JitOptions
 
+from fakes import FIXED_FAMILIES, fixed_specializer as _fixed_specializer, using_runtime as _using
 from helpers import TESTS, UNSORTED_AND_DUPLICATE, make_unsorted_pattern, ref_sddmm, summed_product, to_parts
 
 
@@ -53,34 +53,8 @@ def jit(kernel_dir):
     runtime.close()
 
 
-@contextmanager
-def _using(settings: JitOptions, cache_root: Path, **parts):
-    """A runtime active inside the block; ``parts``: its specializer, installer."""
-    runtime = rt.Runtime(settings, cache=KernelCache(cache_root), **parts)
-    previous = rt.set_active(runtime)
-    try:
-        yield runtime
-    finally:
-        rt.set_active(previous)
-        runtime.close()
-
-
 def _reference(M, X: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(M.astype(np.float64) @ X.double().cpu().numpy()))
-
-
-# What the fixed specializer installs for each op: families that render for every dtype and the
-# widths used here; group_row stores each row once, so the fused epilogues have a kernel too.
-FIXED_FAMILIES = {"spmv": "rowchunks", "spmm": "group_row", "sddmm": "group_row"}
-
-
-def _fixed_specializer(key, crow, col, ncols):
-    """Every key's kernel from :data:`FIXED_FAMILIES` with the family's defaults, no search: the
-    tests named for specialized kernels use it, so that what serves them is an installed kernel
-    whatever a search would have decided (a search may rightly leave a product to cuSPARSE)."""
-    family = FIXED_FAMILIES[key.op]
-    spec = families.render(family, None, op=key.op, dtype=key.dtype, n=key.n)
-    return CacheEntry(key, spec.source, family=family, reason="chosen by the test")
 
 
 @pytest.fixture

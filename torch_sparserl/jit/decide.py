@@ -3,6 +3,8 @@
 A part of :class:`~torch_sparserl.jit.runtime.Runtime` (the :class:`Deciding` mixin). A call whose
 record has no state asks :meth:`~Deciding._resolve`, which admits it or not:
 
+* while its thread captures a CUDA graph (:func:`capturing`): not yet, nothing recorded (no
+  decision can run inside a capture; the next call outside it asks again);
 * outside the kernel ABI (:func:`outside_abi`): a decided ``Fallback`` at once;
 * before its ``admit_calls``-th call, while its pattern is younger than ``admit_age_s`` (its
   class's kernel may serve it: :mod:`~torch_sparserl.jit.classes`) or while ``queue``
@@ -60,6 +62,11 @@ def outside_abi(op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str | 
     return None
 
 
+def capturing(col: torch.Tensor) -> bool:
+    """Whether this thread is capturing a CUDA graph on ``col``'s device type (CUDA)."""
+    return col.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Deciding:
     """Admission and decisions of a :class:`~torch_sparserl.jit.runtime.Runtime` (a mixin)."""
 
@@ -100,6 +107,14 @@ class Deciding:
         while its pattern is younger than ``admit_age_s`` (background mode) and while ``queue``
         decisions wait (unless ``admitted``: compile time), not yet
         (:func:`~torch_sparserl.jit.decisions.not_yet`: cuSPARSE serves, the next call asks again)."""
+        if capturing(col):
+            # No decision starts inside a CUDA graph capture: none can run there (host copies,
+            # synchronizations), and one queued now would have the background thread do device
+            # work while the capture runs, which invalidates a capture in the global mode. Nothing
+            # is recorded, so the next call outside the capture asks again (a Fallback recorded
+            # here would serve cuSPARSE for good: capture_step warms up first, and re-captures
+            # once the decision lands).
+            return not_yet()
         if not admitted and self.young(pattern):
             served = self._class_state(op, n, pattern, crow, col, dtype) if self.settings.class_after else None
             if served is not None:
@@ -156,9 +171,6 @@ class Deciding:
         """Fingerprint, cache, and otherwise specialize: the decision for one record. The
         pattern's GPU is the current device throughout (a background thread would say cuda:0)."""
         with on_device(col):
-            if col.is_cuda and torch.cuda.is_current_stream_capturing():
-                return self._fallback(pattern, decision, None, "first asked for while a CUDA graph was being captured, "
-                                      "where no decision can run (warm the graph up first)", None)
             try:
                 pattern.settle(block=True)  # the host reads the indices below: only once they passed
             except ValueError as exc:  # the next product on the pattern raises it to the caller

@@ -15,7 +15,9 @@ that runs a product reads the same :class:`Decision` from it:
 A record's state is written in one place, :meth:`DecisionTable.set`. When a state that a
 copy may repeat is replaced (a ``Pending`` decision lands, an ``Installed`` kernel is
 replaced), the table calls its one invalidation hook, which the runtime points at the C++
-registry. Records die with their pattern (the table holds it weakly) or with their runtime.
+registry and at its :attr:`~torch_sparserl.jit.runtime.Runtime.epoch` (what a captured CUDA graph
+compares, :mod:`torch_sparserl.train.capture`). Records die with their pattern (the table holds
+it weakly) or with their runtime.
 
 The states:
 

@@ -109,6 +109,11 @@ class Runtime(Deciding, ClassKernels, FusedInstalls, Workers):
         self.devices = devices
         # one record per (pattern, op, n, dtype): what serves it, read by every door
         self._decisions = DecisionTable(_invalidator(self))
+        # Bumped by every invalidation (a pending decision landed, a kernel was replaced, the
+        # runtime closed or stopped being the active one): a copy of the decisions made when
+        # it had another value may be stale. One int: a captured step compares it per replay.
+        self.epoch = 0
+        self.closed = False  # close() ran
         self._lock = threading.RLock()  # reentrant: sync mode specializes inside _resolve
         self._specialize_lock = threading.Lock()  # one specialization at a time (one sandbox, one GPU)
         # calls served by a kernel / by cuSPARSE; kernels installed (from the cache or freshly
@@ -143,7 +148,10 @@ class Runtime(Deciding, ClassKernels, FusedInstalls, Workers):
     def invalidate(self) -> None:
         """The one invalidation hook: drop every copy of this runtime's decisions (the C++
         registry's entries), so that the next call reads the decision records again. Called when
-        a state a copy may repeat is replaced, and when the runtime stops being the active one."""
+        a state a copy may repeat is replaced, and when the runtime stops being the active one or
+        closes. Bumps :attr:`epoch`, which what copied the decisions elsewhere (the CUDA graph of
+        :func:`torch_sparserl.capture_step`) compares."""
+        self.epoch += 1
         fastpath.forget(self)
 
     @property
@@ -217,6 +225,14 @@ class Runtime(Deciding, ClassKernels, FusedInstalls, Workers):
         the eager path and the C++ fast path hold on to, to read its latest state."""
         return self._decisions.record(pattern, op, n, dtype)
 
+    def records(self) -> list[tuple[object, object]]:
+        """``(owner, record)`` for every record whose state may serve a product now: the decision
+        records of the live patterns (owner: the pattern) and the class records (owner: the
+        class's key, :mod:`~torch_sparserl.jit.classes`). What a CUDA graph captured now may
+        launch is among their states: :func:`torch_sparserl.capture_step` keeps those and their
+        patterns alive while its graph lives, and compares the states when :attr:`epoch` moves."""
+        return list(self._decisions.items()) + [(record.key, record) for record in self._classes.records()]
+
     def explain(self, op: str, pattern: Pattern, n: int, dtype: torch.dtype) -> str:
         return self.describe(self.state(op, pattern, n, dtype))
 
@@ -251,6 +267,7 @@ class Runtime(Deciding, ClassKernels, FusedInstalls, Workers):
 
     def close(self) -> None:
         """Stop the background thread and the specializer's worker process."""
+        self.closed = True
         self.invalidate()
         self._classes.clear()
         self._stop_workers()
