@@ -214,3 +214,18 @@ def test_an_empty_matrix_and_one_without_rows(device):
     with pytest.raises(ValueError, match=r"crow\[0\] must be 0"):  # no rows: checked at once
         ts.csr((torch.tensor([1]), torch.tensor([0]), torch.tensor([1.0])), (0, 3))
     assert np.array_equal(device.host_checks, ["torch_sparserl.csr"])
+
+
+def test_settling_every_pending_check_before_a_capture_reads_each_verdict_once(device):
+    M, crow, col, val = _matrix(seed=8)
+    good = ts.csr((crow, col, val), M.shape)
+    bad_col = col.clone()
+    bad_col[0] = -1
+    bad = ts.csr((crow, bad_col, val), M.shape)
+    patterns.settle_pending()
+    assert [event.waited for event in device.events] == [1, 1]
+    assert patterns.lookup(good._crow, good._col, M.shape[1]).check is None  # passed: captured products unpoisoned
+    with pytest.raises(ValueError, match=r"col must be >= 0"):  # failed: raised at the matrix's next use
+        bad @ torch.randn(M.shape[1], 2, dtype=torch.float64)
+    patterns.settle_pending()  # nothing left to wait for
+    assert [event.waited for event in device.events] == [1, 1]

@@ -150,3 +150,21 @@ def test_good_cuda_indices_keep_their_results_exact_in_every_dtype(runtime):
         want = ref_spmm(crow, col, val, M.shape[1], X)
         assert_close_to_reference(out.cpu(), torch.from_numpy(np.asarray(want)), dtype)
     runtime.wait()
+
+
+def test_a_step_captured_right_after_a_cuda_matrix_is_built_is_not_poisoned(runtime):
+    """capture_step reads every pending check's verdict before it captures: the graph's products
+    of indices that passed carry no NaN fill, and replay exactly."""
+    M, (crow, col, val) = _cuda_parts(seed=17)
+    A = ts.csr((crow, col, val), M.shape)
+    X = torch.randn(M.shape[1], 8, device="cuda")
+    step = ts.capture_step(lambda X: A @ X, warmup=1)
+    step(X)  # warm-up: possibly before the verdict
+    out = step(X)  # captured, then replayed
+    assert step.captured
+    assert patterns.lookup(A._crow, A._col, M.shape[1]).check is None
+    for seed in range(2):
+        X2 = torch.randn(M.shape[1], 8, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        out = step(X2)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out.cpu(), ref_spmm(crow, col, val, M.shape[1], X2), torch.float32)

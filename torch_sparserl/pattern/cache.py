@@ -180,6 +180,7 @@ class Pattern:
                 if source is not None:
                     source = (source[0], source[1], (_version(source[0]), _version(source[1])))
                 self.check = DeviceCheck(op, own_crow, own_col, self.ncols, source)
+                _PENDING.add(self)
             else:
                 check_csr_values(op, own_crow, own_col, self.ncols)
             self.validated = True
@@ -492,6 +493,21 @@ def staged(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
 def host_indices(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(crow, col)`` on the host, shared with the pattern's entry (:meth:`Pattern.host_indices`)."""
     return lookup(crow, col, ncols).host_indices(crow, col)
+
+
+_PENDING: "weakref.WeakSet[Pattern]" = weakref.WeakSet()  # patterns validated by a DeviceCheck not read yet
+
+
+def settle_pending() -> None:
+    """Read the verdict of every device check still out, waiting for the device where it has not
+    run one yet: before a CUDA graph capture, during which a check's event may not be asked
+    (:meth:`DeviceCheck.verdict`), so that the captured products of indices that passed are not
+    poisoned. Raises nothing: a pattern whose check failed raises at its next use."""
+    for entry in list(_PENDING):
+        check = entry.check
+        if check is not None and check.wait():
+            entry.check = None
+        _PENDING.discard(entry)
 
 
 def validated(crow, col, ncols) -> Pattern | None:

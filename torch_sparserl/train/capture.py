@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from ..jit.decisions import Installed, Pending
+from ..pattern import settle_pending
 from ..jit.runtime import active_or_none
 from ..tensor.csr_matrix import CSRMatrix
 
@@ -111,6 +112,7 @@ class CudaGraphs:
         evaluator, installs). In the thread-local mode only this thread's calls are checked; the
         background thread works on streams of its own, never on the capturing one."""
         with torch.cuda.device(device):
+            settle_pending()  # the index checks still on the device: their events cannot be asked in the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = step(*inputs)
