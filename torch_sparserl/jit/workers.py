@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..pattern.streams import relax_capture_mode
 from . import fastpath
 from .cache import CacheEntry
 
@@ -73,7 +74,8 @@ class Workers:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-specialize")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-specialize",
+                                                initializer=relax_capture_mode)
         return self._executor
 
     @contextlib.contextmanager
@@ -86,7 +88,8 @@ class Workers:
 
     def _library_pool(self) -> ThreadPoolExecutor:
         if self._library_executor is None:
-            self._library_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-library")
+            self._library_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-library",
+                                                        initializer=relax_capture_mode)
         return self._library_executor
 
     def _in_background(self, fn: Callable, *args, pool: ThreadPoolExecutor | None = None) -> Future:

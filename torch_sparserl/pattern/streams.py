@@ -1,12 +1,17 @@
 """The side stream of each CUDA device, where a pattern's kept data is computed
-(:func:`run_kept`) and copied to the host (:func:`to_host`)."""
+(:func:`run_kept`) and copied to the host (:func:`to_host`); and the capture mode of the
+library's own threads (:func:`relax_capture_mode`)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+log = logging.getLogger("torch_sparserl.pattern.streams")
 
 _KEEPER = threading.local()
 _KEEPER_POOL: ThreadPoolExecutor | None = None
@@ -35,7 +40,8 @@ def run_kept(device: torch.device, fn, *args):
     caller = torch.cuda.current_stream(index)
     with _KEEPER_LOCK:
         if _KEEPER_POOL is None:
-            _KEEPER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-pattern")
+            _KEEPER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparserl-pattern",
+                                              initializer=relax_capture_mode)
     side = _side_stream(index)
 
     def work():
@@ -87,3 +93,48 @@ def _side_stream_ready(col: torch.Tensor) -> None:
     index = col.device.index if col.device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS and not torch.cuda.is_current_stream_capturing():
         _side_stream(index)
+
+
+_CUDA_CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed (Global 0, ThreadLocal 1)
+
+
+def _cudart_function(name: str):
+    """``name`` of the CUDA runtime torch loaded, through ctypes; None where there is none (a CPU
+    build of torch, a runtime linked statically out of reach)."""
+    try:
+        return getattr(ctypes.CDLL(None), name)  # torch loads its CUDA libraries with RTLD_GLOBAL
+    except (AttributeError, OSError):
+        pass
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return getattr(ctypes.CDLL(path), name)
+        except (AttributeError, OSError):
+            continue
+    return None
+
+
+def relax_capture_mode() -> bool:
+    """Put the calling thread (one of the library's background threads) in CUDA's relaxed stream
+    capture mode: its potentially unsafe calls (``cudaMalloc``, a synchronization, an event
+    query, a module load) no longer invalidate a capture that another thread runs in the
+    default, global mode (``torch.cuda.graph``'s, a user's whole-step capture), which is
+    otherwise what the runtime's decisions would do to it. Its own work never goes to a
+    capturing stream. Whether the mode was set; nothing on a machine without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    exchange = _cudart_function("cudaThreadExchangeStreamCaptureMode")
+    if exchange is None:
+        log.debug("sparserl: no CUDA runtime function to relax this thread's capture mode")
+        return False
+    mode = ctypes.c_int(_CUDA_CAPTURE_MODE_RELAXED)
+    error = exchange(ctypes.byref(mode))
+    if error:
+        log.debug("sparserl: cudaThreadExchangeStreamCaptureMode returned %s", error)
+    return error == 0
