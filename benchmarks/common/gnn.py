@@ -33,17 +33,22 @@ WAYS = ["eager", "inductor", "pyg", "sparserl"]
 # implementation: sparserl_direct), to measure what the C++ fast path is worth per epoch; and
 # sparserl_captured, the sparserl_eager model with its whole epoch (forward, loss, backward, a
 # capturable Adam's step) replayed as one CUDA graph by ts.capture_step: no compiler (on the CPU
-# the step runs eagerly)
+# the step runs eagerly); and PyG's model the other ways a PyG user would run it: compiled by
+# Inductor (pyg_inductor), under its CUDA graphs (pyg_cudagraphs, mode="reduce-overhead") and with
+# the whole epoch captured by ts.capture_step as sparserl_captured is (pyg_captured)
 EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass", "sparserl_python",
-              "sparserl_captured", "bound_inductor"]
+              "sparserl_captured", "pyg_inductor", "pyg_cudagraphs", "pyg_captured", "bound_inductor"]
+PYG_WAYS = ("pyg", "pyg_inductor", "pyg_cudagraphs", "pyg_captured")  # PyG's layers; the best of them is PyG's best
 WAY_OPTIONS = {"sparserl_fused": {"fuse_epilogues": True}, "sparserl_subclass": {"flatten_matrices": False},
                "sparserl_python": {"fast_path": False}}
 BOUND_WAYS = ("bound_inductor",)  # not the same computation: no loss comparison
 SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass",
                  "sparserl_python", "sparserl_captured")
-CAPTURED_WAYS = ("sparserl_captured",)  # epochs through ts.capture_step (epoch_fn's capture)
+CAPTURED_WAYS = ("sparserl_captured", "pyg_captured")  # epochs through ts.capture_step (epoch_fn's capture)
 COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "sparserl_subclass",
-                 "sparserl_python", "bound_inductor")
+                 "sparserl_python", "pyg_inductor", "pyg_cudagraphs", "bound_inductor")
+INDUCTOR_WAYS = ("inductor", "pyg_inductor", "pyg_cudagraphs", "bound_inductor")  # compiled by Inductor alone
+CUDAGRAPH_WAYS = ("sparserl_cudagraphs", "pyg_cudagraphs")  # compiled with mode="reduce-overhead"
 
 FEATURES = 128
 CLASSES = 16
@@ -257,8 +262,9 @@ def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
     model = (GCN if model_name == "gcn" else SAGE)(FEATURES, hidden, CLASSES)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     x, y, train = graph["x"], graph["y"], graph["train"]
-    if way == "pyg":
-        return pyg_task(model_name, params, FEATURES, hidden, CLASSES, graph["edge_index"], x, y, train)
+    if way in PYG_WAYS:
+        task = pyg_task(model_name, params, FEATURES, hidden, CLASSES, graph["edge_index"], x, y, train)
+        return _compiled(way, task, args) if way in COMPILED_WAYS else task
     model = model.to(device)
     if way in SPARSERL_WAYS:
         aggregate = Product(adjacency if adjacency is not None else graph[f"csr_matrix_{model_name}"], torch.matmul)
@@ -274,8 +280,8 @@ def build_task(way, model_name, hidden, graph, device, args, adjacency=None):
 def _compiled(way, task, args):
     import torch
 
-    mode = "reduce-overhead" if way == "sparserl_cudagraphs" else None if args.mode == "default" else args.mode
-    return torch.compile(task, backend="inductor" if way in ("inductor", *BOUND_WAYS) else "sparserl",
+    mode = "reduce-overhead" if way in CUDAGRAPH_WAYS else None if args.mode == "default" else args.mode
+    return torch.compile(task, backend="inductor" if way in INDUCTOR_WAYS else "sparserl",
                          mode=mode, options=WAY_OPTIONS.get(way))
 
 

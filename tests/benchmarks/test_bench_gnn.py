@@ -240,3 +240,34 @@ def test_train_gcn_example_on_cpu(tmp_path, options):
     assert ("ts.capture_step" in result.stderr) == (options == ["--capture"]), result.stderr
     diff = float(lines[2].split("differ by ")[1])
     assert diff < 1e-4, result.stdout
+
+
+def test_pyg_ways_and_the_captured_one_compare_with_pygs_best(tmp_path, monkeypatch):
+    """PyG's model eager, compiled by Inductor and captured whole; the captured sparserl way
+    against the best of them, and compiled sparserl against the same model uncompiled."""
+    pytest.importorskip("torch_geometric")
+    bench = _bench()
+    out = tmp_path / "gnn.json"
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
+    assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
+                       "--ways", "eager,pyg,pyg_inductor,pyg_captured,sparserl,sparserl_eager,sparserl_captured",
+                       "--chunks", "1", "--min-chunk-s", "0.01", "--no-warm",
+                       "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert all(w["status"] == "ok" for w in row["ways"].values()), row["ways"]
+    assert row["losses_equal"], row["loss_max_rel_diff"]
+    pyg = {w: row["ways"][w]["epoch_ms"] for w in ("pyg", "pyg_inductor", "pyg_captured")}
+    assert row["best_pyg_way"] == min(pyg, key=pyg.get)
+    assert row["captured_vs_best_pyg"] == pytest.approx(min(pyg.values()) / row["ways"]["sparserl_captured"]["epoch_ms"])
+    assert row["compiled_over_eager"] == pytest.approx(row["ways"]["sparserl_eager"]["epoch_ms"]
+                                                       / row["ways"]["sparserl"]["epoch_ms"])
+    assert "gpu_ms" not in row["ways"]["sparserl"] and "wall_over_gpu" not in row  # device time: CUDA only
+    assert "vs PyG's best" in out.with_suffix(".md").read_text()
+    # the headline's full-graph figures are this file's rows, as measured
+    figures = load_benchmark("headline").main(["--gnn", str(out), "--out", str(tmp_path / "headline.json")])
+    assert figures == 0
+    head = json.loads((tmp_path / "headline.json").read_text())["gnn_full_graph"]
+    assert head["geomean_vs_torch"] == pytest.approx(row["captured_vs_eager"])
+    assert head["geomean_vs_best_pyg"] == pytest.approx(row["captured_vs_best_pyg"])
+    assert head["compiled_over_eager_min"] == pytest.approx(row["compiled_over_eager"])
+    assert head["max_wall_over_gpu"] is None and head["graphs"] == ["cora"]  # no device time on the CPU

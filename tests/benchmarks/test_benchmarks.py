@@ -684,3 +684,32 @@ def test_the_docs_quote_results_that_exist():
     dated = {name for name in quoted_names(DOCS) if re.search(r"-20\d\d-\d\d-\d\d", name)}
     places = [RESULTS, REPO / "training" / "labels", REPO / "training" / "results"]
     assert sorted(name for name in dated if not any((place / name).exists() for place in places)) == []
+
+
+def test_bench_intake_times_ts_csr_per_batch_and_feeds_the_headline(tmp_path):
+    bench = load_benchmark("bench_intake")
+    out = tmp_path / "i.json"
+    assert bench.main(["--graph", "cora", "--device", "cpu", "--batches", "3", "--batch-size", "64",
+                       "--rounds", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (way,) = doc["ways"]
+    assert way == "cpu_parts" and doc["ways"][way]["intake_us"] > 0 and len(doc["ways"][way]["intake_rounds_us"]) == 2
+    assert doc["ways"][way]["syncs"] is None  # the sync check is CUDA's
+    assert "| cpu_parts |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0", "--out", str(out)])
+    minibatch = tmp_path / "m.json"
+    assert load_benchmark("bench_minibatch").main(
+        ["--graph", "cora", "--device", "cpu", "--epochs", "2", "--batches", "2", "--batch-size", "64", "--hidden", "8",
+         "--features", "8", "--ways", "torch,sparserl", "--out", str(minibatch)]) == 0
+    headline = load_benchmark("headline")
+    assert headline.main(["--minibatch", str(minibatch), "--intake", str(out), "--out", str(tmp_path / "h.json")]) == 0
+    head = json.loads((tmp_path / "h.json").read_text())
+    rows = {r["way"]: r for r in json.loads(minibatch.read_text())["summary"]}
+    assert head["minibatch"]["steady_vs_best"] == pytest.approx(rows["torch"]["steady_epoch_s"]
+                                                                / rows["sparserl"]["steady_epoch_s"])
+    assert head["minibatch"]["first_vs_torch"] == pytest.approx(rows["torch"]["first_epoch_s"]
+                                                                / rows["sparserl"]["first_epoch_s"])
+    assert head["intake_us"] is None and head["gnn_full_graph"] is None  # no CUDA way, no full-graph file
+    with pytest.raises(SystemExit):
+        headline.main(["--out", str(tmp_path / "h.json")])

@@ -1,0 +1,160 @@
+"""What building a matrix per mini-batch costs the host: ``ts.csr`` of sampled subgraphs.
+
+The batches of a graph are sampled as ``bench_minibatch`` samples them (1024 seeds, fanouts 10
+and 5), and each is handed over the ways a training loop has them:
+
+* ``cuda_csr`` — a ``torch.sparse_csr`` tensor already on the GPU (sampled there, or moved by a
+  loader): ``ts.csr(A_i)`` copies its indices and checks them on the device
+  (``torch_sparserl.pattern.device_check``);
+* ``cuda_parts`` — the same as ``(crow, col, val)`` CUDA tensors;
+* ``host_parts`` — host tensors, pinned, bound for the GPU: ``ts.csr(parts, shape,
+  device="cuda")`` checks them on the host and sends them (the C++ library's staging);
+* on the CPU, ``cpu_parts`` — host tensors, checked on the host.
+
+Per way: host microseconds per ``ts.csr`` (each batch once per round, no synchronization in the
+loop, the median over the rounds of the mean per batch), and on CUDA the same loop with
+``torch.cuda.set_sync_debug_mode("error")``: ``syncs`` says whether any call synchronized (the
+error it raised), ``none`` where none did. The first ``A @ X`` of each matrix is timed the same
+way (``first_product_us``): intake and first product are what a step pays per new pattern.
+
+    python benchmarks/bench_intake.py --graph pubmed --out benchmarks/results/
+    python benchmarks/bench_intake.py --graph cora --device cpu --batches 4 --out /tmp/i.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, load_graph, results_path, tables, write_json_md  # noqa: E402
+
+SCHEMA = "torch_sparserl.bench_intake/1"
+CUDA_WAYS = ("cuda_csr", "cuda_parts", "host_parts")
+
+
+def handed_over(way: str, batch, device):
+    """``(data, shape)``: what ``ts.csr`` is given for ``batch`` in ``way``."""
+    import torch
+
+    crow, col, val = batch.parts()
+    shape = batch.shape
+    if way == "cuda_csr":
+        return torch.sparse_csr_tensor(crow.to(device), col.to(device), val.to(device), shape,
+                                       check_invariants=False), None
+    if way == "cuda_parts":
+        return (crow.to(device), col.to(device), val.to(device)), shape
+    if way == "host_parts":
+        return (crow.pin_memory(), col.pin_memory(), val.pin_memory()), shape
+    return (crow, col, val), shape
+
+
+def time_way(way: str, batches, device, features: int, rounds: int) -> dict:
+    import torch
+
+    import torch_sparserl as ts
+
+    cuda = torch.device(device).type == "cuda"
+    target = device if way == "host_parts" else None
+    given = [handed_over(way, b, device) for b in batches]
+    xs = [torch.randn(b.shape[1], features, device=device) for b in batches]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def build(data, shape):
+        return ts.csr(data, shape, device=target) if shape is not None else ts.csr(data)
+
+    for (data, shape), X in zip(given[:2], xs):  # the process's one-time costs
+        build(data, shape) @ X
+    intake, product = [], []
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        built = [build(data, shape) for data, shape in given]
+        intake.append((time.perf_counter() - start) / len(given) * 1e6)
+        start = time.perf_counter()
+        for A, X in zip(built, xs):
+            A @ X
+        product.append((time.perf_counter() - start) / len(given) * 1e6)
+        sync()
+    syncs = None
+    if cuda:
+        syncs = "none"
+        sync()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for (data, shape), X in zip(given, xs):
+                build(data, shape) @ X
+        except RuntimeError as exc:
+            syncs = str(exc).splitlines()[0][:200]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        sync()
+    return {"intake_us": statistics.median(intake), "intake_rounds_us": intake,
+            "first_product_us": statistics.median(product), "syncs": syncs}
+
+
+def markdown(doc: dict) -> str:
+    setup = doc["setup"]
+    lines = [f"# Intake of sampled subgraphs: {setup['graph']} on {doc['env'].get('gpu') or 'CPU'}", "",
+             f"{setup['batches']} batches ({setup['mean_rows']:.0f} rows, {setup['mean_nnz']:.0f} nonzeros on "
+             f"average), {setup['rounds']} rounds; host µs per matrix, no synchronization in the loop "
+             "(median over the rounds); syncs: what `torch.cuda.set_sync_debug_mode(\"error\")` raised.", "",
+             *tables.header(["way", "ts.csr µs", "first A @ X µs", "syncs"], "lrrl")]
+    for way, r in doc["ways"].items():
+        lines.append(tables.row([way, f"{r['intake_us']:.1f}", f"{r['first_product_us']:.1f}", r["syncs"] or "–"]))
+    return "\n".join(lines + ["", tables.runs_line(doc["runs"])]) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graph", default="pubmed", help="a matrix name, a .npz path or a synthetic spec")
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--fanouts", default="10,5")
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
+    parser.add_argument("--out", default="benchmarks/results/", help="a .json file, or a folder for the default name")
+    args = parser.parse_args(argv)
+    for name in ("batches", "batch_size", "features", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a whole number >= 1 (got {getattr(args, name)})")
+
+    import numpy as np
+    import torch
+
+    from torch_sparserl.data.sampling import neighbor_batches
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    A = load_graph(args.graph)
+    A = ((A + A.T) > 0).astype(np.float32).tocsr()
+    fanouts = [int(f) for f in args.fanouts.split(",")]
+    batches = list(neighbor_batches(A, args.batch_size, fanouts, seed=0, limit=args.batches))
+    env = environment()
+    path = results_path(args.out, "intake", env["gpu"] if device == "cuda" else None, dt.date.today().isoformat())
+    doc = {"schema": SCHEMA, "env": env,
+           "runs": [{"started": dt.datetime.now().isoformat(timespec="seconds"),
+                     "command": " ".join(["python benchmarks/bench_intake.py"]
+                                         + (argv if argv is not None else sys.argv[1:]))}],
+           "setup": {"graph": args.graph, "batches": len(batches), "rounds": args.rounds, "device": device,
+                     "mean_rows": float(np.mean([b.shape[0] for b in batches])),
+                     "mean_nnz": float(np.mean([b.nnz for b in batches]))},
+           "ways": {}}
+    for way in (CUDA_WAYS if torch.device(device).type == "cuda" else ("cpu_parts",)):
+        doc["ways"][way] = time_way(way, batches, device, args.features, args.rounds)
+        print(way, f"{doc['ways'][way]['intake_us']:.1f} us per ts.csr", doc["ways"][way]["syncs"] or "", flush=True)
+    write_json_md(doc, path, markdown)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
