@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("torch_sparserl.jit",),
     ("torch_sparserl.ops",),
     ("torch_sparserl.tensor",),
-    ("torch_sparserl.compiler", "torch_sparserl.integrations"),
+    ("torch_sparserl.compiler", "torch_sparserl.distributed", "torch_sparserl.integrations"),
     ("torch_sparserl",),
     ("torch_sparserl.cli",),
     ("torch_sparserl.__main__",),

@@ -1,0 +1,176 @@
+"""What each process of tests/distributed/test_distributed_gloo.py runs: a gloo process group on
+the CPU, one scenario, and a JSON file per rank saying what happened (an assertion that fails in
+a rank is written there, so that the test names the rank and the check)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_sparserl as ts
+from torch_sparserl.dtypes import assert_close_to_reference
+
+TIMEOUT_S = 3.0   # how long a rank waits for a peer that left in the failure scenarios
+HANG_S = 7.0      # how long the hanging rank sleeps: well past TIMEOUT_S, well short of the test's patience
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(world: int, scenario: str, out: Path, patience_s: float = 90.0) -> list[dict]:
+    """Run ``scenario`` in ``world`` fresh processes; every rank's report, in rank order (a rank
+    that wrote none reports its exit code)."""
+    context = mp.start_processes(_main, args=(world, free_port(), scenario, str(out)), nprocs=world,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + patience_s
+    for process in context.processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    alive = [p for p in context.processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    reports = []
+    for rank, process in enumerate(context.processes):
+        path = out / f"rank{rank}.json"
+        report = json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no report"}
+        report["exitcode"] = process.exitcode
+        report["hung"] = process in alive
+        reports.append(report)
+    return reports
+
+
+def _main(rank: int, world: int, port: int, scenario: str, out: str) -> None:
+    torch.set_num_threads(1)  # 2-4 processes on a 2-core machine
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    report = {"ok": True}
+    try:
+        report.update(SCENARIOS[scenario](rank, world) or {})
+    except Exception as exc:  # noqa: BLE001 - written for the test to name
+        report = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    if scenario in ("peer_exits", "peer_hangs"):
+        os._exit(0)  # the group has a member that is gone: leave without its teardown
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ matrices
+
+
+def random_with_empty_rows(n: int = 240, seed: int = 0) -> sp.csr_matrix:
+    """A random square matrix whose every 7th row and every 11th column are empty."""
+    rng = np.random.default_rng(seed)
+    A = sp.random(n, n, density=0.04, random_state=rng, format="csr", dtype=np.float64)
+    A = A.tolil()
+    A[::7, :] = 0
+    A[:, ::11] = 0
+    A = A.tocsr()
+    A.eliminate_zeros()
+    A.data = rng.standard_normal(A.nnz)
+    return A
+
+
+def matrices() -> dict[str, sp.csr_matrix]:
+    cora = ts.load_matrix("cora").tocsr().astype(np.float64)
+    cora.data = np.random.default_rng(1).standard_normal(cora.nnz)
+    return {"cora": cora, "random_with_empty_rows": random_with_empty_rows()}
+
+
+# ------------------------------------------------------------------------------ scenarios
+
+
+def _products(rank: int, world: int) -> dict:
+    """Forward, the gradient of X and of the values, and two products in a row, against one
+    process's float64 reference, for every order; in float64 and float32."""
+    checked = []
+    for name, M in matrices().items():
+        n = M.shape[0]
+        g = torch.Generator().manual_seed(2)  # the same X and W on every rank
+        X64 = torch.randn(n, 5, generator=g, dtype=torch.float64)
+        W64 = torch.randn(n, 5, generator=g, dtype=torch.float64)
+        A64 = torch.from_numpy(M.toarray())
+        rows_ref = A64 @ X64
+        grad_x_ref = A64.T @ W64
+        coo = M.tocoo()  # M is canonical CSR: its COO entries are in its CSR order
+        grad_val_ref = (W64[torch.from_numpy(coo.row).long()] * X64[torch.from_numpy(coo.col).long()]).sum(1)
+        two_ref = A64 @ (A64 @ X64)
+        for order in ("rows", "degree", "rcm"):
+            for dtype in (torch.float64, torch.float32):
+                values = torch.from_numpy(M.data).to(dtype).requires_grad_(True)
+                A = ts.csr(M, dtype=dtype).with_values(values)
+                D = ts.distributed.distribute_csr(A, order=order, timeout=30)
+                rows = D.partition.rows_of(rank)
+                X_local = D.shard_rows(X64.to(dtype)).requires_grad_(True)
+                Y_local = D @ X_local
+                assert_close_to_reference(Y_local, rows_ref[rows], dtype)
+                assert_close_to_reference(D.gather_rows(Y_local), rows_ref, dtype)
+                (Y_local * D.shard_rows(W64.to(dtype))).sum().backward()
+                assert_close_to_reference(X_local.grad, grad_x_ref[rows], dtype)
+                grad_val = values.grad.clone()  # this rank's entries only; the sum over ranks is the whole
+                dist.all_reduce(grad_val)
+                assert_close_to_reference(grad_val, grad_val_ref, dtype)
+                # two products in a row (two exchanges each way), the gradient through both
+                X2 = D.shard_rows(X64.to(dtype)).requires_grad_(True)
+                Z = D @ (D @ X2)
+                assert_close_to_reference(Z, two_ref[rows], dtype)
+                Z.sum().backward()
+                assert_close_to_reference(X2.grad, (A64.T @ (A64.T @ torch.ones_like(X64)))[rows], dtype)
+                v = D @ D.shard_rows(X64[:, 0].to(dtype))  # a vector
+                assert_close_to_reference(v, rows_ref[rows, 0], dtype)
+                checked.append(f"{name}/{order}/{dtype}")
+        # a partition for another number of ranks is refused before any rank waits
+        other = ts.distributed.partition(M, world + 1)
+        try:
+            ts.distributed.distribute_csr(M, other)
+        except ValueError as exc:
+            assert f"over {world + 1} ranks" in str(exc) and f"the group {world} ranks" in str(exc), exc
+        else:
+            raise AssertionError("a partition for another world size was accepted")
+    return {"checked": checked, "halo_rows": D.plan.halo_size}
+
+
+def _different_matrix(rank: int, world: int) -> None:
+    """Rank 1 holds a matrix with one value changed: every rank refuses, naming rank 1."""
+    M = random_with_empty_rows()
+    if rank == 1:
+        M = M.copy()
+        M.data[3] += 1.0
+    ts.distributed.distribute_csr(M, timeout=TIMEOUT_S)
+
+
+def _peer_leaves(how: str):
+    def scenario(rank: int, world: int) -> dict:
+        M = random_with_empty_rows()
+        D = ts.distributed.distribute_csr(M, order="rows", timeout=TIMEOUT_S)
+        dist.barrier()  # every rank has its plan: the next thing rank 1 does not do is the exchange
+        if rank == 1:
+            if how == "exits":
+                os._exit(0)
+            time.sleep(HANG_S)
+            return {"slept": True}
+        X = D.shard_rows(torch.ones(M.shape[0], 3, dtype=torch.float64))
+        started = time.monotonic()
+        try:
+            D @ X
+        except ts.distributed.HaloExchangeError as exc:
+            return {"raised": str(exc), "after_s": time.monotonic() - started}
+        return {"raised": None}
+    return scenario
+
+
+SCENARIOS = {"products": _products, "different_matrix": _different_matrix,
+             "peer_exits": _peer_leaves("exits"), "peer_hangs": _peer_leaves("hangs")}
