@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_sparserl as ts
-from gloo_scenarios import HANG_S, TIMEOUT_S, random_with_empty_rows, run
+from process_scenarios import HANG_S, TIMEOUT_S, random_with_empty_rows, run
 
 
 def _failures(reports: list[dict]) -> str:
@@ -34,13 +34,19 @@ def test_no_process_group_is_named():
         ts.distributed.distribute_csr(random_with_empty_rows())
 
 
-def test_ranks_with_different_matrices_all_refuse_naming_the_rank(tmp_path):
-    reports = run(2, "different_matrix", tmp_path)
+def test_ranks_that_disagree_all_refuse_naming_the_rank(tmp_path):
+    """Rank 1 passes other values, another pattern (same nnz), another partition: every rank
+    raises a ValueError naming rank 1 and what differs."""
+    reports = run(2, "disagreements", tmp_path)
+    assert all(rep["ok"] for rep in reports), _failures(reports)
+    differs = {"values": "values hash (rank 0: ", "pattern": "pattern hash (rank 0: ", "partition": "partition hash (rank 0: "}
     for rank, rep in enumerate(reports):
-        assert not rep["ok"] and not rep["hung"]
-        assert rep["error"].startswith(f"ValueError: torch_sparserl.distributed.distribute_csr (rank {rank}): the "
-                                       "ranks disagree"), rep["error"]
-        assert "values hash (rank 0: " in rep["error"] and "ranks [1]:" in rep["error"], rep["error"]
+        for case, field in differs.items():
+            message = rep["raised"][case]
+            assert message is not None, f"rank {rank} accepted a rank 1 with other {case}"
+            assert message.startswith(f"torch_sparserl.distributed.distribute_csr (rank {rank}): the ranks disagree"), message
+            assert field in message and "ranks [1]:" in message, message
+            assert not any(other in message for other in differs.values() if other != field), message  # that alone
 
 
 @pytest.mark.parametrize("how", ["exits", "hangs"])

@@ -17,7 +17,7 @@ from scipy.sparse.csgraph import reverse_cuthill_mckee
 import torch_sparserl as ts
 from torch_sparserl.distributed import Partition, partition, receives, sends_from, split_block
 from torch_sparserl.dtypes import assert_close_to_reference
-from gloo_scenarios import free_port, random_with_empty_rows
+from process_scenarios import free_port, random_with_empty_rows
 
 
 def _banded_shuffled(n: int = 400, seed: int = 3) -> tuple[sp.csr_matrix, np.ndarray]:
@@ -118,6 +118,7 @@ def test_metis_without_pymetis_is_named_and_local_falls_back_to_rcm(monkeypatch)
     (lambda M: partition(M[:, :-1], 2), ValueError, r"A must be square.*\(got shape \(20, 19\)\)"),
     (lambda M: partition(M, 21), ValueError, r"A has 20 rows, fewer than the 21 ranks"),
     (lambda M: Partition((0, 5, 3)), ValueError, r"bounds must rise from 0"),
+    (lambda M: Partition((0, 5, 5, 9)), ValueError, r"each rank owning at least one row \(got \(0, 5, 5, 9\)\)"),
     (lambda M: Partition((0, 2, 4), perm=torch.tensor([0, 1, 2])), ValueError, r"perm must have 4 entries"),
     (lambda M: Partition((0, 2, 4), perm=torch.tensor([0, 1, 1, 3])), ValueError, r"perm must be a permutation"),
     (lambda M: Partition((0, 2, 4), perm=torch.tensor([0, 1, 2, 4])), ValueError, r"perm must be a permutation"),

@@ -50,8 +50,9 @@ class Partition:
         op = "torch_sparserl.distributed.Partition"
         bounds = tuple(int(b) for b in self.bounds)
         object.__setattr__(self, "bounds", bounds)
-        if len(bounds) < 2 or bounds[0] != 0 or any(b > c for b, c in zip(bounds, bounds[1:])):
-            raise ValueError(f"{op}: bounds must rise from 0, one more than the ranks (got {bounds})")
+        if len(bounds) < 2 or bounds[0] != 0 or any(b >= c for b, c in zip(bounds, bounds[1:])):
+            raise ValueError(f"{op}: bounds must rise from 0, one more than the ranks, each rank owning at least "
+                             f"one row (got {bounds})")
         if self.perm is not None:
             perm = torch.as_tensor(self.perm, dtype=torch.int64).cpu()
             if perm.dim() != 1 or perm.numel() != bounds[-1]:

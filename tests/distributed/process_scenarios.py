@@ -1,6 +1,7 @@
-"""What each process of tests/distributed/test_distributed_gloo.py runs: a gloo process group on
-the CPU, one scenario, and a JSON file per rank saying what happened (an assertion that fails in
-a rank is written there, so that the test names the rank and the check)."""
+"""What each process of tests/distributed/test_distributed_gloo.py (and ``_gpu.py``) runs: a
+process group (gloo on the CPU, NCCL or gloo with CUDA tensors on GPUs), one scenario, and a JSON
+file per rank saying what happened (an assertion that fails in a rank is written there, so that
+the test names the rank and the check)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, scenario: str, out: Path, patience_s: float = 90.0) -> list[dict]:
-    """Run ``scenario`` in ``world`` fresh processes; every rank's report, in rank order (a rank
-    that wrote none reports its exit code)."""
-    context = mp.start_processes(_main, args=(world, free_port(), scenario, str(out)), nprocs=world,
+def run(world: int, scenario: str, out: Path, patience_s: float = 90.0, backend: str = "gloo",
+        device: str = "cpu") -> list[dict]:
+    """Run ``scenario`` in ``world`` fresh processes, over ``backend`` with the matrix and
+    operands on ``device`` (``cuda``: rank r on GPU r modulo the GPUs); every rank's report, in
+    rank order (a rank that wrote none reports its exit code)."""
+    context = mp.start_processes(_main, args=(world, free_port(), scenario, str(out), backend, device), nprocs=world,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + patience_s
     for process in context.processes:
@@ -53,9 +56,16 @@ def run(world: int, scenario: str, out: Path, patience_s: float = 90.0) -> list[
     return reports
 
 
-def _main(rank: int, world: int, port: int, scenario: str, out: str) -> None:
+DEVICE = torch.device("cpu")  # where a scenario's matrix and operands live (set by _main)
+
+
+def _main(rank: int, world: int, port: int, scenario: str, out: str, backend: str, device: str) -> None:
+    global DEVICE
     torch.set_num_threads(1)  # 2-4 processes on a 2-core machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # before the group: NCCL binds to it
+        DEVICE = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     report = {"ok": True}
     try:
@@ -112,15 +122,16 @@ def _products(rank: int, world: int) -> dict:
             for dtype in (torch.float64, torch.float32):
                 values = torch.from_numpy(M.data).to(dtype).requires_grad_(True)
                 A = ts.csr(M, dtype=dtype).with_values(values)
-                D = ts.distributed.distribute_csr(A, order=order, timeout=30)
+                D = ts.distributed.distribute_csr(A, order=order, timeout=30, device=DEVICE)
                 rows = D.partition.rows_of(rank)
                 X_local = D.shard_rows(X64.to(dtype)).requires_grad_(True)
                 Y_local = D @ X_local
+                assert Y_local.device == DEVICE
                 assert_close_to_reference(Y_local, rows_ref[rows], dtype)
                 assert_close_to_reference(D.gather_rows(Y_local), rows_ref, dtype)
                 (Y_local * D.shard_rows(W64.to(dtype))).sum().backward()
                 assert_close_to_reference(X_local.grad, grad_x_ref[rows], dtype)
-                grad_val = values.grad.clone()  # this rank's entries only; the sum over ranks is the whole
+                grad_val = values.grad.to(D.exchange.comm_device)  # this rank's entries; the ranks' sum is the whole
                 dist.all_reduce(grad_val)
                 assert_close_to_reference(grad_val, grad_val_ref, dtype)
                 # two products in a row (two exchanges each way), the gradient through both
@@ -143,19 +154,31 @@ def _products(rank: int, world: int) -> dict:
     return {"checked": checked, "halo_rows": D.plan.halo_size}
 
 
-def _different_matrix(rank: int, world: int) -> None:
-    """Rank 1 holds a matrix with one value changed: every rank refuses, naming rank 1."""
+def _disagreements(rank: int, world: int) -> dict:
+    """Rank 1 holds a matrix with one value changed, then one with another pattern, then asks for
+    another order: each time every rank refuses, naming rank 1 (and stays in step for the next)."""
     M = random_with_empty_rows()
-    if rank == 1:
-        M = M.copy()
-        M.data[3] += 1.0
-    ts.distributed.distribute_csr(M, timeout=TIMEOUT_S)
+    changed_value, changed_pattern = M.copy(), M.copy()
+    changed_value.data[3] += 1.0
+    changed_pattern.indices[[0, -1]] = changed_pattern.indices[[0, -1]] ^ 1  # same nnz, other columns
+    changed_pattern.sort_indices()
+    cases = {"values": (changed_value, "rows"), "pattern": (changed_pattern, "rows"), "partition": (M, "rcm")}
+    raised = {}
+    for name, (other, order) in cases.items():
+        try:
+            ts.distributed.distribute_csr(other if rank == 1 else M, order=order if rank == 1 else "rows",
+                                          timeout=TIMEOUT_S)
+        except ValueError as exc:
+            raised[name] = str(exc)
+        else:
+            raised[name] = None
+    return {"raised": raised}
 
 
 def _peer_leaves(how: str):
     def scenario(rank: int, world: int) -> dict:
         M = random_with_empty_rows()
-        D = ts.distributed.distribute_csr(M, order="rows", timeout=TIMEOUT_S)
+        D = ts.distributed.distribute_csr(M, order="rows", timeout=TIMEOUT_S, device=DEVICE)
         dist.barrier()  # every rank has its plan: the next thing rank 1 does not do is the exchange
         if rank == 1:
             if how == "exits":
@@ -166,11 +189,13 @@ def _peer_leaves(how: str):
         started = time.monotonic()
         try:
             D @ X
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()  # NCCL's wait without a timeout does not block the host
         except ts.distributed.HaloExchangeError as exc:
             return {"raised": str(exc), "after_s": time.monotonic() - started}
         return {"raised": None}
     return scenario
 
 
-SCENARIOS = {"products": _products, "different_matrix": _different_matrix,
+SCENARIOS = {"products": _products, "disagreements": _disagreements,
              "peer_exits": _peer_leaves("exits"), "peer_hangs": _peer_leaves("hangs")}
