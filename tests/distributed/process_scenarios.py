@@ -33,19 +33,22 @@ def free_port() -> int:
 
 
 def run(world: int, scenario: str, out: Path, patience_s: float = 90.0, backend: str = "gloo",
-        device: str = "cpu") -> list[dict]:
+        device: str = "cpu", wait_for: list[int] | None = None) -> list[dict]:
     """Run ``scenario`` in ``world`` fresh processes, over ``backend`` with the matrix and
     operands on ``device`` (``cuda``: rank r on GPU r modulo the GPUs); every rank's report, in
-    rank order (a rank that wrote none reports its exit code)."""
+    rank order (a rank that wrote none reports its exit code). With ``wait_for``, the other
+    ranks are stopped once those ranks are done (a rank left hanging on purpose)."""
     context = mp.start_processes(_main, args=(world, free_port(), scenario, str(out), backend, device), nprocs=world,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + patience_s
-    for process in context.processes:
+    waited = [context.processes[r] for r in wait_for] if wait_for is not None else context.processes
+    for process in waited:
         process.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in context.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-        p.join()
+    alive = [p for p in waited if p.is_alive()]
+    for p in context.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
     reports = []
     for rank, process in enumerate(context.processes):
         path = out / f"rank{rank}.json"
@@ -73,7 +76,7 @@ def _main(rank: int, world: int, port: int, scenario: str, out: str, backend: st
     except Exception as exc:  # noqa: BLE001 - written for the test to name
         report = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    if scenario in ("peer_exits", "peer_hangs"):
+    if scenario.startswith("peer_"):
         os._exit(0)  # the group has a member that is gone: leave without its teardown
     dist.destroy_process_group()
 
@@ -103,9 +106,9 @@ def matrices() -> dict[str, sp.csr_matrix]:
 # ------------------------------------------------------------------------------ scenarios
 
 
-def _products(rank: int, world: int) -> dict:
+def _products(rank: int, world: int, dtypes=(torch.float64, torch.float32)) -> dict:
     """Forward, the gradient of X and of the values, and two products in a row, against one
-    process's float64 reference, for every order; in float64 and float32."""
+    process's float64 reference, for every order, in each of ``dtypes``."""
     checked = []
     for name, M in matrices().items():
         n = M.shape[0]
@@ -119,7 +122,7 @@ def _products(rank: int, world: int) -> dict:
         grad_val_ref = (W64[torch.from_numpy(coo.row).long()] * X64[torch.from_numpy(coo.col).long()]).sum(1)
         two_ref = A64 @ (A64 @ X64)
         for order in ("rows", "degree", "rcm"):
-            for dtype in (torch.float64, torch.float32):
+            for dtype in dtypes:
                 values = torch.from_numpy(M.data).to(dtype).requires_grad_(True)
                 A = ts.csr(M, dtype=dtype).with_values(values)
                 D = ts.distributed.distribute_csr(A, order=order, timeout=30, device=DEVICE)
@@ -197,5 +200,18 @@ def _peer_leaves(how: str):
     return scenario
 
 
-SCENARIOS = {"products": _products, "disagreements": _disagreements,
+def _leaves_before_construction(rank: int, world: int) -> dict:
+    """Rank 1 exits before distribute_csr: rank 0's construction raises, saying which step."""
+    if rank == 1:
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        ts.distributed.distribute_csr(random_with_empty_rows(), timeout=TIMEOUT_S, device=DEVICE)
+    except RuntimeError as exc:
+        return {"raised": str(exc), "after_s": time.monotonic() - started}
+    return {"raised": None}
+
+
+SCENARIOS = {"peer_exits_early": _leaves_before_construction, "products": _products,
+             "products_float64": lambda rank, world: _products(rank, world, (torch.float64,)), "disagreements": _disagreements,
              "peer_exits": _peer_leaves("exits"), "peer_hangs": _peer_leaves("hangs")}

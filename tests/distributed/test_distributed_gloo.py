@@ -16,14 +16,15 @@ def _failures(reports: list[dict]) -> str:
                      if not rep["ok"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_products_and_gradients_match_one_process(tmp_path, world):
+@pytest.mark.parametrize("world, scenario, dtypes", [(2, "products", 2), (4, "products_float64", 1)])
+def test_products_and_gradients_match_one_process(tmp_path, world, scenario, dtypes):
     """Every rank's rows of A @ X, of Aᵀ G (X's gradient), of the values' gradient and of
     A @ (A @ X) equal one process's float64 reference, for the shipped cora and a random matrix
-    with empty rows and columns, in every order, float64 and float32."""
-    reports = run(world, "products", tmp_path)
+    with empty rows and columns, in every order; float64 and float32 on 2 ranks, float64 on 4
+    (4 processes share this machine's 2 cores)."""
+    reports = run(world, scenario, tmp_path)
     assert all(rep["ok"] for rep in reports), _failures(reports)
-    assert all(len(rep["checked"]) == 2 * 3 * 2 for rep in reports)
+    assert all(len(rep["checked"]) == 2 * 3 * dtypes for rep in reports)
     assert all(rep["halo_rows"] > 0 for rep in reports)  # the exchange was exercised on every rank
 
 
@@ -53,7 +54,7 @@ def test_ranks_that_disagree_all_refuse_naming_the_rank(tmp_path):
 def test_a_rank_that_leaves_before_the_exchange_is_named(tmp_path, how):
     """Rank 1 exits (or sleeps) after building its matrix: rank 0's product raises a
     HaloExchangeError naming rank 1 at once (or when the timeout passes), never hangs."""
-    reports = run(2, f"peer_{how}", tmp_path, patience_s=60)
+    reports = run(2, f"peer_{how}", tmp_path, patience_s=60, wait_for=[0])
     rank0 = reports[0]
     assert rank0["ok"] and not rank0["hung"], _failures(reports)
     assert rank0["raised"] is not None, "rank 0's product returned although rank 1 sent nothing"
@@ -63,3 +64,14 @@ def test_a_rank_that_leaves_before_the_exchange_is_named(tmp_path, how):
         assert rank0["after_s"] < TIMEOUT_S
     else:
         assert TIMEOUT_S * 0.9 < rank0["after_s"] < HANG_S
+
+
+def test_a_rank_that_exits_before_construction_is_reported_not_waited_for(tmp_path):
+    reports = run(2, "peer_exits_early", tmp_path, patience_s=60, wait_for=[0])
+    rank0 = reports[0]
+    assert rank0["ok"] and not rank0["hung"], _failures(reports)
+    assert rank0["raised"] is not None and rank0["raised"].startswith(
+        "torch_sparserl.distributed.distribute_csr (rank 0): checking that the ranks hold the same matrix and "
+        "partition failed: a rank exited"), rank0["raised"]
+    assert rank0["after_s"] < TIMEOUT_S
+

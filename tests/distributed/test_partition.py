@@ -201,6 +201,14 @@ def test_one_rank_product_has_no_halo_and_matches(one_rank_group):
     assert "rank=0/1" in repr(D) and D.stats["products"] == 1
 
 
+def test_a_second_backward_through_the_exchange_is_refused(one_rank_group):
+    D = ts.distributed.distribute_csr(random_with_empty_rows(n=60))
+    X = torch.randn(60, 2, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad((D @ X).square().sum(), X, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
+        grad.sum().backward()
+
+
 @pytest.mark.parametrize("make, error, match", [
     (lambda D: torch.zeros(59, 2, dtype=torch.float64), ValueError,
      r"DistributedCSRMatrix.matmul: X_local must have 60 rows, rank 0's rows of the partition"),

@@ -15,6 +15,7 @@ fail within the timeout, naming it).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import time
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..dtypes import VALUE_DTYPES
 from ..ops import sddmm, spmm_transposed
@@ -43,12 +45,24 @@ def _digest(*arrays: np.ndarray) -> int:
     return int.from_bytes(h.digest(), "little") >> 1  # fits an int64
 
 
+@contextlib.contextmanager
+def _collective(step: str, rank: int):
+    """A collective of ``distribute_csr`` whose failure says which step, and why it may have failed
+    (a collective cannot say which rank left)."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as exc:
+        raise RuntimeError(f"{_OP} (rank {rank}): {step} failed: a rank exited, failed, timed out or did not "
+                           f"call distribute_csr with the others ({type(exc).__name__}: {exc})") from exc
+
+
 def _agree(record: list[int], rank: int, world: int, group, device: torch.device) -> None:
     """All-gather every rank's ``record`` (:data:`_RECORD`) and raise naming the ranks whose
     record differs from rank 0's."""
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
+    with _collective("checking that the ranks hold the same matrix and partition", rank):
+        dist.all_gather(everyone, mine, group=group)
     rows = torch.stack(everyone).cpu()
     problems = []
     for field, name in enumerate(_RECORD):
@@ -84,6 +98,7 @@ class _Product(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the exchange itself is not differentiable: a second backward raises, naming it
     def backward(ctx, G: Tensor):
         D, (local, halo_matrix) = ctx.D, ctx.matrices
         X, halo = ctx.saved_tensors
@@ -269,7 +284,8 @@ def distribute_csr(A, partition: Partition | None = None, *, group=None, device=
     if block.halo_columns.numel():
         halo = _block_matrix(block.halo_crow, block.halo_col, values.detach()[block.halo_positions.to(values.device)],
                              (rows, block.halo_columns.numel()), device)
-    plan = exchange_plan(receives(block.halo_columns, partition), rank, world, group, comm_device)
+    with _collective("exchanging which rows each rank reads from the others", rank):
+        plan = exchange_plan(receives(block.halo_columns, partition), rank, world, group, comm_device)
     exchange = HaloExchange(plan, group, comm_device, device, timeout, "DistributedCSRMatrix.matmul")
     return DistributedCSRMatrix(partition=partition, rank=rank, local=local, halo=halo, exchange=exchange, group=group,
                                 source=A if A.requires_grad else None,
