@@ -201,6 +201,27 @@ def test_one_rank_product_has_no_halo_and_matches(one_rank_group):
     assert "rank=0/1" in repr(D) and D.stats["products"] == 1
 
 
+def test_values_that_require_grad_are_read_at_each_product(one_rank_group):
+    """Learnable values changed in place (an optimizer's step) after construction: the next
+    product, with or without grad, uses them."""
+    M = random_with_empty_rows(n=60)
+    values = torch.from_numpy(M.data.copy()).requires_grad_(True)
+    D = ts.distributed.distribute_csr(ts.csr(M).with_values(values))
+    X = torch.randn(60, 3, dtype=torch.float64)
+    with torch.no_grad():
+        values.mul_(-2.0)
+        out = D @ D.shard_rows(X)
+    want = torch.from_numpy((-2.0 * M) @ X.numpy())
+    assert_close_to_reference(D.gather_rows(out), want)
+
+
+def test_gather_rows_takes_any_dtype(one_rank_group):
+    D = ts.distributed.distribute_csr(random_with_empty_rows(n=60), order="rcm")
+    labels = torch.randint(0, 5, (60,))
+    gathered = D.gather_rows(D.shard_rows(labels))
+    assert gathered.dtype == torch.int64 and torch.equal(gathered, labels)
+
+
 def test_a_second_backward_through_the_exchange_is_refused(one_rank_group):
     D = ts.distributed.distribute_csr(random_with_empty_rows(n=60))
     X = torch.randn(60, 2, dtype=torch.float64, requires_grad=True)

@@ -173,9 +173,9 @@ class DistributedCSRMatrix:
         return self.partition.shard_rows(X, self.rank).to(self.device)
 
     def gather_rows(self, Y_local: Tensor) -> Tensor:
-        """Every rank's rows, as one tensor in the original order, on every rank (a collective:
-        every rank calls it). Not differentiable."""
-        self._check_operand("DistributedCSRMatrix.gather_rows", "Y_local", Y_local)
+        """Every rank's rows (``Y_local``: this rank's, of any dtype), as one tensor in the
+        original order, on every rank (a collective: every rank calls it). Not differentiable."""
+        self._check_operand("DistributedCSRMatrix.gather_rows", "Y_local", Y_local, any_dtype=True)
         most = max(self.partition.size_of(r) for r in range(self.partition.world_size))
         comm = self.exchange.comm_device
         padded = Y_local.detach().new_zeros((most, *Y_local.shape[1:]), device=comm)
@@ -185,13 +185,13 @@ class DistributedCSRMatrix:
         blocks = [t[:self.partition.size_of(r)] for r, t in enumerate(everyone)]
         return self.partition.gather_rows(blocks).to(self.device)
 
-    def _check_operand(self, op: str, name: str, X) -> None:
+    def _check_operand(self, op: str, name: str, X, any_dtype: bool = False) -> None:
         if not isinstance(X, Tensor) or isinstance(X, CSRMatrix) or X.layout != torch.strided:
             raise TypeError(f"{op}: {name} must be a dense tensor (got {type(X).__name__})")
         if X.dim() not in (1, 2) or X.shape[0] != self.local_rows:
             raise ValueError(f"{op}: {name} must have {self.local_rows} rows, rank {self.rank}'s rows of the "
                              f"partition (shard_rows gives them), and 1 or 2 dimensions (got shape {tuple(X.shape)})")
-        if X.dtype != self.dtype:
+        if X.dtype != self.dtype and not any_dtype:
             raise TypeError(f"{op}: {name} must have the matrix's dtype {self.dtype} (got {X.dtype})")
         if X.device != self.device:
             raise ValueError(f"{op}: {name} must be on the matrix's device {self.device} (got {X.device})")
@@ -202,7 +202,7 @@ class DistributedCSRMatrix:
         vector = X_local.dim() == 1
         X = X_local.unsqueeze(1) if vector else X_local
         val_local = val_halo = None
-        if self._source is not None and torch.is_grad_enabled():
+        if self._source is not None:  # values that may have changed since (an optimizer's step): read them now
             values = values_of(self._source)
             val_local = values.index_select(0, self._positions[0].to(values.device)).to(self.device)
             if self.halo is not None:
