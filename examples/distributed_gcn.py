@@ -4,6 +4,8 @@ against one process.
     torchrun --nproc_per_node 2 examples/distributed_gcn.py                       # cora, CPUs, gloo
     torchrun --nproc_per_node 4 examples/distributed_gcn.py --device cuda --graph ../shared/matrices/pubmed.npz \\
         --order rcm --out result.json
+    torchrun --nproc_per_node 4 examples/distributed_gcn.py --device cuda --graph rmat:scale=27,edge_factor=16 \\
+        --no-check                 # a power-law graph: pick the scale past what one GPU holds
 
 Unlike ``examples/ddp_gcn.py``, where every rank holds the whole graph, each rank here holds its
 rows of the adjacency (``ts.distributed.distribute_csr``) and of the features and activations:
@@ -37,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torch_sparserl as ts
+from torch_sparserl.data import synthetic
 from torch_sparserl.jit import runtime as rt
 
 GRAD_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}  # summed gradients against one process's
@@ -86,6 +89,13 @@ def adjacency(A: sp.csr_matrix, model: str) -> sp.csr_matrix:
     return out
 
 
+def load_graph(name: str) -> sp.csr_matrix:
+    """A shipped matrix, a file, or a synthetic spec (``generator:key=value,...``)."""
+    if ":" in name and not os.path.exists(name):
+        return synthetic.make(name)
+    return ts.load_matrix(name)
+
+
 def train(model, adj, x, y, train_mask, count: int, epochs: int, lr: float, sum_gradients=None, sync=None):
     """``epochs`` Adam steps on the mean loss over the ``count`` training nodes (``train_mask``
     marks this process's); ``sum_gradients`` sums the gradients over the ranks before each step.
@@ -127,7 +137,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--graph", default="cora", help="a shipped matrix name or a .npz/.mtx path")
+    parser.add_argument("--graph", default="cora", help="a shipped matrix name, a .npz/.mtx path, or a synthetic "
+                        "spec such as rmat:scale=22,edge_factor=16 (a power-law graph, the same on every rank)")
     parser.add_argument("--model", choices=sorted(MODELS), default="gcn")
     parser.add_argument("--order", choices=ts.distributed.ORDERS, default="rows", help="how the rows are split")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -165,7 +176,7 @@ def main(argv=None) -> int:
     os.environ["SPARSERL_CACHE_DIR"] = shared[0]
     rt.configure(mode="sync")
 
-    M = adjacency(ts.load_matrix(args.graph), args.model)
+    M = adjacency(load_graph(args.graph), args.model)
     n = M.shape[0]
     adj = ts.distributed.distribute_csr(ts.csr(M, dtype=dtype), order=args.order, device=device,
                                         timeout=args.timeout)
