@@ -106,7 +106,7 @@ def matrices() -> dict[str, sp.csr_matrix]:
 # ------------------------------------------------------------------------------ scenarios
 
 
-def _products(rank: int, world: int, dtypes=(torch.float64, torch.float32)) -> dict:
+def _products(rank: int, world: int, dtypes=(torch.float64, torch.float32, torch.bfloat16)) -> dict:
     """Forward, the gradient of X and of the values, and two products in a row, against one
     process's float64 reference, for every order, in each of ``dtypes``."""
     checked = []

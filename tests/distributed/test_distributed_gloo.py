@@ -16,12 +16,12 @@ def _failures(reports: list[dict]) -> str:
                      if not rep["ok"])
 
 
-@pytest.mark.parametrize("world, scenario, dtypes", [(2, "products", 2), (4, "products_float64", 1)])
+@pytest.mark.parametrize("world, scenario, dtypes", [(2, "products", 3), (4, "products_float64", 1)])
 def test_products_and_gradients_match_one_process(tmp_path, world, scenario, dtypes):
     """Every rank's rows of A @ X, of Aᵀ G (X's gradient), of the values' gradient and of
     A @ (A @ X) equal one process's float64 reference, for the shipped cora and a random matrix
-    with empty rows and columns, in every order; float64 and float32 on 2 ranks, float64 on 4
-    (4 processes share this machine's 2 cores)."""
+    with empty rows and columns, in every order; float64, float32 and bfloat16 on 2 ranks, float64
+    on 4 (4 processes share this machine's 2 cores)."""
     reports = run(world, scenario, tmp_path)
     assert all(rep["ok"] for rep in reports), _failures(reports)
     assert all(len(rep["checked"]) == 2 * 3 * dtypes for rep in reports)
