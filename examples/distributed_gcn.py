@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     shared = [args.cache_dir or (tempfile.mkdtemp(prefix="sparserl-dist-") if rank == 0 else None)]
     dist.broadcast_object_list(shared, src=0)
     os.environ["SPARSERL_CACHE_DIR"] = shared[0]
-    rt.configure(mode="sync")
+    runtime = rt.configure(mode="sync")
 
     M = adjacency(load_graph(args.graph), args.model)
     n = M.shape[0]
@@ -214,7 +214,11 @@ def main(argv=None) -> int:
                    "halo_wait_s_per_epoch": adj.stats["wait_s"] / args.epochs,
                    "compute_s_per_epoch": adj.stats["compute_s"] / args.epochs,
                    "products_per_epoch": adj.stats["products"] / args.epochs,
-                   "peak_memory_mb": peak_memory_mb(device)}
+                   "peak_memory_mb": peak_memory_mb(device),
+                   # what serves each block's products: the JIT's decisions for two ordinary patterns
+                   "kernels": {name: runtime.decisions(block.crow, block.col, block.shape[1])
+                               for name, block in (("local", adj.local), ("halo", adj.halo)) if block is not None},
+                   "cache_builds": runtime.cache.stats["builds"]}
     reports = [None] * world
     dist.all_gather_object(reports, rank_report)
 
