@@ -222,6 +222,36 @@ def test_gather_rows_takes_any_dtype(one_rank_group):
     assert gathered.dtype == torch.int64 and torch.equal(gathered, labels)
 
 
+def test_the_local_product_runs_while_the_halo_travels(one_rank_group):
+    """The forward's order: the halo's sends and receives are posted, the local block multiplies,
+    then the product waits for the halo."""
+    D = ts.distributed.distribute_csr(random_with_empty_rows(n=60))
+    events = []
+
+    class Recorded:
+        def __init__(self, inner, name):
+            self.inner, self.name = inner, name
+
+        def __getattr__(self, attr):
+            value = getattr(self.inner, attr)
+            if attr.startswith(("start_", "finish_")):
+                def call(*args):
+                    events.append(f"{self.name}.{attr}")
+                    return value(*args)
+                return call
+            return value
+
+    class LocalBlock(Recorded):
+        def __matmul__(self, X):
+            events.append("local product")
+            return self.inner @ X
+
+    D.exchange, D.local = Recorded(D.exchange, "exchange"), LocalBlock(D.local, "local")
+    X = torch.randn(60, 2, dtype=torch.float64)
+    D @ X
+    assert events == ["exchange.start_forward", "local product", "exchange.finish_forward"]
+
+
 def test_a_second_backward_through_the_exchange_is_refused(one_rank_group):
     D = ts.distributed.distribute_csr(random_with_empty_rows(n=60))
     X = torch.randn(60, 2, dtype=torch.float64, requires_grad=True)
