@@ -26,6 +26,7 @@ included):
     ops/           the torch.ops.sparserl operators: schema, checks, fake, autograd
     tensor/        CSRMatrix and csr(); raw torch.sparse_csr products routed to the operators
     compiler/      torch.compile: the sparserl backend, its passes, ts.compile
+    distributed/   a matrix split by rows over a process group's ranks, its halo exchange
     integrations/  other libraries on the operators: PyTorch Geometric
     train/         a whole training step as one CUDA graph (``ts.capture_step``)
     cli/           the sparserl command (python -m torch_sparserl); sparserl bench's measurements
@@ -74,18 +75,19 @@ if not _started_as_the_command():
 
 config.warn_unknown_variables()  # a mistyped SPARSERL_* variable is named, not ignored
 
-__all__ = ["CSRMatrix", "capture_step", "compile", "config", "configure", "csr", "intercept_sparse",
+__all__ = ["CSRMatrix", "capture_step", "compile", "config", "configure", "csr", "distributed", "intercept_sparse",
            "list_matrices", "load_matrix", "ops"]
 
 # Loaded on first use: the tensor subclass imports torch._dynamo (seconds on some hosts), which
 # the sandbox's worker, a process of this package that never compiles, should not wait for.
 _LAZY = {"CSRMatrix": "tensor.csr_matrix", "csr": "tensor.construct", "compile": "compiler.convert",
          "list_matrices": "data.datasets", "load_matrix": "data.datasets", "ops": "ops",
-         "intercept_sparse": "tensor.intercept", "configure": "jit.runtime", "capture_step": "train.capture"}
+         "intercept_sparse": "tensor.intercept", "configure": "jit.runtime", "capture_step": "train.capture",
+         "distributed": "distributed"}
 
 
 if TYPE_CHECKING:  # the lazy names, for type checkers and editors
-    from . import ops
+    from . import distributed, ops
     from .compiler.convert import compile
     from .data.datasets import list_matrices, load_matrix
     from .jit.runtime import configure

@@ -6,7 +6,7 @@ command (:mod:`.demo`, :mod:`.info`, :mod:`.tune`, :mod:`.bench`, :mod:`.explain
 :mod:`.fastpath`, :mod:`.cache`), and the end-to-end measurements that ``sparserl bench``
 reports (:mod:`.measure`).
 May import: config, dtypes, data, pattern, kernels, abi, toolchain, evaluate, specialize, jit,
-ops, tensor, compiler, integrations, train, torch_sparserl.
+ops, tensor, compiler, distributed, integrations, train, torch_sparserl.
 
 ``sparserl demo`` is the README's main job: on a shipped matrix it checks the operators
 against a float64 reference, compiles a two-layer GCN whole with the ``sparserl`` backend

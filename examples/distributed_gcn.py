@@ -1,0 +1,267 @@
+"""Full-graph GCN (or GraphSAGE) training with the graph partitioned over the ranks, checked
+against one process.
+
+    torchrun --nproc_per_node 2 examples/distributed_gcn.py                       # cora, CPUs, gloo
+    torchrun --nproc_per_node 4 examples/distributed_gcn.py --device cuda --graph ../shared/matrices/pubmed.npz \\
+        --order rcm --out result.json
+    torchrun --nproc_per_node 4 examples/distributed_gcn.py --device cuda --graph rmat:scale=27,edge_factor=16 \\
+        --no-check                 # a power-law graph: pick the scale past what one GPU holds
+
+Unlike ``examples/ddp_gcn.py``, where every rank holds the whole graph, each rank here holds its
+rows of the adjacency (``ts.distributed.distribute_csr``) and of the features and activations:
+a product ``adj @ h`` receives the rows of ``h`` its block reads from the other ranks (the
+halo) while it multiplies its own. The model's parameters are replicated; after each backward
+the ranks sum their gradients (``all_reduce``), so every rank takes the step one process would
+take on the whole graph. The loss is the mean over all training nodes: each rank sums its own
+nodes' losses and divides by their total count.
+
+Rank 0 trains one process on the whole graph from the same start (``--no-check`` skips it, for
+a graph that does not fit one device) and compares: the summed gradient at the start and the
+loss of every step. The JSON written to ``--out`` holds, per rank, its rows and halo, the halo
+bytes it sends and receives per product, its epoch time, the time it waited for the halo and
+computed, and its peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torch_sparserl as ts
+from torch_sparserl.data import synthetic
+from torch_sparserl.jit import runtime as rt
+
+GRAD_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}  # summed gradients against one process's
+LOSS_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}  # every step's loss, over the run
+
+
+class GCN(torch.nn.Module):
+    def __init__(self, features: int, hidden: int, classes: int):
+        super().__init__()
+        self.lin1 = torch.nn.Linear(features, hidden)
+        self.lin2 = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x, adj):
+        return adj @ self.lin2(torch.relu(adj @ self.lin1(x)))
+
+
+class SAGE(torch.nn.Module):
+    """GraphSAGE with mean aggregation: ``lin_self(h) + lin_neigh(mean of the neighbours' h)``."""
+
+    def __init__(self, features: int, hidden: int, classes: int):
+        super().__init__()
+        self.self1, self.neigh1 = torch.nn.Linear(features, hidden), torch.nn.Linear(features, hidden, bias=False)
+        self.self2, self.neigh2 = torch.nn.Linear(hidden, classes), torch.nn.Linear(hidden, classes, bias=False)
+
+    def forward(self, x, adj):
+        h = torch.relu(self.self1(x) + self.neigh1(adj @ x))
+        return self.self2(h) + adj @ self.neigh2(h)
+
+
+MODELS = {"gcn": GCN, "sage": SAGE}
+
+
+def adjacency(A: sp.csr_matrix, model: str) -> sp.csr_matrix:
+    """The model's adjacency from ``A``'s pattern without self loops: GCN's
+    ``D^-1/2 (A + I) D^-1/2``, SAGE's ``D^-1 A`` (the neighbours' mean)."""
+    A = sp.csr_matrix((np.ones(A.nnz), A.indices, A.indptr), shape=A.shape)
+    A.setdiag(0)
+    A.eliminate_zeros()
+    if model == "gcn":
+        A = (A + sp.identity(A.shape[0], format="csr")).tocsr()
+        inv_sqrt = 1.0 / np.sqrt(np.asarray(A.sum(axis=1)).ravel())
+        out = sp.diags(inv_sqrt) @ A @ sp.diags(inv_sqrt)
+    else:
+        out = sp.diags(1.0 / np.maximum(np.asarray(A.sum(axis=1)).ravel(), 1.0)) @ A
+    out = out.tocsr()
+    out.sort_indices()
+    return out
+
+
+def load_graph(name: str) -> sp.csr_matrix:
+    """A shipped matrix, a file, or a synthetic spec (``generator:key=value,...``)."""
+    if ":" in name and not os.path.exists(name):
+        return synthetic.make(name)
+    return ts.load_matrix(name)
+
+
+def train(model, adj, x, y, train_mask, count: int, epochs: int, lr: float, sum_gradients=None, sync=None):
+    """``epochs`` Adam steps on the mean loss over the ``count`` training nodes (``train_mask``
+    marks this process's); ``sum_gradients`` sums the gradients over the ranks before each step.
+    Returns this process's share of every step's loss and the seconds each epoch took."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses, seconds = [], []
+    for _ in range(epochs):
+        started = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        out = model(x, adj)
+        loss = F.cross_entropy(out[train_mask], y[train_mask], reduction="sum") / count
+        loss.backward()
+        if sum_gradients is not None:
+            sum_gradients(model)
+        opt.step()
+        losses.append(loss.detach())
+        if sync is not None:
+            sync()
+        seconds.append(time.perf_counter() - started)
+    return torch.stack(losses), seconds
+
+
+def sum_gradients(model) -> None:
+    """Sum every parameter's gradient over the ranks, in one all_reduce."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    start = 0
+    for g in grads:
+        g.copy_(flat[start:start + g.numel()].view_as(g))
+        start += g.numel()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graph", default="cora", help="a shipped matrix name, a .npz/.mtx path, or a synthetic "
+                        "spec such as rmat:scale=22,edge_factor=16 (a power-law graph, the same on every rank)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gcn")
+    parser.add_argument("--order", choices=ts.distributed.ORDERS, default="rows", help="how the rows are split")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on cuda, gloo on cpu")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--classes", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--timeout", type=float, help="seconds a rank waits for a peer's halo (default: the group's)")
+    parser.add_argument("--no-check", action="store_true", help="skip the one-process run (a graph too large for it)")
+    parser.add_argument("--cache-dir", help="the shared kernel cache (default: a new folder made by rank 0)")
+    parser.add_argument("--out", help="write the report (JSON) here, from rank 0")
+    args = parser.parse_args(argv)
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        parser.error("--backend nccl needs --device cuda")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)  # before the group: NCCL binds each rank to its GPU
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    dtype = getattr(torch, args.dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else None
+
+    # One kernel cache for all ranks, chosen before the runtime first looks at it.
+    shared = [args.cache_dir or (tempfile.mkdtemp(prefix="sparserl-dist-") if rank == 0 else None)]
+    dist.broadcast_object_list(shared, src=0)
+    os.environ["SPARSERL_CACHE_DIR"] = shared[0]
+    runtime = rt.configure(mode="sync")
+
+    M = adjacency(load_graph(args.graph), args.model)
+    n = M.shape[0]
+    adj = ts.distributed.distribute_csr(ts.csr(M, dtype=dtype), order=args.order, device=device,
+                                        timeout=args.timeout)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, args.features, generator=g, dtype=dtype)
+    y = torch.randint(0, args.classes, (n,), generator=g)
+    train_mask = torch.zeros(n, dtype=torch.bool)
+    train_mask[::2] = True
+    count = int(train_mask.sum())
+
+    torch.manual_seed(0)
+    start = MODELS[args.model](args.features, args.hidden, args.classes).to(dtype).state_dict()
+    model = MODELS[args.model](args.features, args.hidden, args.classes).to(device=device, dtype=dtype)
+    model.load_state_dict(start)
+    x_local, y_local, mask_local = adj.shard_rows(x), adj.shard_rows(y), adj.shard_rows(train_mask)
+
+    # The gradient at the start, summed over the ranks (no step taken: training starts from here).
+    (F.cross_entropy(model(x_local, adj)[mask_local], y_local[mask_local], reduction="sum") / count).backward()
+    sum_gradients(model)
+    start_grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    adj.stats.update(compute_s=0.0, wait_s=0.0, products=0)
+    if sync is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+    shares, seconds = train(model, adj, x_local, y_local, mask_local, count, args.epochs, args.lr, sum_gradients, sync)
+    dist.all_reduce(shares)
+    losses = shares.tolist()
+
+    timed = seconds[1:] or seconds  # the first epoch specializes the kernels
+    rank_report = {"rank": rank, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                   "rows": adj.local_rows, "local_nnz": adj.local.nnz, "halo_nnz": 0 if adj.halo is None else adj.halo.nnz,
+                   "halo_rows": adj.plan.halo_size, "peers": sorted(set(adj.plan.send) | set(adj.plan.recv)),
+                   "halo_bytes_per_product": adj.halo_bytes(args.hidden if args.model == "gcn" else args.features),
+                   "epoch_s": sum(timed) / len(timed), "epoch_s_all": seconds,
+                   "halo_wait_s_per_epoch": adj.stats["wait_s"] / args.epochs,
+                   "compute_s_per_epoch": adj.stats["compute_s"] / args.epochs,
+                   "products_per_epoch": adj.stats["products"] / args.epochs,
+                   "peak_memory_mb": peak_memory_mb(device),
+                   # what serves each block's products: the JIT's decisions for two ordinary patterns
+                   "kernels": {name: runtime.decisions(block.crow, block.col, block.shape[1])
+                               for name, block in (("local", adj.local), ("halo", adj.halo)) if block is not None},
+                   "cache_builds": runtime.cache.stats["builds"]}
+    reports = [None] * world
+    dist.all_gather_object(reports, rank_report)
+
+    status = 0
+    if rank == 0:
+        report = {"graph": args.graph, "model": args.model, "nodes": n, "nnz": int(M.nnz), "world_size": world,
+                  "backend": backend, "order": adj.partition.order, "dtype": args.dtype, "epochs": args.epochs,
+                  "hidden": args.hidden, "features": args.features, "ranks": reports, "losses": losses,
+                  "epoch_s": max(r["epoch_s"] for r in reports)}
+        ok = True
+        if not args.no_check:
+            single = MODELS[args.model](args.features, args.hidden, args.classes).to(device=device, dtype=dtype)
+            single.load_state_dict(start)
+            whole = ts.csr(M, dtype=dtype, device=device, index_dtype=torch.int32)
+            xd, yd, maskd = x.to(device), y.to(device), train_mask.to(device)
+            (F.cross_entropy(single(xd, whole)[maskd], yd[maskd], reduction="sum") / count).backward()
+            grad_diff = max(float((start_grads[k] - p.grad).norm() / p.grad.norm().clamp(min=1e-30))
+                            for k, p in single.named_parameters())
+            single.zero_grad(set_to_none=True)
+            single_losses, _ = train(single, whole, xd, yd, maskd, count, args.epochs, args.lr)
+            single_losses = single_losses.tolist()
+            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, single_losses))
+            ok = grad_diff < GRAD_RTOL[dtype] and loss_diff < LOSS_RTOL[dtype]
+            report.update(single_process_losses=single_losses, max_rel_grad_diff_at_start=grad_diff,
+                          max_rel_loss_diff=loss_diff)
+            print(f"{world} ranks: losses first {losses[0]:.6f}, last {losses[-1]:.6f}; one process: first "
+                  f"{single_losses[0]:.6f}, last {single_losses[-1]:.6f}; gradient at the start: max relative "
+                  f"difference {grad_diff:.2e}; max relative loss difference {loss_diff:.2e}; "
+                  f"{'OK' if ok else 'MISMATCH'}")
+        report["ok"] = ok
+        for r in reports:
+            print(f"rank {r['rank']}: {r['rows']} rows, {r['local_nnz']} + {r['halo_nnz']} (halo) nonzeros, "
+                  f"{r['halo_rows']} halo rows; epoch {r['epoch_s'] * 1e3:.1f} ms (halo wait "
+                  f"{r['halo_wait_s_per_epoch'] * 1e3:.1f} ms, products {r['compute_s_per_epoch'] * 1e3:.1f} ms); "
+                  f"peak memory {r['peak_memory_mb']:.0f} MB")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        status = 0 if ok else 1
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
