@@ -161,7 +161,7 @@ def summarize(cells: list[dict]) -> dict:
     groups: dict[str, list] = {}
     for c in cells:
         groups.setdefault(f"{c['op']} n={c['n']} {c['dtype']}", []).append(c)
-        groups.setdefault("all", []).append(c)
+    groups["all"] = list(cells)
     out = {}
     for g, cs in groups.items():
         per = {}
@@ -195,7 +195,7 @@ def summarize(cells: list[dict]) -> dict:
 
 
 def _command(argv: list[str] | None) -> str:
-    return "python training/offgrid.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    return " ".join(["python training/offgrid.py", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
 
 
 def _commit() -> str:

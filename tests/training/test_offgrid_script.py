@@ -1,0 +1,79 @@
+"""training/offgrid.py on the CPU: its options, its summary and table, and a smoke run at the
+compile tier (nvcc) with the shipped policy."""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from helpers import REPO  # noqa: E402
+sys.path.insert(0, str(REPO))
+
+from training import offgrid  # noqa: E402
+
+
+@pytest.mark.parametrize("text", ["spmv:32:f32", "spmm:32", "spmm:x:f32", "spmm:32:f64", "sddmm:32:f32"])
+def test_a_bad_request_names_the_option(text):
+    with pytest.raises(SystemExit, match=f"--requests expects op:n:dtype items .* got '{text}'"):
+        offgrid.parse_request(text)
+
+
+@pytest.mark.parametrize("argv,match", [(["--tier", "tpu"], "--tier expects one of compile, gpu, got 'tpu'"),
+                                        (["--k", "1"], "--k expects at least 2"),
+                                        (["--matrices", "nope"], "cannot be loaded: nope")])
+def test_bad_options_are_named(argv, match, tmp_path):
+    with pytest.raises(SystemExit, match=match):
+        offgrid.main(argv + ["--out", str(tmp_path / "o.json")])
+
+
+def test_the_gpu_tier_says_it_needs_a_gpu(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--tier gpu needs a CUDA GPU"):
+        offgrid.main(["--tier", "gpu", "--out", str(tmp_path / "o.json")])
+
+
+def _row(off, compiled=True, correct=None, speedup=None, spill=0, domain=True):
+    row = {"key": f"{off}{compiled}{correct}{speedup}", "parsed": True, "in_domain": domain,
+           "off_grid": off if domain else None, "refusal": None if domain else "source: outside the domain: x",
+           "compiled": compiled and domain, "spill_bytes": spill, "error_kind": None}
+    if correct is not None:
+        row.update(correct=correct, speedup=speedup)
+    return row
+
+
+def test_the_summary_counts_off_grid_kernels_and_the_cells_they_win():
+    cells = [
+        {"op": "spmm", "n": 32, "dtype": "f32", "oracle": {"speedup": 2.0},
+         "explore": [_row(False, correct=True, speedup=1.9), _row(True, correct=True, speedup=2.2),
+                     _row(True, correct=False, speedup=None), _row(True, domain=False)]},
+        {"op": "spmm", "n": 32, "dtype": "f32", "oracle": {"speedup": 1.0},
+         "explore": [_row(False, correct=True, speedup=1.0), _row(True, correct=True, speedup=0.5, spill=8)]},
+    ]
+    m = offgrid.summarize(cells)["spmm n=32 f32"]["explore"]
+    assert m["proposals"] == 6 and m["parsed"] == 6 and m["in_domain"] == 5 and m["off_grid"] == 3
+    assert m["off_grid_compiled"] == 3 and m["off_grid_correct"] == 2 and m["off_grid_spilled"] == 1
+    assert m["cells_off_grid_beats_oracle"] == 1
+    assert m["best_off_grid_frac_oracle_mean"] == pytest.approx((2.2 / 2.0 + 0.5 / 1.0) / 2)
+    doc = {"args": {"tier": "gpu"}, "command": "python training/offgrid.py --tier gpu", "commit": "abc",
+           "created": "now", "env": {"host": "h", "gpu": "H100"}, "cells": cells, "summary": offgrid.summarize(cells)}
+    table = offgrid.markdown(doc)
+    assert "| spmm n=32 f32 | explore | 6 | 6 | 5 | 3 | 3 | 1 | 2 | 1 of 2 | 80.0% |" in table
+    assert "1 × source: outside the domain: x" in table and "not measured" not in table
+
+
+@pytest.mark.slow  # about 40 s on a shared CPU: the policy scores its neighbours, nvcc builds them
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_a_compile_tier_run_writes_its_result_and_table(tmp_path):
+    out = tmp_path / "offgrid.json"
+    assert offgrid.main(["--matrices", "cora", "--requests", "spmm:32:f32", "--k", "4", "--sample-k", "1",
+                         "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (cell,) = doc["cells"]
+    assert [r["off_grid"] for r in cell["explore"]] == [False, True, True, True]
+    assert all(r["parsed"] and r["in_domain"] and r["compiled"] for r in cell["explore"])
+    assert doc["summary"]["all"]["explore"]["off_grid_compiled"] == 3
+    table = out.with_suffix(".md").read_text()
+    assert doc["command"] in table and "were not measured in this run" in table
