@@ -239,7 +239,6 @@ def test_the_default_proposals_are_the_ones_before_exploring_existed(shipped, ci
     assert [p.spec.key for p in sampled] == ["f9fe1e3dfdff1abd3418"] * 3
 
 
-@pytest.mark.slow  # about 35 s on a shared CPU: the policy scores about 200 neighbours
 def test_explore_proposes_the_first_choice_then_off_grid_kernels_inside_the_domain(shipped, citeseer):
     from torch_sparserl.specialize.policy.propose import propose
 
@@ -324,3 +323,20 @@ def test_nvcc_builds_off_grid_kernels(index):
     spec = F.render(family, params, op=op, dtype=dtype, n=n)
     record = compile_only(spec)
     assert record.compiled, record.log[-2000:]
+
+
+@pytest.mark.slow  # a sandbox worker loads the policy and scores the neighbours again (20-60 s on a shared CPU)
+def test_the_policy_in_a_sandbox_worker_explores_what_it_explores_here(shipped):
+    from torch_sparserl.data.datasets import load_matrix
+    from torch_sparserl.evaluate.sandbox import Sandbox
+    from torch_sparserl.specialize.policy import CHECKPOINT_DIR
+    from torch_sparserl.specialize.policy.propose import SandboxedPolicy, propose
+
+    A = load_matrix("cora")
+    kwargs = dict(op="spmv", n=1, k=4, seed=3, temperature=2.0, strategy="explore")
+    here = propose(shipped, A.indptr, A.indices, A.shape, **kwargs)
+    with Sandbox(init=None, matrix_loader=None, health_check=None) as box:  # a CPU worker
+        there = propose(SandboxedPolicy(box, CHECKPOINT_DIR), A.indptr, A.indices, A.shape, **kwargs)
+    assert [p.compact for p in there] == [p.compact for p in here]
+    assert [p.off_grid for p in there] == [p.off_grid for p in here] == [False, True, True, True]
+    assert all(p.error is None for p in there)

@@ -64,7 +64,6 @@ def test_the_summary_counts_off_grid_kernels_and_the_cells_they_win():
     assert "1 × source: outside the domain: x" in table and "not measured" not in table
 
 
-@pytest.mark.slow  # about 40 s on a shared CPU: the policy scores its neighbours, nvcc builds them
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_a_compile_tier_run_writes_its_result_and_table(tmp_path):
     out = tmp_path / "offgrid.json"
