@@ -300,8 +300,8 @@ def test_an_explored_text_outside_the_domain_is_a_plan_failure_never_built():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(strategy="explore", k=1), r"strategy='explore' needs k >= 2"),
-    (dict(strategy="explore", temperature=-1.0), "temperature must be a finite number >= 0"),
-    (dict(strategy="sample", temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(strategy="explore", temperature=-1.0), r"strategy='explore' needs a finite temperature >= 0 \(got -1.0\)"),
+    (dict(strategy="explore", temperature=float("nan")), r"strategy='explore' needs a finite temperature >= 0"),
 ])
 def test_explore_names_bad_arguments(shipped, kwargs, match):
     from torch_sparserl.specialize.policy.propose import propose

@@ -16,7 +16,9 @@ self-contained ABI translation unit (``csrc/README.md``)::
 Parameters are validated before anything is compiled (the role of sputnik's ``SpmmConfig``
 static_asserts): a bad combination raises :class:`ValueError` naming the family, the
 parameter, what was expected and what came. :func:`space` lists the ``(family, params)``
-candidates for a pattern, pruned by its structural features.
+candidates for a pattern, pruned by its structural features: a grid inside the wider domain the
+checkers accept (:func:`domain` documents it, :func:`valid` says whether a parameter set is in it;
+:mod:`.offgrid` proposes and gates kernels outside the grid).
 
 Families and what they are for:
 

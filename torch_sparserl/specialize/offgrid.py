@@ -108,7 +108,7 @@ def _scaled(v: int) -> list[int]:
     return [v // 2, v * 2, max(step, v * 3 // 4 // step * step), v * 3 // 2 // step * step]
 
 
-def _moves(name: str, v: Any, p: dict) -> list[Any]:
+def _moves(name: str, v: Any) -> list[Any]:
     """Candidate values for one parameter around ``v`` (the domain check filters them)."""
     if name in ("lanes", "vec") and isinstance(v, int):
         return [v // 2, v * 2]
@@ -151,7 +151,7 @@ def neighbours(family: str, params: dict, *, op: str, dtype: str, n: int, pairs:
     start = canonical(family, full, op=op, dtype=dtype, n=n)
     singles: list[tuple[str, dict]] = []
     for name in sorted(full):
-        for value in _moves(name, full[name], full):
+        for value in _moves(name, full[name]):
             singles.append((name, _fit_binned({**full, name: value})))
     candidates = [p for _, p in singles]
     if pairs:

@@ -109,8 +109,8 @@ def propose(policy: KernelPolicy | SandboxedPolicy, rowptr, col, shape, *, op: s
     if strategy == "explore" and k < 2:
         raise ValueError(f"propose: strategy='explore' needs k >= 2 (the first choice of the grid and k - 1 "
                          f"off-grid kernels), got k={k}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"propose: temperature must be a finite number >= 0 (got {temperature})")
+    if strategy == "explore" and not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"propose: strategy='explore' needs a finite temperature >= 0 (got {temperature})")
     dtype = dtype_name(dtype)
     if features is None:
         from ...pattern.features import structural_features
