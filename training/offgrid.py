@@ -152,7 +152,6 @@ def measure_cell(policy, pattern, op: str, n: int, dtype: str, args, box=None) -
     if tuning is not None:
         cell["oracle"] = _oracle_cell(pattern, op, n, SimpleNamespace(dtype=dtype,
                                                                       oracle_budget_s=args.oracle_budget_s), box)
-        box.release()
     return cell
 
 

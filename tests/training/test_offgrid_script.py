@@ -76,3 +76,34 @@ def test_a_compile_tier_run_writes_its_result_and_table(tmp_path):
     assert doc["summary"]["all"]["explore"]["off_grid_compiled"] == 3
     table = out.with_suffix(".md").read_text()
     assert doc["command"] in table and "were not measured in this run" in table
+
+
+def test_the_gpu_tier_screens_what_passed_the_gate_and_runs_the_oracle_in_the_same_box():
+    """The GPU tier's path on the CPU, with the fake sandbox of tests/fakes.py for the device: each
+    distinct gated kernel screened (median of three), the oracle tuned, the summary's comparison."""
+    from types import SimpleNamespace
+
+    from fakes import FakeSandbox
+    from torch_sparserl.specialize.policy import load_default
+    from training.common import Patterns
+
+    class Box(FakeSandbox):  # the real sandbox's evaluate has a default timeout, as eval.py uses it
+        def evaluate(self, spec, matrix_key, n, dtype, config, timeout_s=60.0):
+            return super().evaluate(spec, matrix_key, n, dtype, config, timeout_s)
+
+    box = Box(wrong_every=3)
+    args = SimpleNamespace(k=4, seed=0, temperature=1.0, sample_k=0, sample_temperature=1.5, tier="gpu",
+                           oracle_budget_s=5.0)
+    cell = offgrid.measure_cell(load_default("cpu"), Patterns().get("cora"), "spmm", 32, "f32", args, box)
+    beyond = [r for r in cell["explore"] if r["off_grid"]]
+    assert len(beyond) == 3 and all("correct" in r and r["compiled"] for r in beyond)
+    screened = {key for key, _ in box.calls}
+    assert {r["key"] for r in cell["explore"]} <= screened  # every proposal passed the gate and was screened
+    from training.eval import METRIC_SCREENS
+
+    assert all(sum(key == r["key"] for key, _ in box.calls) >= METRIC_SCREENS for r in cell["explore"])
+    assert cell["oracle"]["speedup"] > 0 and box.released == 1  # by the oracle's tune, after the screens
+    m = offgrid.summarize([{"matrix": "cora", **cell}])["all"]["explore"]
+    best = max([r["speedup"] for r in beyond if r["correct"]] or [0.0])
+    assert m["cells_off_grid_beats_oracle"] == int(best > cell["oracle"]["speedup"])
+    assert m["best_off_grid_frac_oracle_mean"] == pytest.approx(best / cell["oracle"]["speedup"])
