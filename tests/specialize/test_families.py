@@ -133,7 +133,7 @@ def test_rendered_source_bakes_geometry():
     ("group_row", {"block": 100}, "spmm", "f32", 32, ("group_row", "'block'", "100")),
     ("group_row", {"bogus": 1}, "spmm", "f32", 32, ("group_row", "unknown parameter", "'bogus'")),
     ("vector_row", {"lanes": 64}, "spmv", "f32", 1, ("vector_row", "'lanes'", "64")),
-    ("vector_row", {"unroll": 3}, "spmv", "f32", 1, ("vector_row", "'unroll'", "3")),
+    ("vector_row", {"unroll": 9}, "spmv", "f32", 1, ("vector_row", "'unroll'", "1..8", "9")),
     ("vector_row", {}, "spmm", "f32", 32, ("vector_row", "'op'", "'spmm'")),
     ("vector_row", {}, "spmv", "f32", 4, ("vector_row", "'n'", "1 for op=spmv")),
     ("vector_row", {}, "spmv", "f64", 1, ("vector_row", "'dtype'", "'f64'")),

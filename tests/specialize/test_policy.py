@@ -348,7 +348,7 @@ def test_ranking_proposes_the_likeliest_distinct_kernels_of_the_space(shipped):
                        features=feats)) == len(texts)
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(strategy="beam"), r"strategy must be one of \('rank', 'sample'\)"),
+@pytest.mark.parametrize("kwargs,match", [(dict(strategy="beam"), r"strategy must be one of \('rank', 'sample', 'explore'\)"),
                                           (dict(k=0), "k must be >= 1")])
 def test_propose_names_bad_arguments(shipped, kwargs, match):
     from torch_sparserl.specialize.policy.propose import propose

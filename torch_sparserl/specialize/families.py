@@ -16,7 +16,9 @@ self-contained ABI translation unit (``csrc/README.md``)::
 Parameters are validated before anything is compiled (the role of sputnik's ``SpmmConfig``
 static_asserts): a bad combination raises :class:`ValueError` naming the family, the
 parameter, what was expected and what came. :func:`space` lists the ``(family, params)``
-candidates for a pattern, pruned by its structural features.
+candidates for a pattern, pruned by its structural features: a grid inside the wider domain the
+checkers accept (:func:`domain` documents it, :func:`valid` says whether a parameter set is in it;
+:mod:`.offgrid` proposes and gates kernels outside the grid).
 
 Families and what they are for:
 
@@ -60,7 +62,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from ..abi import HALF_DTYPES, KernelSpec, PlanError, parse_plan
+from ..abi import HALF_DTYPES, MAX_BLOCK, KernelSpec, PlanError, parse_plan
 
 OPS = ("spmm", "spmv", "sddmm")
 # families whose spmm kernels store each row of y once, from registers: they can fuse an
@@ -71,9 +73,17 @@ DTYPE_CODES = {"f32": 0, "f16": 1, "bf16": 2}
 TEMPLATE_DIR = Path(__file__).parents[1] / "_csrc" / "families"
 
 LANES = (1, 2, 4, 8, 16, 32)
-BLOCKS = (64, 128, 256, 512, 1024)
+BLOCKS = (64, 128, 256, 512, 1024)  # the powers of two the grid draws from; the domain is wider:
+# any whole number of warps from BLOCK_MIN to 1024 (every template divides the block by its lanes,
+# a power of two <= 32, and reduces over whole warps). Below 64 threads the occupancy
+# __launch_bounds__ asks for (SR_MINB, 1536 or 1024 threads per SM) would need more than the 32
+# resident blocks an SM holds.
+BLOCK_MIN = 64
 ROW_ORDERS = ("natural", "sorted_desc")
-UNROLLS = (1, 2, 4, 8)
+UNROLLS = (1, 2, 4, 8)  # the grid's unroll factors; the templates take any whole number 1..UNROLL_MAX
+# (SR_UNROLL independent gathers under #pragma unroll); beyond 8 the gathers' registers spill at
+# the occupancy the kernels ask for
+UNROLL_MAX = 8
 # fp32 accumulators one lane holds per pass over a row (SR_TB tiles x SR_VEC columns)
 ACC_BUDGET = 32
 # persistent grids (binned): enough blocks to fill the 132 SMs of an H100 at 2048 threads/SM
@@ -119,8 +129,8 @@ class _Checker:
         return v
 
     def multiple(self, name: str, of: int, lo: int, hi: int) -> int:
-        v = self.int_(name, lo, hi)
-        if v % of:
+        v = self.p[name]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi or v % of:
             self.fail(name, f"a multiple of {of} in {lo}..{hi}")
         return v
 
@@ -157,11 +167,12 @@ def _dense_geometry(op: str, c: _Checker, dtype: str, n: int) -> dict[str, int]:
     return _sddmm_geometry(c, dtype, n) if op == "sddmm" else _spmm_geometry(c, dtype, n)
 
 
-def _block(c: _Checker, multiple_of: int = 1) -> int:
-    block = c.one_of("block", BLOCKS)
-    if block % multiple_of:
-        c.fail("block", f"one of {BLOCKS} divisible by {multiple_of}")
-    return block
+def _block(c: _Checker) -> int:
+    return c.multiple("block", 32, BLOCK_MIN, MAX_BLOCK)
+
+
+def _unroll(c: _Checker) -> int:
+    return c.int_("unroll", 1, UNROLL_MAX)
 
 
 @dataclass(frozen=True)
@@ -180,7 +191,7 @@ def _vector_row(op, dtype, n, params) -> _Rendered:
     lanes = c.one_of("lanes", LANES)
     block = _block(c)
     rows = c.one_of("rows", ROW_ORDERS)
-    unroll = c.one_of("unroll", UNROLLS)
+    unroll = _unroll(c)
     per = block // lanes
     return _Rendered(
         plan={"rows": rows, "split": "none", "block": str(block), "grid": f"ceil(rows/{per})"},
@@ -233,7 +244,7 @@ def _nnz_split(op, dtype, n, params) -> _Rendered:
     geo = _dense_geometry(op, c, dtype, n)
     chunk = c.int_("chunk", 1, MAX_CHUNK)
     block = _block(c)
-    unroll = c.one_of("unroll", UNROLLS)
+    unroll = _unroll(c)
     return _Rendered(
         plan={"rows": "natural", "split": f"nnz({chunk})", "block": str(block),
               "grid": f"ceil(parts/{block // geo['SR_LANES']})", **_atomic_init(op), **_hub_work(op, dtype, n)},
@@ -258,7 +269,7 @@ def _sell(op, dtype, n, params) -> _Rendered:
     if sigma % chunk:
         c.fail("sigma", f"a positive multiple of c={chunk}")
     block = _block(c)
-    unroll = c.one_of("unroll", UNROLLS)
+    unroll = _unroll(c)
     return _Rendered(
         plan={"rows": f"sell({chunk},{sigma})", "split": "none", "block": str(block),
               "grid": f"ceil(rows/{block})"},
@@ -281,7 +292,7 @@ def _binned(op, dtype, n, params) -> _Rendered:
     for v in lanes:
         if isinstance(v, bool) or v not in allowed:
             c.fail("lanes", f"lane counts from {allowed} (block={block} = one block per row)")
-    unroll = c.one_of("unroll", UNROLLS)
+    unroll = _unroll(c)
     # Virtual blocks per bin are bounded by rows and by nnz/e_b (a row of bin b has >= e_b nonzeros);
     # the grid is that bound capped to one full wave: the kernel strides over the rest.
     terms = [f"ceil(rows/{block // lanes[0]})"]
@@ -307,7 +318,7 @@ def _rowchunks(op, dtype, n, params) -> _Rendered:
         lanes = geo["SR_LANES"]
     seg = c.int_("seg", 1, MAX_CHUNK)
     block = _block(c)
-    unroll = c.one_of("unroll", UNROLLS)
+    unroll = _unroll(c)
     # every row is a segment or more, and hubs are stored from the workspace: no zero-fill
     plan = {"rows": "natural", "split": f"rowchunks({seg})", "block": str(block),
             "grid": f"ceil(parts/{block // lanes})", **_hub_work(op, dtype, n, every_dtype=True)}
@@ -320,7 +331,7 @@ def _group_row(op, dtype, n, params) -> _Rendered:
     geo = _dense_geometry(op, c, dtype, n)
     block = _block(c)
     rows = c.one_of("rows", ROW_ORDERS)
-    unroll = c.one_of("unroll", UNROLLS)
+    unroll = _unroll(c)
     return _Rendered(
         plan={"rows": rows, "split": "none", "block": str(block),
               "grid": f"ceil(rows/{block // geo['SR_LANES']})"},
@@ -350,8 +361,8 @@ def _tc_tiles(op, dtype, n, params) -> _Rendered:
     kk = 32  # columns a step (SR_KK): A tile, staged X rows, a 16x16 output tile, A as T (half types)
     floats = window * kk + kk * 16 * j * (4 if dtype == "f32" else 2) // 4 + 256 + (0 if dtype == "f32" else window * kk // 2)
     if block // 32 * floats * 4 > MAX_STATIC_SMEM:
-        fits = [b for b in BLOCKS if b // 32 * floats * 4 <= MAX_STATIC_SMEM] or [0]
-        c.fail("block", f"at most {fits[-1]} threads for window={window}, j={j}, "
+        fits = MAX_STATIC_SMEM // (floats * 4) * 32
+        c.fail("block", f"at most {fits} threads for window={window}, j={j}, "
                         f"dtype={dtype} ({floats * 4} bytes of shared memory a warp)")
     slices = n // (16 * j)
     plan = {"rows": "natural", "split": f"tiles({window})", "block": str(block),
@@ -748,3 +759,75 @@ def space(op: str, dtype: str, n: int, features: dict | None = None,
                 seen.add(key)
                 out.append((name, dict(params)))
     return out
+
+
+# --------------------------------------------------------------------------- the domain
+
+_LANES_TEXT = f"one of {LANES} (a power of two dividing a warp: the group's shuffles)"
+_BLOCK_TEXT = (f"a multiple of 32 in {BLOCK_MIN}..{MAX_BLOCK} (whole warps; below {BLOCK_MIN} the occupancy "
+               f"__launch_bounds__ asks for needs more blocks than an SM holds)")
+_UNROLL_TEXT = f"an integer in 1..{UNROLL_MAX} (independent gathers in flight; more spill)"
+_VEC_TEXT = "1, 2 or 4 for f32, also 8 for the half types (a load of at most 16 bytes), dividing n"
+_ROWS_TEXT = f"one of {ROW_ORDERS}"
+_TILE_TEXT = (f"lanes*vec*tiles covering n within {ACC_BUDGET} float32 accumulators a lane (more passes "
+              f"otherwise); op=sddmm needs one pass")
+
+
+@dataclass(frozen=True)
+class Domain:
+    """What a family's template accepts: each parameter's values and the constraints joining them.
+
+    The families' checkers (:func:`render`) enforce exactly this, and :func:`space`'s grid is a
+    subset of it; :func:`valid` says whether one parameter set is inside, and if not, why."""
+
+    family: str
+    params: dict[str, str]
+    constraints: tuple[str, ...] = ()
+
+
+DOMAINS: dict[str, Domain] = {d.family: d for d in (
+    Domain("vector_row", {"lanes": _LANES_TEXT, "block": _BLOCK_TEXT, "rows": _ROWS_TEXT, "unroll": _UNROLL_TEXT}),
+    Domain("nnz_split", {
+        "chunk": f"spmv: a multiple of 32 in 32..{MAX_CHUNK} (a warp per chunk); spmm, sddmm: 1..{MAX_CHUNK} "
+                 "nonzeros per lane group",
+        "block": _BLOCK_TEXT, "lanes": "spmm, sddmm: " + _LANES_TEXT, "vec": "spmm, sddmm: " + _VEC_TEXT,
+        "unroll": "spmm, sddmm: " + _UNROLL_TEXT},
+        (_TILE_TEXT, "spmv: dtype f32 only (a row's pieces meet through atomics into y)")),
+    Domain("merge_path", {"items": "an integer in 1..4096 (merge items a thread)", "block": _BLOCK_TEXT},
+           ("dtype f32 only (rows crossing threads meet through atomics into y)",)),
+    Domain("sell", {"c": "a power of two in 1..1024 (rows a slice)", "sigma": "a positive multiple of c "
+                    "(rows sorted by length within windows of sigma)", "block": _BLOCK_TEXT, "unroll": _UNROLL_TEXT}),
+    Domain("binned", {"edges": "1..7 strictly increasing positive integers (row-length bin edges)",
+                      "lanes": f"one lane count a bin (len(edges)+1), each from {LANES} or the block "
+                               "(a whole block per row)",
+                      "block": _BLOCK_TEXT, "unroll": _UNROLL_TEXT}),
+    Domain("rowchunks", {"seg": f"an integer in 1..{MAX_CHUNK} (most nonzeros a segment)", "lanes": _LANES_TEXT,
+                         "vec": "spmm, sddmm: " + _VEC_TEXT, "block": _BLOCK_TEXT, "unroll": _UNROLL_TEXT},
+           (_TILE_TEXT,)),
+    Domain("group_row", {"lanes": _LANES_TEXT, "vec": _VEC_TEXT, "block": _BLOCK_TEXT, "rows": _ROWS_TEXT,
+                         "unroll": _UNROLL_TEXT}, (_TILE_TEXT,)),
+    Domain("warp_row_staged", {"lanes": "one of (8, 16, 32)", "vec": _VEC_TEXT, "block": _BLOCK_TEXT,
+                               "rows": _ROWS_TEXT, "stage": "one of ('shfl', 'smem')"},
+           (_TILE_TEXT, f"stage=smem: block/lanes*33*8 bytes of staged batches within {MAX_STATIC_SMEM}")),
+    Domain("tc_tiles", {"window": f"one of {TC_WINDOWS}", "j": f"one of {TC_SLICES}, 16*j dividing n",
+                        "ksplit": f"one of {TC_KSPLITS}; 1 for the half types", "math": "'ieee', or 'tf32' for f32",
+                        "block": _BLOCK_TEXT},
+           (f"the warps' tiles in shared memory within {MAX_STATIC_SMEM} bytes", "n a multiple of 16")),
+)}
+
+
+def domain(family: str) -> Domain:
+    """The parameter domain of ``family`` (a named ValueError for an unknown family)."""
+    if family not in DOMAINS:
+        raise ValueError(f"domain: unknown family {family!r} (expected one of {', '.join(FAMILIES)})")
+    return DOMAINS[family]
+
+
+def valid(family: str, params: dict, *, op: str, dtype: str, n: int) -> str | None:
+    """None when ``params`` (missing ones take defaults) is inside ``family``'s domain for the
+    request, else why not: the message names the family, the parameter and the constraint."""
+    try:
+        render(family, params, op=op, dtype=dtype, n=n, compact=True)
+    except ValueError as exc:  # PlanError too: an epilogue the plan refuses
+        return str(exc)
+    return None

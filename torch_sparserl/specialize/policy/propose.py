@@ -13,6 +13,15 @@ Two strategies give the completions:
   decodes, and K distinct kernels where sampling a confident policy gives one kernel K times.
 * ``"sample"``: K decoded completions, the first greedy (the stochastic policy that RL
   trains; it may write a kernel outside the space).
+* ``"explore"`` (opt-in, for exploring beyond the grid): the policy's first choice of the space
+  (as ``"rank"``), then K - 1 *off-grid* kernels: in-domain neighbours of its
+  :data:`EXPLORE_ANCHORS` likeliest grid points (:func:`torch_sparserl.specialize.offgrid.off_grid`:
+  other parameter values and combinations the templates accept and the grid never lists),
+  rendered through their family's template, scored by the policy like the space, and drawn
+  without replacement with probabilities softmax(log-probability / temperature) (``seed``;
+  temperature 0: the likeliest). Each proposal's text passes
+  :func:`~torch_sparserl.specialize.offgrid.check_declared` (a refusal is a plan failure, never
+  built) and carries ``off_grid``.
 
 :func:`policy_tune` evaluates the distinct candidates in the sandbox with the screening
 configuration, then validates the fastest correct ones with the full configuration (fresh
@@ -22,6 +31,7 @@ trials, determinism, cuSPARSE timed in the same run): the autotuner's search
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -39,7 +49,8 @@ from .corpus import request
 from .encoder import PatternInput
 from .model import KernelPolicy, Sample
 
-STRATEGIES = ("rank", "sample")
+STRATEGIES = ("rank", "sample", "explore")
+EXPLORE_ANCHORS = 2  # grid points whose neighbours "explore" draws from, the likeliest first
 _FAMILY_LINE = re.compile(r"^// family: ([a-z_]+)\((.*)\)\s*$", re.M)
 
 
@@ -51,6 +62,7 @@ class Proposal:
     compact: str            # request + completion: the text the policy wrote, headers by name
     spec: KernelSpec        # the expanded source (the compact text when expansion failed)
     error: str | None = None
+    off_grid: bool = False  # strategy="explore": a kernel outside the grid (offgrid.off_grid)
 
     @property
     def family(self) -> str:
@@ -65,14 +77,20 @@ def _family(text: str) -> tuple[str, tuple]:
     return m.group(1), params
 
 
-def to_proposal(sample: Sample, op: str, dtype: str, n: int) -> Proposal:
+def to_proposal(sample: Sample, op: str, dtype: str, n: int, *, check_domain: bool = False) -> Proposal:
+    """The candidate a completion makes; with ``check_domain``, a text that is not its declared
+    family's template inside the family's domain (:func:`~torch_sparserl.specialize.offgrid.check_declared`)
+    carries the refusal as its error, so it is never built."""
     from ..families import expand_headers
+    from ..offgrid import check_declared
 
     compact = request(op, dtype, n) + sample.text
     family, params = _family(compact)
     error = None if sample.finished else "the completion did not end (no <eos> within the token limit)"
     try:
         source = expand_headers(compact)
+        if check_domain and error is None:
+            check_declared(compact, op=op, dtype=dtype, n=n)
     except PlanError as exc:
         source, error = compact, str(exc)
     return Proposal(sample, compact, KernelSpec(source, family, params), error)
@@ -88,6 +106,11 @@ def propose(policy: KernelPolicy | SandboxedPolicy, rowptr, col, shape, *, op: s
         raise ValueError(f"propose: strategy must be one of {STRATEGIES} (got {strategy!r})")
     if k < 1:
         raise ValueError(f"propose: k must be >= 1 (got {k})")
+    if strategy == "explore" and k < 2:
+        raise ValueError(f"propose: strategy='explore' needs k >= 2 (the first choice of the grid and k - 1 "
+                         f"off-grid kernels), got k={k}")
+    if strategy == "explore" and not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"propose: strategy='explore' needs a finite temperature >= 0 (got {temperature})")
     dtype = dtype_name(dtype)
     if features is None:
         from ...pattern.features import structural_features
@@ -95,6 +118,15 @@ def propose(policy: KernelPolicy | SandboxedPolicy, rowptr, col, shape, *, op: s
         features = structural_features(rowptr, col, shape)
     inp = PatternInput.from_pattern(rowptr, col, shape, op, dtype, n, policy.config.samples, seed=seed,
                                     features=features)
+    if strategy == "explore":
+        found = (policy.explore(inp, features, op, dtype, n, k=k, temperature=temperature, seed=seed)
+                 if isinstance(policy, SandboxedPolicy) else
+                 _explore(policy, inp, features, op, dtype, n, k, temperature, seed))
+        out = []
+        for s, beyond in found:
+            out.append(to_proposal(s, op, dtype, n, check_domain=True))
+            out[-1].off_grid = beyond
+        return out
     if isinstance(policy, SandboxedPolicy):
         samples = (policy.rank(inp, features, op, dtype, n, k=k) if strategy == "rank" else
                    policy.sample(inp, op, dtype, n, k=k, temperature=temperature, seed=seed))
@@ -110,17 +142,54 @@ def _sample(policy: KernelPolicy, inp: PatternInput, op, dtype, n, k, temperatur
     return policy.sample_speculative(inp, op, dtype, n, k=k, temperature=temperature, generator=gen)
 
 
+def _scored(policy: KernelPolicy, inp: PatternInput, points: list[tuple[str, dict]], op, dtype, n
+            ) -> list[tuple[Sample, tuple[str, dict]]]:
+    """Each distinct kernel of ``points`` rendered as the policy writes it, with the policy's
+    log-probability of writing it, likeliest first."""
+    from .corpus import completion_text, render_compact
+
+    texts: dict[str, tuple[str, dict]] = {}
+    for f, p in points:
+        texts.setdefault(completion_text(render_compact(f, p, op, dtype, n), op, dtype, n), (f, p))
+    order = list(texts)
+    ids = policy.completion_ids(order)
+    scores = policy.score_ids(inp, op, dtype, n, ids)
+    ranked = sorted(range(len(order)), key=lambda i: -scores[i])
+    return [(Sample(text=order[i], tokens=ids[i], logprob=scores[i], finished=True), texts[order[i]]) for i in ranked]
+
+
 def _rank(policy: KernelPolicy, inp: PatternInput, features: dict, op, dtype, n, k) -> list[Sample]:
     """The K kernels of the space the policy is likeliest to write, most likely first."""
     from .. import families as fam
-    from .corpus import completion_text, render_compact
 
-    texts = list(dict.fromkeys(completion_text(render_compact(f, p, op, dtype, n), op, dtype, n)
-                               for f, p in fam.space(op, dtype, n, features)))
-    ids = policy.completion_ids(texts)
-    scores = policy.score_ids(inp, op, dtype, n, ids)
-    order = sorted(range(len(texts)), key=lambda i: -scores[i])[:k]
-    return [Sample(text=texts[i], tokens=ids[i], logprob=scores[i], finished=True) for i in order]
+    return [s for s, _ in _scored(policy, inp, fam.space(op, dtype, n, features), op, dtype, n)[:k]]
+
+
+def _explore(policy: KernelPolicy, inp: PatternInput, features: dict, op, dtype, n, k, temperature, seed
+             ) -> list[tuple[Sample, bool]]:
+    """The policy's first choice of the grid, then up to K - 1 off-grid neighbours of its
+    :data:`EXPLORE_ANCHORS` likeliest grid points, drawn by the policy's scores (module docstring).
+    Returns ``(sample, off_grid)`` pairs."""
+    from .. import families as fam
+    from ..offgrid import off_grid
+
+    grid = _scored(policy, inp, fam.space(op, dtype, n, features), op, dtype, n)
+    anchors = [point for _, point in grid[:EXPLORE_ANCHORS]]
+    beyond = _scored(policy, inp, off_grid(anchors, op=op, dtype=dtype, n=n, features=features), op, dtype, n)
+    return [(grid[0][0], False)] + [(s, True) for s in draw([s for s, _ in beyond], k - 1, temperature, seed)]
+
+
+def draw(samples: list[Sample], count: int, temperature: float, seed: int) -> list[Sample]:
+    """``count`` of ``samples`` drawn without replacement with probabilities
+    softmax(logprob / temperature) (Gumbel top-k, ``seed``); temperature 0: the likeliest, in order."""
+    if temperature == 0 or len(samples) <= count:
+        order = sorted(range(len(samples)), key=lambda i: -samples[i].logprob)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        u = torch.rand(len(samples), generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+        keys = torch.tensor([s.logprob for s in samples], dtype=torch.float64) / temperature - torch.log(-torch.log(u))
+        order = torch.argsort(keys, descending=True).tolist()
+    return [samples[i] for i in order[:count]]
 
 
 class SandboxedPolicy:
@@ -162,6 +231,12 @@ class SandboxedPolicy:
         found = self._run(rank_task, inp.rows, inp.cols, tuple(inp.shape), inp.features, dict(features), op,
                           dtype, int(n), int(k))
         return [Sample(**fields) for fields in found]
+
+    def explore(self, inp: PatternInput, features: dict, op: str, dtype: str, n: int, *, k: int,
+                temperature: float, seed: int) -> list[tuple[Sample, bool]]:
+        found = self._run(explore_task, inp.rows, inp.cols, tuple(inp.shape), inp.features, dict(features), op,
+                          dtype, int(n), int(k), float(temperature), int(seed))
+        return [(Sample(**fields), bool(beyond)) for fields, beyond in found]
 
 
 POLICY_DEVICES = config.POLICY_DEVICES
@@ -208,6 +283,14 @@ def rank_task(checkpoint: str, rows, cols, shape, encoded, features: dict, op: s
     policy = _worker_policy(checkpoint)
     return [_plain(s) for s in _rank(policy, PatternInput(rows, cols, tuple(shape), encoded), features, op, dtype,
                                      n, k)]
+
+
+def explore_task(checkpoint: str, rows, cols, shape, encoded, features: dict, op: str, dtype: str, n: int, k: int,
+                 temperature: float, seed: int) -> list[tuple[dict, bool]]:
+    """Sandbox task: the grid's first choice and K - 1 off-grid kernels, as builtins."""
+    policy = _worker_policy(checkpoint)
+    return [(_plain(s), beyond) for s, beyond in _explore(policy, PatternInput(rows, cols, tuple(shape), encoded),
+                                                          features, op, dtype, n, k, temperature, seed)]
 
 
 def _plain(s: Sample) -> dict:
