@@ -229,3 +229,18 @@ def test_settling_every_pending_check_before_a_capture_reads_each_verdict_once(d
         bad @ torch.randn(M.shape[1], 2, dtype=torch.float64)
     patterns.settle_pending()  # nothing left to wait for
     assert [event.waited for event in device.events] == [1, 1]
+
+
+def test_compile_time_specialization_reads_the_verdict_first(device):
+    """The backend's compile-time specialization waits for the check (compiling waits anyway), so
+    a graph's first calls, a CUDA graph's recording among them, find the pattern checked."""
+    from torch_sparserl.compiler.prespecialize import specialize
+
+    M, crow, col, val = _matrix(seed=9)
+    A = ts.csr((crow, col, val.float()), M.shape)
+    specialize(A, "spmm", 8)
+    assert device.events[0].waited == 1 and patterns.lookup(A._crow, A._col, M.shape[1]).check is None
+    bad_col = col.clone()
+    bad_col[4] = M.shape[1]
+    with pytest.raises(ValueError, match=r"col must be < ncols"):
+        specialize(ts.csr((crow, bad_col, val.float()), M.shape), "spmm", 8)

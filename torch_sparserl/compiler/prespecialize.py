@@ -186,6 +186,9 @@ def _on_pattern(runtime: rt.Runtime, crow, col, ncols: int, op: str, n: int, tra
     check_csr_meta("specialize", crow, col, val, ncols)
     entry = patterns.lookup(crow, col, ncols)
     entry.validate("specialize", crow, col)
+    # compile time waits anyway: the verdict of a device check is read now, so that the graph's
+    # first calls (a CUDA graph's recording among them) find the pattern checked
+    entry.settle(block=True)
     if heads:
         from ..ops import check_heads_index
 

@@ -12,7 +12,8 @@ Until then nothing may read out of bounds and no result may pass for a right one
 same stream also makes the library's own copy of the indices harmless should the check
 fail: every nonzero moved to the last row and column 0 (a valid CSR structure, whatever
 reads it: a kernel, cuSPARSE, the transpose's sort), and :meth:`DeviceCheck.poison` fills
-the outputs of the products that run in the meantime with NaN. The error itself is raised
+the outputs of the products that run in the meantime with NaN (in a CUDA graph capture, their
+first element). The error itself is raised
 by the first use of the pattern after the verdict arrived, naming the check that failed
 (the exact entry too, where the caller's tensors are still as they were).
 """
@@ -122,9 +123,14 @@ class DeviceCheck:
 
     def poison(self, out: torch.Tensor) -> torch.Tensor:
         """``out``, a product on these indices made before the verdict: NaN throughout should the
-        check fail (queued on the stream, no wait)."""
-        if out.is_floating_point():
-            out.masked_fill_(self._bad, float("nan"))
+        check fail (queued on the stream, no wait). Inside a CUDA graph capture only its first
+        element: the fill is replayed with the graph, where a pass over the whole output on every
+        replay would cost more than the product's check is worth (and a NaN reaches the loss)."""
+        if out.is_floating_point() and out.numel():
+            if out.is_cuda and out.is_contiguous() and torch.cuda.is_current_stream_capturing():
+                out.view(-1)[:1].masked_fill_(self._bad, float("nan"))
+            else:
+                out.masked_fill_(self._bad, float("nan"))
         return out
 
 
