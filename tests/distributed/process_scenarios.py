@@ -185,7 +185,7 @@ def own_rows(M: sp.csr_matrix, part, rank: int) -> sp.csr_matrix:
 
 def _from_local(rank: int, world: int, dtypes=(torch.float64, torch.float32)) -> dict:
     """Each rank passes only its rows (DistributedCSRMatrix.from_local): the product, X's and
-    the values' gradients equal the whole-matrix path's (bitwise: the same blocks) and one
+    the values' gradients equal the whole-matrix path's (bitwise on the CPU: the same blocks) and one
     process's float64 reference, for every order."""
     checked = []
     for name, M in matrices().items():
@@ -211,7 +211,9 @@ def _from_local(rank: int, world: int, dtypes=(torch.float64, torch.float32)) ->
                     (Y_local * D.shard_rows(W64.to(dtype))).sum().backward()
                     results.append((Y_local.detach(), X_local.grad, D))
                 (Y_whole, gx_whole, _), (Y_own, gx_own, D) = results
-                assert torch.equal(Y_own, Y_whole) and torch.equal(gx_own, gx_whole), f"{name}/{order}/{dtype}"
+                if DEVICE.type == "cpu":  # the same blocks, the same kernels (a GPU's atomics may sum in another order)
+                    assert torch.equal(Y_own, Y_whole) and torch.equal(gx_own, gx_whole), f"{name}/{order}/{dtype}"
+                assert_close_to_reference(Y_own, Y_whole.double(), dtype)
                 assert_close_to_reference(Y_own, (A64 @ X64)[rows], dtype)
                 assert_close_to_reference(gx_own, (A64.T @ W64)[rows], dtype)
                 assert values.grad is not None and values.grad.shape == (mine.nnz,)
