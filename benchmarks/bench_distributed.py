@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,29 +24,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, command_line, environment, fmt, results_path, tables, usage_error, write_json_md  # noqa: E402
+from common.torchrun import run_example  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "distributed_gcn.py"
 
 
 def run_world(world: int, args, folder: Path) -> dict:
     """The example's report for ``world`` ranks, or the tail of its output when it failed."""
-    out = folder / f"world{world}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--standalone",
-               str(EXAMPLE), "--graph", args.graph, "--model", args.model, "--order", args.order,
-               "--device", args.device, "--epochs", str(args.epochs), "--hidden", str(args.hidden),
-               "--features", str(args.features), "--out", str(out)]
-    if args.no_check:
-        command.append("--no-check")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout, cwd=folder)
-    if not out.exists():
-        return {"world_size": world, "status": "failed", "returncode": result.returncode,
-                "output_tail": (result.stdout + result.stderr)[-3000:]}
-    report = json.loads(out.read_text())
-    report["status"] = "ok" if result.returncode == 0 else "mismatch"
-    return report
+    arguments = ["--graph", args.graph, "--model", args.model, "--order", args.order, "--device", args.device,
+                 "--epochs", str(args.epochs), "--hidden", str(args.hidden), "--features", str(args.features),
+                 *(["--no-check"] if args.no_check else [])]
+    return run_example(EXAMPLE, world, arguments, args.device, folder, args.timeout)
 
 
 def summary_row(report: dict, one_rank_epoch_s: float | None) -> dict:

@@ -20,6 +20,12 @@ a graph that does not fit one device) and compares: the summed gradient at the s
 loss of every step. The JSON written to ``--out`` holds, per rank, its rows and halo, the halo
 bytes it sends and receives per product, its epoch time, the time it waited for the halo and
 computed, and its peak memory.
+
+``--rows-only`` builds each rank's blocks from its own rows alone
+(``ts.distributed.DistributedCSRMatrix.from_local``), read from a ``.npz`` with
+``torch_sparserl.data.datasets.load_rows``: the path for a graph no host holds whole. Here the
+whole graph is still loaded to normalize it, partition it and check the run; such a graph
+needs its adjacency and its partition prepared once, offline (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch.nn.functional as F
 
 import torch_sparserl as ts
 from torch_sparserl.data import synthetic
+from torch_sparserl.data.datasets import load_rows
 from torch_sparserl.jit import runtime as rt
 
 GRAD_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}  # summed gradients against one process's
@@ -150,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--timeout", type=float, help="seconds a rank waits for a peer's halo (default: the group's)")
+    parser.add_argument("--rows-only", action="store_true",
+                        help="each rank reads only its rows of the adjacency from a .npz (DistributedCSRMatrix.from_local)")
     parser.add_argument("--no-check", action="store_true", help="skip the one-process run (a graph too large for it)")
     parser.add_argument("--cache-dir", help="the shared kernel cache (default: a new folder made by rank 0)")
     parser.add_argument("--out", help="write the report (JSON) here, from rank 0")
@@ -178,8 +187,20 @@ def main(argv=None) -> int:
 
     M = adjacency(load_graph(args.graph), args.model)
     n = M.shape[0]
-    adj = ts.distributed.distribute_csr(ts.csr(M, dtype=dtype), order=args.order, device=device,
-                                        timeout=args.timeout)
+    if args.rows_only:
+        # Rank 0 writes the adjacency as a graph prepared offline would be (uncompressed: each
+        # rank seeks to its rows); every rank then reads only its rows from it.
+        part = ts.distributed.partition(M, world, order=args.order)
+        path = os.path.join(shared[0], "adjacency.npz")
+        if rank == 0:
+            sp.save_npz(path, M, compressed=False)
+        dist.barrier()
+        adj = ts.distributed.DistributedCSRMatrix.from_local(
+            ts.csr(load_rows(path, part.rows_of(rank).numpy()), dtype=dtype), part, device=device,
+            timeout=args.timeout)
+    else:
+        adj = ts.distributed.distribute_csr(ts.csr(M, dtype=dtype), order=args.order, device=device,
+                                            timeout=args.timeout)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, args.features, generator=g, dtype=dtype)
     y = torch.randint(0, args.classes, (n,), generator=g)
@@ -225,7 +246,7 @@ def main(argv=None) -> int:
     status = 0
     if rank == 0:
         report = {"graph": args.graph, "model": args.model, "nodes": n, "nnz": int(M.nnz), "world_size": world,
-                  "backend": backend, "order": adj.partition.order, "dtype": args.dtype, "epochs": args.epochs,
+                  "backend": backend, "order": adj.partition.order, "rows_only": args.rows_only, "dtype": args.dtype, "epochs": args.epochs,
                   "hidden": args.hidden, "features": args.features, "ranks": reports, "losses": losses,
                   "epoch_s": max(r["epoch_s"] for r in reports)}
         ok = True

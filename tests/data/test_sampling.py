@@ -71,6 +71,25 @@ def test_batches_are_reproducible_and_cover_the_graph(graph):
                for i in range(len(first))) == graph.shape[0]
 
 
+def test_batches_over_given_nodes_seed_each_of_them_once(graph):
+    """``nodes``: one rank's share; every batch's seeds come from it, each once, reproducibly;
+    by default the batches are those of every node."""
+    share = np.random.default_rng(0).permutation(graph.shape[0])[:700]
+    batches = list(neighbor_batches(graph, 128, (3, 2), seed=5, nodes=share))
+    seeds = np.concatenate([b.nodes[: b.seeds] for b in batches])
+    assert [b.seeds for b in batches] == [128] * 5 + [60]
+    assert np.array_equal(np.sort(seeds), np.sort(share))
+    again = np.concatenate([b.nodes[: b.seeds] for b in neighbor_batches(graph, 128, (3, 2), seed=5, nodes=share)])
+    assert np.array_equal(seeds, again)
+    in_order = next(neighbor_batches(graph, 128, (3,), shuffle=False, nodes=share))
+    assert np.array_equal(in_order.nodes[:128], share[:128])
+    everyone = [b.nodes for b in neighbor_batches(graph, 1000, (2,), seed=7, nodes=np.arange(graph.shape[0]))]
+    assert all(np.array_equal(a, b.nodes) for a, b in zip(everyone, neighbor_batches(graph, 1000, (2,), seed=7)))
+    for bad in (np.array([0, graph.shape[0]]), np.array([[1, 2]]), np.array([0.5])):
+        with pytest.raises(ValueError, match=r"neighbor_batches: nodes must be a 1-D array of node indices in \[0, 4096\)"):
+            next(neighbor_batches(graph, 10, (2,), nodes=bad))
+
+
 @pytest.mark.parametrize("bad", ["rectangular", "batch", "fanout"])
 def test_bad_arguments_are_named(graph, bad):
     args = {"adjacency": graph, "batch_size": 10, "fanouts": (2,)}

@@ -178,6 +178,72 @@ def _disagreements(rank: int, world: int) -> dict:
     return {"raised": raised}
 
 
+def own_rows(M: sp.csr_matrix, part, rank: int) -> sp.csr_matrix:
+    """``rank``'s rows of ``M`` in the partition's order, all columns (what a rank loads)."""
+    return M[part.rows_of(rank).numpy()].tocsr()
+
+
+def _from_local(rank: int, world: int, dtypes=(torch.float64, torch.float32)) -> dict:
+    """Each rank passes only its rows (DistributedCSRMatrix.from_local): the product, X's and
+    the values' gradients equal the whole-matrix path's (bitwise on the CPU: the same blocks) and one
+    process's float64 reference, for every order."""
+    checked = []
+    for name, M in matrices().items():
+        n = M.shape[0]
+        g = torch.Generator().manual_seed(3)
+        X64 = torch.randn(n, 4, generator=g, dtype=torch.float64)
+        W64 = torch.randn(n, 4, generator=g, dtype=torch.float64)
+        A64 = torch.from_numpy(M.toarray())
+        for order in ("rows", "rcm"):
+            part = ts.distributed.partition(M, world, order=order)
+            mine = own_rows(M, part, rank)
+            rows = part.rows_of(rank)
+            coo = mine.tocoo()
+            grad_val_ref = (W64[rows][torch.from_numpy(coo.row).long()] * X64[torch.from_numpy(coo.col).long()]).sum(1)
+            for dtype in dtypes:
+                results = []
+                values = torch.from_numpy(mine.data).to(dtype).requires_grad_(True)
+                for D in (ts.distributed.distribute_csr(ts.csr(M, dtype=dtype), part, timeout=30, device=DEVICE),
+                          ts.distributed.DistributedCSRMatrix.from_local(ts.csr(mine, dtype=dtype).with_values(values),
+                                                                         part, timeout=30, device=DEVICE)):
+                    X_local = D.shard_rows(X64.to(dtype)).requires_grad_(True)
+                    Y_local = D @ X_local
+                    (Y_local * D.shard_rows(W64.to(dtype))).sum().backward()
+                    results.append((Y_local.detach(), X_local.grad, D))
+                (Y_whole, gx_whole, _), (Y_own, gx_own, D) = results
+                if DEVICE.type == "cpu":  # the same blocks, the same kernels (a GPU's atomics may sum in another order)
+                    assert torch.equal(Y_own, Y_whole) and torch.equal(gx_own, gx_whole), f"{name}/{order}/{dtype}"
+                assert_close_to_reference(Y_own, Y_whole.double(), dtype)
+                assert_close_to_reference(Y_own, (A64 @ X64)[rows], dtype)
+                assert_close_to_reference(gx_own, (A64.T @ W64)[rows], dtype)
+                assert values.grad is not None and values.grad.shape == (mine.nnz,)
+                assert_close_to_reference(values.grad, grad_val_ref, dtype)
+                checked.append(f"{name}/{order}/{dtype}")
+    return {"checked": checked, "halo_rows": D.plan.halo_size}
+
+
+def _from_local_refusals(rank: int, world: int) -> dict:
+    """Rank 1 passes too many rows, then too many columns, then another partition, then another
+    dtype: every rank raises a ValueError naming rank 1 (and stays in step for the next)."""
+    M = random_with_empty_rows()
+    part = ts.distributed.partition(M, world)
+    mine = own_rows(M, part, rank)
+    wider = sp.csr_matrix((mine.data, mine.indices, mine.indptr), shape=(mine.shape[0], M.shape[1] + 1))
+    cases = {"rows": (own_rows(M, part, rank)[: mine.shape[0] - 1] if rank == 1 else mine, part),
+             "columns": (wider if rank == 1 else mine, part),
+             "partition": (mine, ts.distributed.partition(M, world, order="rcm") if rank == 1 else part),
+             "dtype": (mine.astype(np.float32) if rank == 1 else mine, part)}
+    raised = {}
+    for case, (rows, partition) in cases.items():
+        try:
+            ts.distributed.DistributedCSRMatrix.from_local(rows, partition, timeout=TIMEOUT_S, device=DEVICE)
+        except ValueError as exc:
+            raised[case] = str(exc)
+        else:
+            raised[case] = None
+    return {"raised": raised, "rows": part.size_of(1)}
+
+
 def _peer_leaves(how: str):
     def scenario(rank: int, world: int) -> dict:
         M = random_with_empty_rows()
@@ -214,4 +280,6 @@ def _leaves_before_construction(rank: int, world: int) -> dict:
 
 SCENARIOS = {"peer_exits_early": _leaves_before_construction, "products": _products,
              "products_float64": lambda rank, world: _products(rank, world, (torch.float64,)), "disagreements": _disagreements,
-             "peer_exits": _peer_leaves("exits"), "peer_hangs": _peer_leaves("hangs")}
+             "peer_exits": _peer_leaves("exits"),
+             "from_local": _from_local, "from_local_float64": lambda rank, world: _from_local(rank, world, (torch.float64,)),
+             "from_local_refusals": _from_local_refusals, "peer_hangs": _peer_leaves("hangs")}

@@ -75,3 +75,32 @@ def test_a_rank_that_exits_before_construction_is_reported_not_waited_for(tmp_pa
         "partition failed: a rank exited"), rank0["raised"]
     assert rank0["after_s"] < TIMEOUT_S
 
+
+
+@pytest.mark.parametrize("world, scenario, dtypes", [(2, "from_local", 2), (4, "from_local_float64", 1)])
+def test_each_rank_passing_only_its_rows_matches_the_whole_matrix(tmp_path, world, scenario, dtypes):
+    """DistributedCSRMatrix.from_local with each rank's own rows: products and gradients equal
+    distribute_csr's with the whole matrix (bitwise) and one process's float64 reference; the
+    values' gradient lands on the rank's own rows (2 ranks: float64 and float32; 4: float64)."""
+    reports = run(world, scenario, tmp_path)
+    assert all(rep["ok"] for rep in reports), _failures(reports)
+    assert all(len(rep["checked"]) == 2 * 2 * dtypes for rep in reports)
+    assert all(rep["halo_rows"] > 0 for rep in reports)
+
+
+def test_a_rank_passing_wrong_rows_is_named_by_every_rank(tmp_path):
+    reports = run(2, "from_local_refusals", tmp_path)
+    assert all(rep["ok"] for rep in reports), _failures(reports)
+    rows = reports[0]["rows"]
+    expected = {"rows": f"rank 1 passed {rows - 1} rows, the partition gives it {rows}",
+                "columns": "rank 1 passed 241 columns (largest index",
+                "partition": "partition hash (rank 0: ", "dtype": "dtype (rank 0: "}
+    for rank, rep in enumerate(reports):
+        for case, text in expected.items():
+            message = rep["raised"][case]
+            assert message is not None, f"rank {rank} accepted a rank 1 with wrong {case}"
+            assert message.startswith(f"torch_sparserl.distributed.DistributedCSRMatrix.from_local (rank {rank}): "
+                                      "every rank must pass the same partition and its own rows"), message
+            assert text in message, message
+            if case in ("partition", "dtype"):
+                assert "ranks [1]:" in message, message

@@ -35,6 +35,14 @@ def test_nccl_products_and_gradients_match_one_process(tmp_path, world):
     assert all(len(rep["checked"]) == 2 * 3 * 3 and rep["halo_rows"] > 0 for rep in reports)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_ranks_passing_only_their_rows_match_the_whole_matrix(tmp_path, world):
+    _gpus(world)
+    reports = run(world, "from_local", tmp_path, patience_s=300, backend="nccl", device="cuda")
+    assert all(rep["ok"] for rep in reports), _failures(reports)
+    assert all(len(rep["checked"]) == 2 * 2 * 2 and rep["halo_rows"] > 0 for rep in reports)
+
+
 def test_gloo_with_cuda_tensors_stages_the_halo_through_the_host(tmp_path):
     """Two processes on one GPU over gloo: the blocks and operands on the GPU, the exchange on the host."""
     _gpus(1)

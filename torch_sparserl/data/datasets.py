@@ -132,3 +132,86 @@ def _kind(path: Path) -> str:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
     return "a special file"
+
+
+def load_rows(name_or_path: str | os.PathLike, rows) -> scipy.sparse.csr_matrix:
+    """The rows ``rows`` (original indices, in the order given) of the CSR matrix in a ``.npz``
+    file (a shipped name, this package's layout or SciPy's ``save_npz``), with all its columns,
+    reading only the row pointers and those rows' entries: a rank of
+    :meth:`torch_sparserl.distributed.DistributedCSRMatrix.from_local` loads its share of a
+    matrix larger than its memory. Rows are read in file order, one seek per run of consecutive
+    rows: an uncompressed file (``save_npz(..., compressed=False)``) seeks directly, a compressed
+    one is decompressed once as a stream (never held whole).
+
+    A file that is not a CSR ``.npz``, or a row out of range, raises ValueError naming it."""
+    import numpy as np
+    import scipy.sparse
+
+    path = Path(name_or_path)
+    if not path.suffix and (DATA_DIR / f"{path.name}.npz").exists():
+        path = DATA_DIR / f"{path.name}.npz"
+    if path.suffix != ".npz" or not path.is_file():
+        raise ValueError(f"load_rows: expected a .npz file or a shipped matrix's name (got {str(path)!r})")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"load_rows: {str(path)!r} is not a .npz archive (NumPy's savez or SciPy's save_npz)")
+    with zipfile.ZipFile(path) as archive:
+        members = {Path(name).stem: name for name in archive.namelist()}
+        if not {"indptr", "indices", "data", "shape"} <= members.keys():
+            raise ValueError(f"load_rows: {str(path)!r} holds {sorted(members)}, not a CSR matrix's indptr, indices, "
+                             "data and shape")
+        if "format" in members:
+            fmt = _read_member(archive, members["format"])
+            if fmt.item() not in (b"csr", "csr"):
+                raise ValueError(f"load_rows: {str(path)!r} holds a {fmt.item()!r} matrix, not a CSR one")
+        shape = _read_member(archive, members["shape"])
+        indptr = _read_member(archive, members["indptr"])
+        for name, values in (("shape", shape), ("indptr", indptr)):
+            try:
+                _check_integers(name, values)
+            except ValueError as exc:
+                raise ValueError(f"load_rows: {str(path)!r}: {exc}") from exc
+        nrows, ncols = (int(v) for v in shape)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= nrows):
+            raise ValueError(f"load_rows: rows must be in [0, {nrows}) for {str(path)!r} (got {rows.min()}..{rows.max()})")
+        indptr = indptr.astype(np.int64)
+        starts, stops = indptr[rows], indptr[rows + 1]
+        indices = _read_ranges(archive, members["indices"], starts, stops)
+        data = _read_ranges(archive, members["data"], starts, stops)
+    out_indptr = np.zeros(rows.size + 1, dtype=np.int64)
+    np.cumsum(stops - starts, out=out_indptr[1:])
+    M = scipy.sparse.csr_matrix((data, indices, out_indptr), shape=(rows.size, ncols))
+    try:
+        M.check_format(full_check=True)
+    except ValueError as exc:
+        raise ValueError(f"load_rows: expected a sparse matrix in {str(path)!r} (got {exc})") from exc
+    return M
+
+
+def _read_member(archive: zipfile.ZipFile, name: str):
+    import numpy as np
+
+    with archive.open(name) as f:
+        return np.lib.format.read_array(f, allow_pickle=False)
+
+
+def _read_ranges(archive: zipfile.ZipFile, name: str, starts, stops):
+    """Entries ``starts[i]:stops[i]`` of the 1-D array ``name`` of ``archive``, concatenated in
+    the order given, read in file order (forward seeks only: a compressed member is streamed once)."""
+    import numpy as np
+
+    with archive.open(name) as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        if len(shape) != 1 or dtype.hasobject:
+            raise ValueError(f"load_rows: {name} must be a 1-D array of numbers (got shape {shape}, {dtype})")
+        offset = f.tell()
+        out = np.empty(int((stops - starts).sum()), dtype=dtype)
+        placed = np.zeros(starts.size + 1, dtype=np.int64)
+        np.cumsum(stops - starts, out=placed[1:])
+        for i in np.argsort(starts, kind="stable"):
+            if stops[i] > starts[i]:
+                f.seek(offset + int(starts[i]) * dtype.itemsize)
+                out[placed[i]:placed[i + 1]] = np.frombuffer(f.read(int(stops[i] - starts[i]) * dtype.itemsize), dtype)
+        return out

@@ -71,11 +71,12 @@ class Batch:
 
 
 def neighbor_batches(adjacency: scipy.sparse.csr_matrix, batch_size: int, fanouts: Sequence[int], *,
-                     seed: int = 0, shuffle: bool = True, limit: int | None = None) -> Iterator[Batch]:
+                     seed: int = 0, shuffle: bool = True, limit: int | None = None,
+                     nodes: np.ndarray | None = None) -> Iterator[Batch]:
     """The batches of one epoch over every node of ``adjacency`` (square CSR: row ``v`` lists
-    the neighbours of ``v``), ``batch_size`` seeds each (the last may be smaller), sampled
-    with ``fanouts`` (one per hop). ``limit``: stop after that many batches. Deterministic for
-    a ``seed``."""
+    the neighbours of ``v``), or over ``nodes`` (1-D node indices: e.g. one rank's share),
+    ``batch_size`` seeds each (the last may be smaller), sampled with ``fanouts`` (one per
+    hop). ``limit``: stop after that many batches. Deterministic for a ``seed``."""
     if not scipy.sparse.issparse(adjacency) or adjacency.shape[0] != adjacency.shape[1]:
         raise ValueError(f"neighbor_batches: expected a square sparse matrix (got "
                          f"{getattr(adjacency, 'shape', type(adjacency).__name__)})")
@@ -85,7 +86,17 @@ def neighbor_batches(adjacency: scipy.sparse.csr_matrix, batch_size: int, fanout
     A = adjacency.tocsr()
     indptr, indices = A.indptr.astype(np.int64), A.indices.astype(np.int64)
     rng = np.random.default_rng(seed)
-    order = rng.permutation(A.shape[0]) if shuffle else np.arange(A.shape[0])
+    if nodes is None:
+        nodes = np.arange(A.shape[0])
+    else:
+        nodes = np.asarray(nodes)
+        if nodes.ndim != 1 or (nodes.size and (nodes.dtype.kind not in "iu" or nodes.min() < 0
+                                               or nodes.max() >= A.shape[0])):
+            raise ValueError(f"neighbor_batches: nodes must be a 1-D array of node indices in [0, {A.shape[0]}) "
+                             f"(got shape {nodes.shape}, {nodes.dtype}"
+                             f"{f', {nodes.min()}..{nodes.max()}' if nodes.size and nodes.dtype.kind in 'iuf' else ''})")
+        nodes = nodes.astype(np.int64)
+    order = rng.permutation(nodes) if shuffle else nodes
     for number, start in enumerate(range(0, order.size, batch_size)):
         if limit is not None and number >= limit:
             return

@@ -11,6 +11,7 @@ ops, tensor.
 
     import torch_sparserl as ts
     D = ts.distributed.distribute_csr(A, order="rcm")   # every rank, the same A
+    D = ts.distributed.DistributedCSRMatrix.from_local(my_rows, part)   # or each rank its rows
     Y_local = D @ D.shard_rows(X)                        # this rank's rows of A @ X
 
 =====================  =====================================================================
@@ -18,7 +19,7 @@ module                 what it holds
 =====================  =====================================================================
 :mod:`.partition`      :class:`Partition` (pure data) and :func:`partition`: the row orders
 :mod:`.halo`           a rank's local and halo blocks, the exchange plan, the P2P exchange
-:mod:`.matrix`         :class:`DistributedCSRMatrix` and :func:`distribute_csr`
+:mod:`.matrix`         :class:`DistributedCSRMatrix` (``.from_local``: a rank's rows alone), :func:`distribute_csr`
 =====================  =====================================================================
 """
 

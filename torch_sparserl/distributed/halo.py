@@ -56,12 +56,15 @@ def _sorted_csr(row: np.ndarray, col: np.ndarray, positions: np.ndarray, nrows: 
             torch.from_numpy(positions[order].astype(np.int64)))
 
 
-def split_block(crow: np.ndarray, col: np.ndarray, partition: Partition, rank: int) -> Block:
+def split_block(crow: np.ndarray, col: np.ndarray, partition: Partition, rank: int, *,
+                own_rows: bool = False) -> Block:
     """``rank``'s rows of the square matrix ``(crow, col)`` (original numbering) split into the
-    local and the halo block (:class:`Block`)."""
+    local and the halo block (:class:`Block`). ``own_rows``: ``(crow, col)`` holds only
+    ``rank``'s rows, in the partition's order (columns still in the original numbering), and
+    the positions index its entries."""
     crow = np.asarray(crow, dtype=np.int64)
     col = np.asarray(col, dtype=np.int64)
-    rows = partition.rows_of(rank).numpy()
+    rows = np.arange(partition.size_of(rank)) if own_rows else partition.rows_of(rank).numpy()
     starts, lengths = crow[rows], crow[rows + 1] - crow[rows]
     total = int(lengths.sum())
     row_of_entry = np.repeat(np.arange(rows.shape[0]), lengths)

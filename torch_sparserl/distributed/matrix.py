@@ -46,30 +46,40 @@ def _digest(*arrays: np.ndarray) -> int:
 
 
 @contextlib.contextmanager
-def _collective(step: str, rank: int):
-    """A collective of ``distribute_csr`` whose failure says which step, and why it may have failed
-    (a collective cannot say which rank left)."""
+def _collective(step: str, rank: int, op: str = _OP):
+    """A collective of ``op`` whose failure says which step, and why it may have failed (a
+    collective cannot say which rank left)."""
     try:
         yield
     except (RuntimeError, dist.DistError) as exc:
-        raise RuntimeError(f"{_OP} (rank {rank}): {step} failed: a rank exited, failed, timed out or did not "
-                           f"call distribute_csr with the others ({type(exc).__name__}: {exc})") from exc
+        raise RuntimeError(f"{op} (rank {rank}): {step} failed: a rank exited, failed, timed out or did not "
+                           f"call {op.rsplit('.', 1)[-1]} with the others ({type(exc).__name__}: {exc})") from exc
+
+
+def _gather_records(record: list[int], rank: int, world: int, group, device: torch.device, op: str) -> Tensor:
+    """Every rank's ``record`` (one row per rank, on the host)."""
+    mine = torch.tensor(record, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    with _collective("checking that the ranks hold the same matrix and partition", rank, op):
+        dist.all_gather(everyone, mine, group=group)
+    return torch.stack(everyone).cpu()
+
+
+def _differing(rows: Tensor, names: tuple[str, ...]) -> list[str]:
+    """Per field of ``names`` (the first columns of ``rows``), which ranks differ from rank 0."""
+    problems = []
+    for field, name in enumerate(names):
+        differ = [r for r in range(rows.shape[0]) if rows[r, field] != rows[0, field]]
+        if differ:
+            problems.append(f"{name} (rank 0: {int(rows[0, field])}; ranks {differ}: "
+                            f"{[int(rows[r, field]) for r in differ]})")
+    return problems
 
 
 def _agree(record: list[int], rank: int, world: int, group, device: torch.device) -> None:
     """All-gather every rank's ``record`` (:data:`_RECORD`) and raise naming the ranks whose
     record differs from rank 0's."""
-    mine = torch.tensor(record, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    with _collective("checking that the ranks hold the same matrix and partition", rank):
-        dist.all_gather(everyone, mine, group=group)
-    rows = torch.stack(everyone).cpu()
-    problems = []
-    for field, name in enumerate(_RECORD):
-        differ = [r for r in range(world) if rows[r, field] != rows[0, field]]
-        if differ:
-            problems.append(f"{name} (rank 0: {int(rows[0, field])}; ranks {differ}: "
-                            f"{[int(rows[r, field]) for r in differ]})")
+    problems = _differing(_gather_records(record, rank, world, group, device, _OP), _RECORD)
     if problems:
         raise ValueError(f"{_OP} (rank {rank}): the ranks disagree on the matrix or its partition: every "
                          f"rank must pass the same A and partition; they differ in {'; '.join(problems)}")
@@ -212,6 +222,55 @@ class DistributedCSRMatrix:
 
     __matmul__ = matmul
 
+    @classmethod
+    def from_local(cls, rows, partition: Partition, *, group=None, device=None,
+                   timeout: datetime.timedelta | float | None = None) -> "DistributedCSRMatrix":
+        """This rank's matrix from its own rows alone (as ``DTensor.from_local`` builds a
+        distributed tensor from each rank's shard): ``rows`` (anything
+        :func:`torch_sparserl.csr` takes) holds the ``partition.size_of(rank)`` rows
+        ``partition.rows_of(rank)``, in that order, with all ``partition.n`` columns in the
+        original numbering. No rank reads another's rows; every rank of ``group`` calls it with
+        the same ``partition``. ``device`` and ``timeout`` as :func:`distribute_csr`; gradients
+        of ``rows``' values land on this rank's ``rows``.
+
+        The ranks all-gather, per rank, the partition's hash and world size, the dtype, the row
+        and column counts and the largest column, and raise a ``ValueError`` on every rank naming
+        the ranks whose partition or dtype differ from rank 0's, or whose rows are not the
+        partition's count or whose columns are not ``partition.n``."""
+        op = "torch_sparserl.distributed.DistributedCSRMatrix.from_local"
+        timeout, rank, world, backend, comm_device = _joined(op, group, timeout)
+        if not isinstance(partition, Partition):
+            raise TypeError(f"{op}: partition must be a Partition (got {type(partition).__name__})")
+        if not isinstance(rows, CSRMatrix):
+            rows = csr(rows)
+        if rows.dtype not in VALUE_DTYPES:
+            raise TypeError(f"{op}: rows' values must be one of {VALUE_DTYPES} (got {rows.dtype})")
+        crow_t, col_t = indices_of(rows, op)
+        crow, col = crow_t.cpu().numpy().astype(np.int64), col_t.cpu().numpy().astype(np.int64)
+        largest = int(col.max()) if col.size else -1
+        record = [partition.world_size, partition.digest(), VALUE_DTYPES.index(rows.dtype), rows.shape[0],
+                  rows.shape[1], largest]
+        everyone = _gather_records(record, rank, world, group, comm_device, op)
+        other_world = [q for q in range(world) if everyone[q, 0] != world]
+        problems = [f"ranks {other_world} passed a partition for {[int(everyone[q, 0]) for q in other_world]} "
+                    f"ranks, the group has {world}"] if other_world else []
+        problems += _differing(everyone[:, 1:3], ("partition hash", "dtype"))
+        if not problems:  # the same partition everywhere: each rank's share is known
+            for q in range(world):
+                got_rows, got_cols, got_largest = (int(v) for v in everyone[q, 3:])
+                if got_rows != partition.size_of(q):
+                    problems.append(f"rank {q} passed {got_rows} rows, the partition gives it {partition.size_of(q)}")
+                if got_cols != partition.n or got_largest >= partition.n:
+                    problems.append(f"rank {q} passed {got_cols} columns (largest index {got_largest}), the "
+                                    f"partition's matrix has {partition.n}")
+        if problems:
+            raise ValueError(f"{op} (rank {rank}): every rank must pass the same partition and its own "
+                             f"rows of the {partition.n} x {partition.n} matrix with all its columns; "
+                             f"{'; '.join(problems)}")
+        device = torch.device(device) if device is not None else (comm_device if backend == "nccl" else rows.device)
+        return _build(crow, col, values_of(rows), partition, rank, group, device, comm_device, timeout,
+                      source=rows if rows.requires_grad else None, own_rows=True, op=op)
+
 
 def _group_device(group, backend: str) -> torch.device:
     """Where the group's collectives take their tensors: the rank's current GPU for NCCL, else
@@ -219,6 +278,23 @@ def _group_device(group, backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _joined(op: str, group, timeout):
+    """The checked ``timeout`` (a timedelta or None), this process's rank and the group's size,
+    backend and collective device; raises, naming ``op``, without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{op}: torch.distributed's default process group is not initialized; call "
+                           "torch.distributed.init_process_group(backend) on every rank first")
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"{op}: timeout must be a positive timedelta or number of seconds (got {timeout!r})")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError(f"{op}: this process is not a member of the group it was given")
+    backend = dist.get_backend(group)
+    return timeout, rank, world, backend, _group_device(group, backend)
 
 
 def _block_matrix(crow: Tensor, col: Tensor, values: Tensor, shape: tuple, device) -> CSRMatrix:
@@ -240,18 +316,7 @@ def distribute_csr(A, partition: Partition | None = None, *, group=None, device=
     The ranks check that they agree (shape, pattern, values, dtype, partition) and raise a
     ``ValueError`` naming those that differ; then each builds its blocks and they exchange which
     rows each needs from which (once: every product reuses the plan)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{_OP}: torch.distributed's default process group is not initialized; call "
-                           "torch.distributed.init_process_group(backend) on every rank first")
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = datetime.timedelta(seconds=timeout)
-    if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
-        raise ValueError(f"{_OP}: timeout must be a positive timedelta or number of seconds (got {timeout!r})")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if rank < 0:
-        raise ValueError(f"{_OP}: this process is not a member of the group it was given")
-    backend = dist.get_backend(group)
-    comm_device = _group_device(group, backend)
+    timeout, rank, world, backend, comm_device = _joined(_OP, group, timeout)
     if not isinstance(A, CSRMatrix):
         A = csr(A)
     if A.dtype not in VALUE_DTYPES:
@@ -276,7 +341,16 @@ def distribute_csr(A, partition: Partition | None = None, *, group=None, device=
               partition.world_size, partition.digest()]
     _agree(record, rank, world, group, comm_device)
 
-    block = split_block(crow, col, partition, rank)
+    return _build(crow, col, values, partition, rank, group, device, comm_device, timeout,
+                  source=A if A.requires_grad else None, own_rows=False, op=_OP)
+
+
+def _build(crow: np.ndarray, col: np.ndarray, values: Tensor, partition: Partition, rank: int, group, device,
+           comm_device, timeout, *, source: CSRMatrix | None, own_rows: bool, op: str) -> DistributedCSRMatrix:
+    """This rank's blocks of ``(crow, col, values)`` (the whole matrix, or with ``own_rows`` this
+    rank's rows alone) and the exchange plan agreed with the other ranks (a collective)."""
+    world = partition.world_size
+    block = split_block(crow, col, partition, rank, own_rows=own_rows)
     rows = block.rows
     local = _block_matrix(block.local_crow, block.local_col, values.detach()[block.local_positions.to(values.device)],
                           (rows, rows), device)
@@ -284,9 +358,8 @@ def distribute_csr(A, partition: Partition | None = None, *, group=None, device=
     if block.halo_columns.numel():
         halo = _block_matrix(block.halo_crow, block.halo_col, values.detach()[block.halo_positions.to(values.device)],
                              (rows, block.halo_columns.numel()), device)
-    with _collective("exchanging which rows each rank reads from the others", rank):
+    with _collective("exchanging which rows each rank reads from the others", rank, op):
         plan = exchange_plan(receives(block.halo_columns, partition), rank, world, group, comm_device)
     exchange = HaloExchange(plan, group, comm_device, device, timeout, "DistributedCSRMatrix.matmul")
     return DistributedCSRMatrix(partition=partition, rank=rank, local=local, halo=halo, exchange=exchange, group=group,
-                                source=A if A.requires_grad else None,
-                                positions=(block.local_positions, block.halo_positions))
+                                source=source, positions=(block.local_positions, block.halo_positions))

@@ -1,0 +1,30 @@
+"""An example script run under ``torchrun --standalone`` for one world size, its ``--out`` report read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .environment import REPO
+
+
+def run_example(example: Path, world: int, arguments: list[str], device: str, folder: Path, timeout: float) -> dict:
+    """``example``'s report (``--out``) for ``world`` ranks with ``arguments``, ``status`` "ok",
+    or "mismatch" when it exited non-zero (its check failed); without a report, the tail of its
+    output with ``status`` "failed". ``device`` "cpu" hides every GPU from it."""
+    out = folder / f"world{world}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--standalone",
+               str(example), *arguments, "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=folder)
+    if not out.exists():
+        return {"world_size": world, "status": "failed", "returncode": result.returncode,
+                "output_tail": (result.stdout + result.stderr)[-3000:]}
+    report = json.loads(out.read_text())
+    report["status"] = "ok" if result.returncode == 0 else "mismatch"
+    return report
