@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, command_line, environment, fmt, results_path, tables, usage_error, write_json_md  # noqa: E402
-from common.torchrun import run_example  # noqa: E402
+from common.torchrun import run_example, world_sizes  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "distributed_gcn.py"
 
@@ -88,12 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one world size may take")
     parser.add_argument("--out", default="benchmarks/results", help="folder (a dated file in it) or a .json path")
     args = parser.parse_args(argv)
-    try:
-        worlds = [int(w) for w in args.worlds.split(",")]
-        if any(w < 1 for w in worlds):
-            raise ValueError
-    except ValueError:
-        raise usage_error(f"--worlds: expected positive integers, comma-separated (got {args.worlds!r})")
+    worlds = world_sizes(args.worlds)
     if args.order not in ("rows", "degree", "rcm", "metis", "local"):
         raise usage_error(f"--order: expected rows, degree, rcm, metis or local (got {args.order!r})")
 

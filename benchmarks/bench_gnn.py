@@ -504,15 +504,14 @@ def markdown(doc: dict) -> str:
                      over_graphs(sel, "captured_vs_eager"), over_graphs(sel, "captured_vs_uncaptured"),
                      over_graphs(sel, "captured_vs_best_pyg")])
 
-    profiled = [r for r in rows if row_metrics(r).get("wall_over_gpu")]
+    profiled = [(r, walls) for r in rows if (walls := row_metrics(r).get("wall_over_gpu"))]
     if profiled:
-        shown = [w for w in WAYS + EXTRA_WAYS if any(w in row_metrics(r)["wall_over_gpu"] for r in profiled)]
+        shown = [w for w in WAYS + EXTRA_WAYS if any(w in walls for _, walls in profiled)]
         lines += ["", "Wall time over device time per epoch (one more epoch of each way under the profiler: "
                       "kernels, copies and memsets summed; 1 where the host keeps the GPU busy):", "",
                   *tables.header(["graph", "model", "hidden", *shown], "llr" + "r" * len(shown))]
-        lines += [tables.row([r["graph"], r["model"], r["hidden"],
-                              *(fmt(row_metrics(r)["wall_over_gpu"].get(w), ".2f") for w in shown)])
-                  for r in profiled]
+        lines += [tables.row([r["graph"], r["model"], r["hidden"], *(fmt(walls.get(w), ".2f") for w in shown)])
+                  for r, walls in profiled]
 
     lines += _way_section(
         rows, "bound_inductor",

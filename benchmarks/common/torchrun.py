@@ -9,6 +9,18 @@ import sys
 from pathlib import Path
 
 from .environment import REPO
+from .errors import usage_error
+
+
+def world_sizes(text: str) -> list[int]:
+    """``--worlds``: positive integers, comma-separated; a usage error names what came."""
+    try:
+        worlds = [int(w) for w in text.split(",")]
+        if any(w < 1 for w in worlds):
+            raise ValueError
+    except ValueError:
+        raise usage_error(f"--worlds: expected positive integers, comma-separated (got {text!r})") from None
+    return worlds
 
 
 def run_example(example: Path, world: int, arguments: list[str], device: str, folder: Path, timeout: float) -> dict:

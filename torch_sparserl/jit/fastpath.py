@@ -322,7 +322,8 @@ def record(runtime, op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.T
     from .. import pattern as patterns
 
     entry = patterns.validated(crow, col, ncols)
-    if runtime is None or entry is None or entry.transient or entry.overfull or not entry.settle():
+    if (runtime is None or entry is None or entry.transient or entry.overfull
+            or entry.check is not None and not entry.settle()):
         return  # what C++ cannot serve (nor a pattern whose device check has not come back): Python serves
     sddmm = op == "sddmm"  # val is Y (rows, n) and ncols X's rows; only an installed kernel is recorded
     transposed = op.endswith("_transposed")
