@@ -244,3 +244,19 @@ def test_compile_time_specialization_reads_the_verdict_first(device):
     bad_col[4] = M.shape[1]
     with pytest.raises(ValueError, match=r"col must be < ncols"):
         specialize(ts.csr((crow, bad_col, val.float()), M.shape), "spmm", 8)
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_check_made_inside_a_graph_repairs_a_copy_poisons_all_and_reports_nothing(bad):
+    """:func:`device_check.in_graph`: the caller's tensors (a graph's placeholders) stay as they
+    are; the copies products read are repaired should the check fail, and every product on them
+    is NaN throughout, as no replay can raise."""
+    crow, col = torch.tensor([0, 1, 3]), torch.tensor([0, 5 if bad else 2, 1])
+    own_crow, own_col, check = device_check.in_graph("sparserl.spmm", crow, col, 3)
+    assert col.tolist() == [0, 5 if bad else 2, 1] and own_crow is not crow and own_col is not col
+    assert (own_crow.tolist(), own_col.tolist()) == (([0, 0, 3], [0, 0, 0]) if bad else ([0, 1, 3], [0, 2, 1]))
+    assert check.verdict() is None
+    with pytest.raises(RuntimeError, match="checked inside a CUDA graph"):
+        check.verdict(block=True)
+    out = check.poison(torch.ones(2, 4))
+    assert out.isnan().all() if bad else out.eq(1).all()

@@ -3,6 +3,8 @@ indices give NaN and then a named error, never a read out of bounds, under a CUD
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -97,9 +99,7 @@ def test_bad_cuda_indices_give_nan_then_the_named_error(runtime, where):
         message = r"^torch_sparserl\.csr: crow must be non-decreasing"
     with _NoSync():
         A = ts.csr((crow, col, val), M.shape)
-        first = A @ torch.randn(M.shape[1], 8, device="cuda")
-    torch.cuda.synchronize()  # the device ran the check, and no kernel faulted
-    assert first.isnan().all()
+        _nan_or_named(lambda: A @ torch.randn(M.shape[1], 8, device="cuda"), message)
     with pytest.raises(ValueError, match=message):
         A @ torch.randn(M.shape[1], 8, device="cuda")
     with pytest.raises(ValueError, match=r"must be"):
@@ -112,11 +112,54 @@ def test_the_operator_on_bad_cuda_tensors_names_the_entry(runtime):
     col = col.clone()
     col[0] = -1
     X = torch.randn(M.shape[1], 8, device="cuda")
-    first = torch.ops.sparserl.spmm(crow, col, val, M.shape[1], X)
-    torch.cuda.synchronize()
-    assert first.isnan().all()
-    with pytest.raises(ValueError, match=r"^sparserl\.spmm: col must be >= 0 \(got col\[0\] = -1\)"):
+    message = r"^sparserl\.spmm: col must be >= 0 \(got col\[0\] = -1\)"
+    _nan_or_named(lambda: torch.ops.sparserl.spmm(crow, col, val, M.shape[1], X), message)
+    with pytest.raises(ValueError, match=message):
         torch.ops.sparserl.spmm(crow, col, val, M.shape[1], X)
+
+
+def _nan_or_named(product, message):
+    """The first product on bad indices: NaN throughout while the device check's verdict is not
+    back, or the named error where it already is (a fast GPU); never a fault."""
+    try:
+        first = product()
+    except ValueError as error:
+        assert re.search(message, str(error)), str(error)
+        return
+    torch.cuda.synchronize()  # the device ran the check, and no kernel faulted
+    assert first.isnan().all()
+
+
+def test_an_operator_in_a_captured_graph_checks_each_replays_indices(runtime):
+    """Indices first met inside a capture are the graph's placeholders: each replay copies,
+    checks and repairs them in the graph, so refilled indices are served right and bad ones
+    give NaN, never a fault or another replay's pattern."""
+    M = make_pattern("random", seed=16)
+    other = M[:, np.random.default_rng(17).permutation(M.shape[1])].tocsr()  # same sizes, other pattern
+    other.sort_indices()
+    other.data = np.random.default_rng(18).standard_normal(other.nnz)
+    batches = [to_parts(A, torch.float32, torch.int32, "cuda") for A in (M, other, M)]
+    static = [t.clone() for t in batches[0]]
+    X = torch.randn(M.shape[1], 8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = torch.ops.sparserl.spmm(*static, M.shape[1], X)
+    for parts in batches:
+        for target, source in zip(static, parts):
+            target.copy_(source)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, ref_spmm(*parts, M.shape[1], X), torch.float32)
+    static[1][2] = M.shape[1] + 10**6  # far out: an unchecked read would fault
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.isnan().all()
+    static[1].copy_(batches[0][1])  # and the next good batch is served again
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, ref_spmm(*batches[0], M.shape[1], X), torch.float32)
 
 
 def test_under_a_cuda_graph_a_new_matrix_is_refused_and_a_pending_check_stays_poisoned(runtime):

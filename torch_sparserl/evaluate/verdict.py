@@ -187,8 +187,8 @@ def launch_check(run: Callable, pattern, crow: torch.Tensor, col: torch.Tensor, 
     where = f"a pattern of {pattern.nrows} rows and {pattern.nnz} nonzeros"
     if out is None:
         return f"declined {where}"
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":  # this thread's stream: a device-wide wait breaks another thread's capture
+        torch.cuda.current_stream(device).synchronize()
     want = getattr(reference, op)(pattern, crow, col, val.double(), X.double())
     if scale is not None:
         want = want * scale.double().unsqueeze(1)

@@ -96,6 +96,7 @@ class ClassRecord:
     seen: int = 0  # distinct young patterns met (consecutive calls on one pattern count once)
     last: int = 0  # id() of the last pattern counted
     kept: deque = field(default_factory=lambda: deque(maxlen=KEPT))  # (pattern, crow, col) until decided
+    ready: object = None  # a CUDA event after the kept indices, recorded when the decision is asked
 
 
 class ClassTable:
@@ -130,6 +131,9 @@ class ClassTable:
             if record.seen < after:
                 return None
             record.state = Pending(key, _DECIDING)
+            if col.is_cuda:  # after the kept indices on the caller's stream: what the search waits for
+                record.ready = torch.cuda.Event()
+                record.ready.record(torch.cuda.current_stream(col.device))
             return record  # the caller submits its decision
 
     def settle(self, record: ClassRecord, state, *, recount: bool = False) -> None:
@@ -232,8 +236,8 @@ class ClassKernels:
         checks = kept[:-1][-CHECKS:] or kept[-1:]
         try:
             with on_device(col):
-                if col.is_cuda:  # the kept patterns' indices were sent on the caller's streams
-                    torch.cuda.synchronize(col.device)
+                if record.ready is not None:  # the kept indices were sent on the caller's stream; not a
+                    record.ready.synchronize()  # device-wide wait, which breaks another thread's capture
                 entry = self.cache.get(key)
                 if entry is None:
                     with self._specialize_lock:

@@ -177,8 +177,9 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, 
                 copies = tuple(t.to(torch.int32).contiguous().to(col.device) for t in (host_crow, host_col))
             del host_crow, host_col
         # The copies ran on this thread's stream (maybe a background thread's): finish them before
-        # any stream uses their data.
-        torch.cuda.synchronize(col.device)
+        # any stream uses their data. That stream only: a device-wide wait would break a CUDA graph
+        # another thread is capturing.
+        torch.cuda.current_stream(col.device).synchronize()
     bound = kernel.bind(prepared)
     shape = operand_shapes(spec.plan.op, rows, ncols, col.numel(), n)["y"]
     device_index = col.device.index if col.device.index is not None else torch.cuda.current_device()

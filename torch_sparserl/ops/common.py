@@ -58,6 +58,8 @@ def _pattern(op: str, crow: Tensor, col: Tensor, val: Tensor | None, ncols: int)
             and val.dtype in VALUE_DTYPES and val.layout == torch.strided)):
         return entry  # crow and col are the validated ones, unchanged; val fits them
     check_csr_meta(op, crow, col, val, ncols)
+    if crow.is_cuda and torch.cuda.is_current_stream_capturing():  # indices a replay may change
+        return patterns.in_graph(op, crow, col, ncols)
     entry = patterns.lookup(crow, col, ncols)
     entry.validate(op, crow, col)
     return entry

@@ -466,6 +466,19 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
     return entry
 
 
+def in_graph(op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
+    """The pattern of CUDA indices first met while a CUDA graph is captured: not cached and never
+    specialized (``transient``), as the graph's replays may bring other indices in the same
+    tensors; products read copies made, checked and repaired inside the graph
+    (:func:`~.device_check.in_graph`), so every replay serves its own indices correctly."""
+    entry = Pattern(crow, col, ncols)
+    entry.transient = True
+    own_crow, own_col, entry.check = device_check.in_graph(op, crow, col, ncols)
+    entry._frozen = (own_crow, own_col)
+    entry.validated = True
+    return entry
+
+
 def _enter(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
     """A new cache entry for ``(crow, col, ncols)``, replacing what ``id(crow)`` held (a dead
     tensor's entry whose callback has not run yet, a write, other ncols). Under _CACHE_LOCK."""

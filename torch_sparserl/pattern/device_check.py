@@ -54,7 +54,10 @@ class DeviceCheck:
 
     __slots__ = ("op", "shape", "nnz", "device", "_bad", "_host", "_event", "_failure", "_source")
 
-    def __init__(self, op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int, source=None):
+    def __init__(self, op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int, source=None,
+                 in_graph: bool = False):
+        # in_graph: queued inside a CUDA graph capture (:func:`in_graph`), where no verdict can
+        # reach the host: every replay checks its indices again and only poisons its products
         self.op = op
         self.shape = (crow.shape[0] - 1, ncols)
         self.nnz = nnz = col.shape[0]
@@ -68,13 +71,15 @@ class DeviceCheck:
         crow.data[-1:].masked_fill_(bad, nnz)
         if nnz:
             col.data.masked_fill_(bad, 0)
-        if flags.is_cuda:
+        if in_graph:
+            host = None
+        elif flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)
         else:
             host = flags
         self._host = host
-        self._event = _record_event(flags.device)
+        self._event = None if in_graph else _record_event(flags.device)
         self._failure: str | None = None
         self._source = source
 
@@ -84,6 +89,11 @@ class DeviceCheck:
         being captured on this thread, where the event may not be asked (``block`` then raises)."""
         if self._failure is not None:
             return False
+        if self._host is None:  # checked inside a CUDA graph: its replays poison, nothing reports
+            if block:
+                raise RuntimeError(f"{self.op}: the indices of this matrix are checked inside a CUDA graph, "
+                                   "whose replays report no verdict to the host")
+            return None
         event = self._event
         if event is not None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -116,22 +126,52 @@ class DeviceCheck:
         if source is not None:
             crow, col, versions = source
             if (crow._version, col._version) == versions:
-                check_csr_values(self.op, crow, col, self.shape[1])  # raises
+                with _sync_allowed(crow):  # an error path: reading the exact entry may wait
+                    check_csr_values(self.op, crow, col, self.shape[1])  # raises
         nrows, ncols = self.shape
         raise ValueError(f"{self.op}: {self._failure} (the indices of a {nrows} x {ncols} matrix with {self.nnz} "
                          f"nonzeros on {self.device}, checked there after the call returned)")
 
     def poison(self, out: torch.Tensor) -> torch.Tensor:
         """``out``, a product on these indices made before the verdict: NaN throughout should the
-        check fail (queued on the stream, no wait). Inside a CUDA graph capture only its first
-        element: the fill is replayed with the graph, where a pass over the whole output on every
-        replay would cost more than the product's check is worth (and a NaN reaches the loss)."""
+        check fail (queued on the stream, no wait). Inside a CUDA graph capture, for a check queued
+        before it, only its first element: the fill is replayed with the graph, where a pass over
+        the whole output on every replay would cost more than a check already decided is worth
+        (and a NaN reaches the loss). A check made in the graph (:func:`in_graph`) poisons all."""
         if out.is_floating_point() and out.numel():
-            if out.is_cuda and out.is_contiguous() and torch.cuda.is_current_stream_capturing():
+            if (self._host is not None and out.is_cuda and out.is_contiguous()
+                    and torch.cuda.is_current_stream_capturing()):
                 out.view(-1)[:1].masked_fill_(self._bad, float("nan"))
             else:
                 out.masked_fill_(self._bad, float("nan"))
         return out
+
+
+def in_graph(op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int
+             ) -> tuple[torch.Tensor, torch.Tensor, DeviceCheck]:
+    """Indices first met inside a CUDA graph capture (the placeholders of a graph whose replays
+    copy each step's indices in, as Inductor's CUDA graph trees do): copies of them made inside
+    the graph, their check queued there too, and the copies made harmless should it fail.
+    Every replay copies, checks and repairs again; the products on the copies poison their whole
+    output with NaN where the check failed (:meth:`DeviceCheck.poison`), as no error can be
+    raised from a replay. Returns ``(crow copy, col copy, check)``."""
+    crow, col = crow.clone(), col.clone()
+    return crow, col, DeviceCheck(op, crow, col, ncols, in_graph=True)
+
+
+class _sync_allowed:
+    """Lift :func:`torch.cuda.set_sync_debug_mode` for a block that must wait for the device."""
+
+    def __init__(self, like: torch.Tensor):
+        self._mode = torch.cuda.get_sync_debug_mode() if like.is_cuda else 0
+
+    def __enter__(self):
+        if self._mode:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def __exit__(self, *exc):
+        if self._mode:
+            torch.cuda.set_sync_debug_mode(self._mode)
 
 
 def _flags(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> torch.Tensor:
