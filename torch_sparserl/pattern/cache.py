@@ -84,7 +84,7 @@ class Pattern:
     __slots__ = ("_crow_ref", "_col_ref", "_versions", "ncols", "nrows", "nnz", "device", "index_dtype",
                  "validated", "fingerprint", "_row_indices", "_transpose", "_diagonal",
                  "_no_diagonal", "_heads", "_heads_t", "_host", "_lock", "is_transpose", "check",
-                 "_frozen", "_owned", "_freeze_lock", "transient", "transposed_products", "created",
+                 "_frozen", "_owned", "_freeze_lock", "transient", "in_graph", "transposed_products", "created",
                  "_aliases", "__weakref__")
 
     def __init__(self, crow: torch.Tensor, col: torch.Tensor, ncols: int, key: int | None = None):
@@ -118,6 +118,7 @@ class Pattern:
         self._owned = owned(crow) and owned(col)  # read as they are: no copy (known once, not per call)
         self._freeze_lock = threading.Lock()
         self.transient = False  # not cached: inference-tensor indices, validated on every call (lookup)
+        self.in_graph = False  # met while a CUDA graph was captured: its data lives in the graph (in_graph())
         self.transposed_products = 0  # asked before the transpose was computed (ops: _transposed_once)
         self.created = time.monotonic()  # the runtime's admission by age (jit.admit_age_s)
         # copies of the library's own indices handed to a caller (expose()): keys of this pattern,
@@ -266,8 +267,14 @@ class Pattern:
         """The row of each nonzero, shape (nnz,), int64."""
         if self._row_indices is None:
             crow, _ = self.indices(crow, None if self._frozen is None and crow is None else self._col_ref())
-            self._row_indices = run_kept(crow.device, _ordinary, row_indices, crow, self.nnz)
+            self._row_indices = self._compute(crow.device, _ordinary, row_indices, crow, self.nnz)
         return self._row_indices
+
+    def _compute(self, device: torch.device, fn, *args):
+        """``fn(*args)`` for this pattern's derived data: by :func:`run_kept`, outside any CUDA
+        graph's memory, except for a pattern met inside a capture, whose data is the graph's own
+        and is computed again by every replay."""
+        return fn(*args) if self.in_graph else run_kept(device, fn, *args)
 
     def _derived(self, name: str, key, compute, crow: torch.Tensor, col: torch.Tensor, *args):
         """A derived form of this pattern (``compute(self, crow, col, *args)``, run by
@@ -280,7 +287,7 @@ class Pattern:
             found = store.get(key) if isinstance(store, dict) else store
             if found is not None and _intact(found[1], found[2]):
                 return found[0]
-            value = run_kept(col.device, _ordinary, compute, self, crow, col, *args)
+            value = self._compute(col.device, _ordinary, compute, self, crow, col, *args)
             exposed = value[1:3] if name == "_transpose" else value[0:2]
             own(*exposed)
             found = (value, exposed, tuple(_version(t) for t in exposed))
@@ -385,6 +392,7 @@ def _derived_entry(pattern: Pattern, crow: torch.Tensor, col: torch.Tensor, ncol
     entry.validated = pattern.validated
     entry.check = pattern.check  # computed from the same indices: the same verdict
     entry.transient = pattern.transient  # a form of an uncached pattern is used once, never specialized
+    entry.in_graph = pattern.in_graph
     return entry
 
 
@@ -472,7 +480,7 @@ def in_graph(op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Patt
     tensors; products read copies made, checked and repaired inside the graph
     (:func:`~.device_check.in_graph`), so every replay serves its own indices correctly."""
     entry = Pattern(crow, col, ncols)
-    entry.transient = True
+    entry.transient = entry.in_graph = True
     own_crow, own_col, entry.check = device_check.in_graph(op, crow, col, ncols)
     entry._frozen = (own_crow, own_col)
     entry.validated = True

@@ -52,7 +52,7 @@ class DeviceCheck:
     (held until the verdict, so that a failure can name the entry; dropped after), or None.
     """
 
-    __slots__ = ("op", "shape", "nnz", "device", "_bad", "_host", "_event", "_failure", "_source")
+    __slots__ = ("op", "shape", "nnz", "device", "_bad", "_host", "_event", "_failure", "_source", "_named")
 
     def __init__(self, op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int, source=None,
                  in_graph: bool = False):
@@ -82,6 +82,7 @@ class DeviceCheck:
         self._event = None if in_graph else _record_event(flags.device)
         self._failure: str | None = None
         self._source = source
+        self._named: str | None = None  # the error naming the exact entry, once found
 
     def verdict(self, block: bool = False) -> bool | None:
         """True: the indices passed. False: they failed (:meth:`raise_failure` says why). None:
@@ -126,8 +127,14 @@ class DeviceCheck:
         if source is not None:
             crow, col, versions = source
             if (crow._version, col._version) == versions:
-                with _sync_allowed(crow):  # an error path: reading the exact entry may wait
-                    check_csr_values(self.op, crow, col, self.shape[1])  # raises
+                try:
+                    with _sync_allowed(crow):  # an error path: reading the exact entry may wait
+                        check_csr_values(self.op, crow, col, self.shape[1])  # raises
+                except ValueError as error:
+                    self._named = str(error)  # every later use names it too, the tensors let go
+                    raise
+        if self._named is not None:
+            raise ValueError(self._named)
         nrows, ncols = self.shape
         raise ValueError(f"{self.op}: {self._failure} (the indices of a {nrows} x {ncols} matrix with {self.nnz} "
                          f"nonzeros on {self.device}, checked there after the call returned)")
