@@ -260,3 +260,37 @@ def test_a_check_made_inside_a_graph_repairs_a_copy_poisons_all_and_reports_noth
         check.verdict(block=True)
     out = check.poison(torch.ones(2, 4))
     assert out.isnan().all() if bad else out.eq(1).all()
+
+
+def test_a_pattern_made_inside_a_graph_is_found_by_its_copies_and_never_specialized():
+    """:func:`patterns.in_graph_copies`: what a matrix built in a captured step reads: copies
+    the caller holds, their entry cached under them (a product on them finds it), transient,
+    its derived forms computed in place (the backward's transpose), gone with the copies."""
+    M, crow, col, val = _matrix(seed=5)
+    own_crow, own_col = patterns.in_graph_copies("torch_sparserl.csr", crow, col, M.shape[1])
+    assert own_crow is not crow and own_col is not col and torch.equal(own_col, col)
+    entry = patterns.validated(own_crow, own_col, M.shape[1])
+    assert entry is not None and entry.transient and entry.in_graph and entry.check is not None
+    assert entry.indices()[0] is own_crow
+    A = ts.CSRMatrix._wrap(own_crow, own_col, val, M.shape)
+    G = torch.randn(M.shape[0], 3, dtype=torch.float64)
+    X = torch.randn(M.shape[1], 3, dtype=torch.float64)
+    assert_close_to_reference(A @ X, ref_spmm(crow, col, val, M.shape[1], X))
+    assert_close_to_reference(A.t() @ G, ref_spmm_transposed(crow, col, val, M.shape[1], G))
+    assert entry.transpose(own_crow, own_col)[0].in_graph
+    key = id(own_crow)
+    del A, own_crow, own_col, entry
+    assert key not in pattern_table._CACHE
+
+
+def test_an_operators_pattern_made_inside_a_graph_holds_its_copies_and_is_not_cached():
+    M, crow, col, val = _matrix(seed=6)
+    entry = patterns.in_graph("sparserl.spmm", crow, col, M.shape[1])
+    own_crow, own_col = entry.indices(crow, col)
+    assert own_crow is not crow and torch.equal(own_col, col) and id(own_crow) not in pattern_table._CACHE
+    assert entry.transient and entry.in_graph
+    G = torch.randn(M.shape[0], 3, dtype=torch.float64)
+    entry_t, crow_t, col_t, perm = entry.transpose(crow, col)
+    assert entry_t.in_graph and entry_t.transient
+    got = ts.CSRMatrix._wrap(crow_t, col_t, val[perm], (M.shape[1], M.shape[0])) @ G
+    assert_close_to_reference(got, ref_spmm_transposed(crow, col, val, M.shape[1], G))

@@ -162,13 +162,25 @@ def test_an_operator_in_a_captured_graph_checks_each_replays_indices(runtime):
     assert_close_to_reference(out, ref_spmm(*batches[0], M.shape[1], X), torch.float32)
 
 
-def test_under_a_cuda_graph_a_new_matrix_is_refused_and_a_pending_check_stays_poisoned(runtime):
+def test_under_a_cuda_graph_a_new_matrix_is_checked_in_it_and_a_pending_check_stays_poisoned(runtime):
     M, (crow, col, val) = _cuda_parts(seed=15)
-    X = torch.randn(M.shape[1], 8, device="cuda")
-    with pytest.raises(RuntimeError, match=r"first used while a CUDA graph is captured"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
-            ts.csr((crow, col, val), M.shape) @ X
+    X = torch.randn(M.shape[1], 8, device="cuda", requires_grad=True)
+    static = [t.clone() for t in (crow, col, val)]
     torch.cuda.synchronize()
+    built = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(built, capture_error_mode="thread_local"):  # a matrix built in a captured step
+        out = ts.csr(tuple(static), M.shape) @ X
+        (grad,) = torch.autograd.grad(out.square().sum(), X)
+    built.replay()
+    torch.cuda.synchronize()
+    want = ref_spmm(crow, col, val, M.shape[1], X)
+    assert_close_to_reference(out, want, torch.float32)
+    assert_close_to_reference(grad, ref_spmm_transposed(crow, col, val, M.shape[1], 2 * want), torch.float32)
+    static[1][1] = M.shape[1] + 10**6  # the next replay's indices are bad: NaN, never a fault
+    built.replay()
+    torch.cuda.synchronize()
+    assert out.isnan().all() and grad.isnan().all()
+    X = X.detach()
     bad = col.clone()
     bad[1] = M.shape[1]
     A = ts.csr((crow, bad, val), M.shape)  # checked on the device: the capture below does not ask the event

@@ -25,7 +25,8 @@ through a NumPy array sharing a CPU tensor's memory — are not seen: the patter
 one that was validated. Inference tensors have no version counter at all, so indices that
 are inference tensors are never cached: each call validates them again (:func:`lookup`).
 Nor are indices an operator first meets while a CUDA graph is captured, which the graph's
-replays may refill: each replay copies and checks them inside the graph (:func:`in_graph`).
+replays may refill: each replay copies and checks them inside the graph (:func:`in_graph`,
+:func:`in_graph_copies`).
 
 Values are not part of the pattern: they may change every step (attention-weighted
 graphs), and every product reads them as they are.
@@ -38,10 +39,11 @@ memory pool: the first product on a pattern may run inside the warm-up of a CUDA
 from __future__ import annotations
 
 from .cache import _CACHE  # noqa: F401  the table itself, whose size benchmarks/bench_churn.py reads
-from .cache import (HOST_KEPT_MAX, Pattern, count, host_indices, in_graph, lookup, own, owned, private_copy,
-                    settle_pending, staged, stats, validated, versions)
+from .cache import (HOST_KEPT_MAX, Pattern, count, host_indices, in_graph, in_graph_copies, lookup, own, owned,
+                    private_copy, settle_pending, staged, stats, validated, versions)
 from .derived import row_indices
 from .streams import run_kept, to_host
 
-__all__ = ["HOST_KEPT_MAX", "Pattern", "count", "host_indices", "in_graph", "lookup", "own", "owned",
-           "private_copy", "row_indices", "run_kept", "settle_pending", "staged", "stats", "to_host", "validated", "versions"]
+__all__ = ["HOST_KEPT_MAX", "Pattern", "count", "host_indices", "in_graph", "in_graph_copies", "lookup", "own",
+           "owned", "private_copy", "row_indices", "run_kept", "settle_pending", "staged", "stats", "to_host",
+           "validated", "versions"]

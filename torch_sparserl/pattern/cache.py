@@ -475,14 +475,34 @@ def lookup(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
 
 
 def in_graph(op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
-    """The pattern of CUDA indices first met while a CUDA graph is captured: not cached and never
-    specialized (``transient``), as the graph's replays may bring other indices in the same
-    tensors; products read copies made, checked and repaired inside the graph
-    (:func:`~.device_check.in_graph`), so every replay serves its own indices correctly."""
-    entry = Pattern(crow, col, ncols)
-    entry.transient = entry.in_graph = True
-    own_crow, own_col, entry.check = device_check.in_graph(op, crow, col, ncols)
+    """The pattern of CUDA indices an operator first meets while a CUDA graph is captured: never
+    cached nor specialized (``transient``), as the graph's replays may bring other indices in
+    the same tensors. It reads copies of them made, checked and repaired inside the graph
+    (:func:`~.device_check.in_graph`), which it holds for the call, so every replay serves its
+    own indices correctly; its derived forms (the backward's transpose) are computed in the
+    graph too."""
+    own_crow, own_col, check = device_check.in_graph(op, crow, col, ncols)
+    entry = Pattern(own_crow, own_col, ncols)
     entry._frozen = (own_crow, own_col)
+    return _made_in_graph(entry, check)
+
+
+def in_graph_copies(op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a matrix built while a CUDA graph is captured (``ts.csr`` in a captured step): the
+    copies of ``crow`` and ``col`` that :func:`in_graph` would read, which the caller holds, and
+    their pattern cached under them while they live, so that each product of the matrix finds it."""
+    own_crow, own_col, check = device_check.in_graph(op, crow, col, ncols)
+    own(own_crow, own_col)
+    with _CACHE_LOCK:
+        entry = _enter(own_crow, own_col, ncols)
+    _made_in_graph(entry, check)
+    return own_crow, own_col
+
+
+def _made_in_graph(entry: Pattern, check: DeviceCheck) -> Pattern:
+    entry.transient = entry.in_graph = True
+    entry.check = check
     entry.validated = True
     return entry
 

@@ -172,7 +172,10 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     checked once here (monotone row pointers, columns in range), so later products skip that
     check. Indices already on a CUDA device are checked there without the host waiting for
     the device: bad ones raise their ``ValueError`` at the first use of the matrix after the
-    device ran the check (products made before then are NaN, never out-of-bounds reads).
+    device ran the check (products made before then are NaN, never out-of-bounds reads). Inside
+    a CUDA graph capture (a captured training step whose indices are refilled before each
+    replay) they are copied and checked inside the graph, again at every replay, and served
+    by cuSPARSE; bad ones make that replay's products NaN, as a replay cannot raise.
 
     The matrix owns its indices: they are copied (once; a CSRMatrix's own are reused), so
     that nothing later written to the caller's arrays reaches it. Values given as a torch
@@ -258,17 +261,26 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     # The matrix owns its indices: a copy, so that no later write to the caller's arrays (in
     # place, through .data, through NumPy, under inference_mode) reaches it, made an ordinary
     # tensor with a version counter even under inference_mode (pattern.private_copy).
-    given = (crow, col)
-    crow, col = (t if patterns.owned(t) else patterns.private_copy(t) for t in (crow, col))
     if val.is_inference():
         with torch.inference_mode(False):
             val = val.clone()
+    if validate and not checked and crow.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Built inside a captured step (a mini-batch's padded indices, refilled before each
+        # replay): copied, checked and repaired inside the graph, again at every replay.
+        return _made(*patterns.in_graph_copies(op, crow, col, size[1]), val, size)
+    given = (crow, col)
+    crow, col = (t if patterns.owned(t) else patterns.private_copy(t) for t in (crow, col))
     if validate:
         entry = patterns.lookup(crow, col, size[1])
         if checked:
             entry.checked_on_host(crow, col)
         else:  # CUDA indices are checked on the device, the host not waiting (Pattern.validate)
             entry.validate(op, crow, col, source=None if given[0] is crow else given)
+    return _made(crow, col, val, size)
+
+
+def _made(crow: Tensor, col: Tensor, val: Tensor, size: tuple) -> CSRMatrix:
+    """The matrix of parts checked above: linked to ``val``'s autograd graph where it has one."""
     if val.requires_grad and torch.is_grad_enabled():
         return CSRMatrix(crow, col, val, size)  # linked to val's graph (_FromParts)
-    return CSRMatrix._wrap(crow, col, val, size)  # the parts checked above
+    return CSRMatrix._wrap(crow, col, val, size)
