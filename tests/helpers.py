@@ -212,3 +212,19 @@ def raises_index_error(call, match: str):
     torch.cuda.synchronize()
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def padded_batch_step(weight, opt):
+    """One training step on a mini-batch padded to a bucket, as a captured step takes it: the
+    batch's features, labels, ``(crow, col, val)`` and a mask of its seed rows as arguments, the
+    matrix built inside (``ts.csr``), the loss the mean over the seed rows; returns it detached."""
+    def step(x, y, crow, col, val, seeds):
+        opt.zero_grad(set_to_none=True)
+        A = ts.csr((crow, col, val), (crow.shape[0] - 1, x.shape[0]))
+        out = (A @ x) @ weight
+        loss = (torch.nn.functional.cross_entropy(out, y, reduction="none") * seeds).sum() / seeds.sum()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step

@@ -14,15 +14,17 @@ import scipy.sparse as sp
 import torch
 
 import torch_sparserl as ts
-from torch_sparserl import pattern as patterns
 from torch_sparserl.config import JitOptions
 from torch_sparserl.dtypes import assert_close_to_reference
 from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit.cache import KernelCache
-from torch_sparserl.train import CapturedStep, capture_step
-from torch_sparserl.train.capture import MAX_WARMUP
+from torch_sparserl.data.buckets import Buckets
+from torch_sparserl.data.sampling import neighbor_batches
+from torch_sparserl.train import CapturedStep, CapturedSteps, capture_step
+from torch_sparserl.train.capture import MAX_SHAPES, MAX_WARMUP
 
 from fakes import Fakes
+from helpers import padded_batch_step
 
 HIDDEN, CLASSES, FEATURES = 8, 4, 6
 
@@ -151,6 +153,65 @@ def test_bad_settings_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match="capture_step: ") as info:
         capture_step(lambda: None, **kwargs)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("max_shapes", [0, MAX_SHAPES + 1, True, 2.0, "2"])
+def test_bad_max_shapes_are_refused_by_name(max_shapes):
+    with pytest.raises(ValueError, match=rf"capture_step: max_shapes must be a whole number from 1 to {MAX_SHAPES} "
+                                         rf"\(got {max_shapes!r}\)"):
+        capture_step(lambda x: x, max_shapes=max_shapes)
+
+
+def test_one_graph_per_signature_up_to_max_shapes():
+    graphs = FakeGraphs()
+    step = CapturedSteps(lambda a, b: a * 2 + b, warmup=1, max_shapes=2, graphs=graphs)
+    assert isinstance(capture_step(lambda a: a, max_shapes=2), CapturedSteps)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        for rows in (3, 5):
+            a, b = torch.randn(rows, 2, generator=generator), torch.randn(rows, 2, generator=generator)
+            torch.testing.assert_close(step(a, b), a * 2 + b, rtol=0, atol=0)
+    assert step.captures == 2 and step.captured == 2 and len(graphs.graphs) == 2 and not step.eager
+    with pytest.raises(ValueError, match=r"captured for 2 argument signatures, max_shapes=2; this call's "
+                                         r"\(\(4, 2\) torch.float32, \(4, 2\) torch.float32\) would be one more"):
+        step(torch.zeros(4, 2), torch.zeros(4, 2))
+    with pytest.raises(TypeError, match=r"argument 1 is a int"):
+        step(torch.zeros(3, 2), 1)
+
+
+def test_padded_mini_batches_train_as_eagerly_with_a_graph_per_bucket():
+    """A GraphSAGE-like step over neighbour-sampled batches padded to two buckets, its matrix
+    built inside the step from the padded (crow, col, val) arguments: the losses are the eager
+    loop's, batch by batch, with one capture per bucket."""
+    adjacency = sp.random(120, 120, density=0.05, format="csr", random_state=np.random.default_rng(4))
+    adjacency = ((adjacency + adjacency.T) > 0).astype(np.float64).tocsr()
+    batches = list(neighbor_batches(adjacency, 16, [4, 3], seed=2))
+    buckets = Buckets.fit(batches, count=2)
+    features = torch.randn(120, FEATURES, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    labels = torch.randint(0, CLASSES, (120,), generator=torch.Generator().manual_seed(6))
+
+    def run(capture: bool):
+        weight = torch.nn.Parameter(0.3 * torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(7),
+                                                      dtype=torch.float64))
+        opt = torch.optim.Adam([weight], lr=0.05)
+
+        step = padded_batch_step(weight, opt)
+
+        stepper = CapturedSteps(step, warmup=1, max_shapes=4, graphs=FakeGraphs()) if capture else step
+        losses = []
+        for _ in range(3):
+            for batch in map(buckets.pad, batches):
+                crow, col, val = batch.parts()
+                seeds = (torch.arange(batch.shape[0]) < batch.seeds).to(torch.float64)
+                nodes = torch.from_numpy(batch.nodes).long()
+                losses.append(stepper(features[nodes], labels[nodes[: batch.shape[0]]], crow, col,
+                                      val.to(torch.float64), seeds).clone())
+        return torch.stack(losses), stepper
+
+    want, _ = run(False)
+    got, stepper = run(True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert stepper.captures == len({(b.shape, b.nnz) for b in map(buckets.pad, batches)}) <= 2
 
 
 def test_a_step_that_is_not_callable_is_refused():

@@ -23,6 +23,7 @@ from torch_sparserl.jit import runtime as rt
 from torch_sparserl.jit.cache import KernelCache
 
 from fakes import fixed_specializer, using_runtime as using
+from helpers import padded_batch_step
 
 STEPS = 20
 FEATURES, HIDDEN, CLASSES = 32, 64, 8
@@ -176,3 +177,46 @@ def test_a_closed_runtime_is_never_replayed(tmp_path, cora):
     finally:
         rt.set_active(previous)
     assert_same_training(torch.stack(losses).cpu(), want)
+
+
+def test_padded_mini_batches_replay_a_graph_per_bucket(tmp_path, cora):
+    """Mini-batches of cora padded to two buckets, each batch's ``(crow, col, val)`` passed to the
+    step and built into a matrix inside it: one graph per bucket, the indices checked inside the
+    graph at every replay, the losses the eager loop's; bad indices in a replay give a NaN loss."""
+    from torch_sparserl.data.buckets import Buckets
+    from torch_sparserl.data.sampling import neighbor_batches
+
+    batches = list(neighbor_batches(cora, 128, [5, 3], seed=1, limit=8))
+    buckets = Buckets.fit(batches, count=2)
+    padded = [buckets.pad(batch) for batch in batches]
+    g = torch.Generator().manual_seed(2)
+    features = torch.randn(cora.shape[0], FEATURES, generator=g).cuda()
+    labels = torch.randint(0, CLASSES, (cora.shape[0],), generator=g).cuda()
+
+    def train(capture: bool):
+        weight = torch.nn.Parameter((0.2 * torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(3)))
+                                    .cuda())
+        opt = torch.optim.Adam([weight], lr=0.01, capturable=True)
+
+        step = padded_batch_step(weight, opt)
+
+        stepper = ts.capture_step(step, max_shapes=4) if capture else step
+        losses = []
+        for _ in range(3):
+            for batch in padded:
+                crow, col, val = (t.cuda() for t in batch.parts())
+                nodes = torch.from_numpy(batch.nodes).long().cuda()
+                seeds = (torch.arange(batch.shape[0], device="cuda") < batch.seeds).float()
+                losses.append(stepper(features[nodes], labels[nodes[: batch.shape[0]]], crow, col, val, seeds).clone())
+        return torch.stack(losses).cpu(), stepper, (features[nodes], labels[nodes[: batch.shape[0]]], crow, col, val,
+                                                    seeds)
+
+    with using(JitOptions(mode="background"), tmp_path):
+        want, _, _ = train(False)
+        got, stepper, last = train(True)
+        assert stepper.captured == len({(b.shape, b.nnz) for b in padded}) and not stepper.eager
+        x, y, crow, col, val, seeds = last
+        bad = col.clone()
+        bad[0] = x.shape[0] + 10**6
+        assert stepper(x, y, crow, bad, val, seeds).isnan().item()
+    assert_same_training(got, want)

@@ -8,6 +8,6 @@ does not compile (``compiler`` is ``torch.compile``'s), so it is a stage of its 
 May import: config, dtypes, data, pattern, kernels, abi, toolchain, evaluate, specialize, jit, ops, tensor.
 """
 
-from .capture import CapturedStep, CudaGraphs, capture_step
+from .capture import CapturedStep, CapturedSteps, CudaGraphs, capture_step
 
-__all__ = ["CapturedStep", "CudaGraphs", "capture_step"]
+__all__ = ["CapturedStep", "CapturedSteps", "CudaGraphs", "capture_step"]

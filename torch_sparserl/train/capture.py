@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -418,7 +417,57 @@ def _unasked(runtime) -> tuple:
     return tuple(stats.get(name, 0) for name in UNASKED)
 
 
-def capture_step(step_fn: Callable, *, warmup: int = 3, wait_s: float = 0.0) -> CapturedStep:
+MAX_SHAPES = 64
+"""The most ``max_shapes`` :func:`capture_step` takes."""
+
+
+class CapturedSteps:
+    """A training step captured once per argument signature (shapes, dtypes, devices): one
+    :class:`CapturedStep` per signature, at most ``max_shapes`` of them. For mini-batches padded
+    to a few sizes (:class:`~torch_sparserl.data.buckets.Buckets`), one graph per bucket. Made by
+    :func:`capture_step` with ``max_shapes`` above 1."""
+
+    def __init__(self, step_fn: Callable, *, warmup: int = 3, wait_s: float = 0.0, max_shapes: int = 8,
+                 graphs=None):
+        self._make = lambda: CapturedStep(step_fn, warmup=warmup, wait_s=wait_s, graphs=graphs)
+        self._make()  # checks the arguments now
+        self.max_shapes = max_shapes
+        self.steps: dict[tuple, CapturedStep] = {}  # signature -> its step
+
+    def __call__(self, *inputs):
+        try:
+            key = tuple((type(t), t.shape, t.dtype, t.device) for t in inputs)
+        except AttributeError:
+            _check_inputs(inputs)  # names the argument that is not a tensor
+            raise
+        step = self.steps.get(key)
+        if step is None:
+            if len(self.steps) >= self.max_shapes:
+                got = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
+                raise ValueError(f"capture_step: the step was captured for {len(self.steps)} argument signatures, "
+                                 f"max_shapes={self.max_shapes}; this call's ({got}) would be one more: pad the "
+                                 "inputs to a few sizes (torch_sparserl.data.buckets.Buckets) or raise max_shapes")
+            step = self.steps[key] = self._make()
+        return step(*inputs)
+
+    @property
+    def captures(self) -> int:
+        """Captures over every signature."""
+        return sum(step.captures for step in self.steps.values())
+
+    @property
+    def captured(self) -> int:
+        """How many signatures have a live graph."""
+        return sum(step.captured for step in self.steps.values())
+
+    @property
+    def eager(self) -> bool:
+        """Whether the steps run eagerly (no CUDA, or their tensors are not on one GPU)."""
+        return any(step.eager for step in self.steps.values())
+
+
+def capture_step(step_fn: Callable, *, warmup: int = 3, wait_s: float = 0.0,
+                 max_shapes: int = 1) -> CapturedStep | CapturedSteps:
     """``step_fn`` (one training step: forward, loss, backward, optimizer step) as a
     :class:`CapturedStep`, replayed as one CUDA graph once warmed up::
 
@@ -443,5 +492,16 @@ def capture_step(step_fn: Callable, *, warmup: int = 3, wait_s: float = 0.0) -> 
     or the runtime changes (the module's docstring has the rules). ``wait_s`` (0 to 3600): before
     capturing, wait up to this long for the runtime's pending decisions, so that the first graph
     has the kernels. On the CPU, or without CUDA, the step runs eagerly on every call.
+
+    ``max_shapes`` (1 to :data:`MAX_SHAPES`): with 1, a call with arguments of other shapes,
+    dtypes or devices raises; above 1, each argument signature is warmed up, captured and
+    replayed as a graph of its own (:class:`CapturedSteps`), up to that many, for a step whose
+    inputs come in a few sizes: mini-batches padded to buckets, their ``(crow, col, val)``
+    among the arguments and ``ts.csr`` of them inside the step (checked inside the graph at
+    every replay, served by cuSPARSE).
     """
+    if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or not 1 <= max_shapes <= MAX_SHAPES:
+        raise ValueError(f"capture_step: max_shapes must be a whole number from 1 to {MAX_SHAPES} (got {max_shapes!r})")
+    if max_shapes > 1:
+        return CapturedSteps(step_fn, warmup=warmup, wait_s=wait_s, max_shapes=max_shapes)
     return CapturedStep(step_fn, warmup=warmup, wait_s=wait_s)
