@@ -16,6 +16,10 @@ drift of the host's speed over the run reaches them alike:
 * ``sparserl_classes`` — ``sparserl`` with class kernels on (``jit.class_after``, ``--class-after``):
   after that many young patterns of a class, one kernel decided in the background serves the
   class's new patterns (``torch_sparserl.jit.classes``);
+* ``sparserl_captured`` — with ``--buckets`` only: the whole step (``ts.csr`` of the batch's
+  parts, forward, loss over a mask of the seed rows, backward, a capturable Adam's step) under
+  ``ts.capture_step(..., max_shapes=2K)``, one CUDA graph per bucket, each batch's indices
+  checked inside its graph (eager on the CPU);
 * ``pyg`` — PyG's ``SAGEConv`` on ``edge_index`` (gather + scatter), where PyG is installed.
 
 Per way: each epoch's wall time (the first includes compiles and decisions), the losses (equal
@@ -39,7 +43,7 @@ overhead: padded rows and nonzeros over the real ones, over the epoch.
     python benchmarks/bench_minibatch.py --graph dblp-2010 --out benchmarks/results/
     python benchmarks/bench_minibatch.py --graph rmat:scale=22,edge_factor=16 --epochs 2 --batches 300
     python benchmarks/bench_minibatch.py --graph cora --device cpu --epochs 2 --batches 3 --out /tmp/m.json
-    python benchmarks/bench_minibatch.py --graph dblp-2010 --buckets 3 --ways torch,sparserl,sparserl_compiled
+    python benchmarks/bench_minibatch.py --graph dblp-2010 --buckets 3 --ways torch,sparserl,sparserl_compiled,sparserl_captured
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ from common import environment, load_graph, plots, results_path, rss_mb, tables,
 from common.gnn import PreparedBatch  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_minibatch/1"
-WAYS = ("torch", "sparserl", "sparserl_classes", "sparserl_compiled", "pyg")
+WAYS = ("torch", "sparserl", "sparserl_classes", "sparserl_compiled", "sparserl_captured", "pyg")
+CAPTURED = "sparserl_captured"  # needs --buckets: one CUDA graph per bucket (ts.capture_step, max_shapes)
 
 
 def make_model(features: int, hidden: int, classes: int):
@@ -203,7 +208,10 @@ class WayRun:
         # padded to buckets, the shapes repeat: each compiled static, once (see the module's docstring)
         self.step = torch.compile(self.model, backend="sparserl", dynamic=not self.buckets) \
             if way == "sparserl_compiled" else self.model
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01, capturable=way == CAPTURED
+                                    and self.device.type == "cuda")
+        if way == CAPTURED:
+            self.step = captured_step(self.model, self.opt, self.buckets)
 
     def epoch(self, record: bool = True) -> None:
         """One epoch over every batch, timed from a synchronized device to a synchronized device;
@@ -232,9 +240,10 @@ class WayRun:
                     items = prefetch(self.batches, lambda b: (b, to_device(self.way, b, self.device)))
                 else:  # on the host, pinned, as a loader hands them over
                     items = ((b, None) for b in self.batches)
+                step = replay_step if self.way == CAPTURED else train_step
                 for batch, moved in items:
-                    losses.append(train_step(self.way, self.step, self.opt, batch, self.features, self.labels,
-                                             self.device, moved))
+                    losses.append(step(self.way, self.step, self.opt, batch, self.features, self.labels,
+                                       self.device, moved))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             if record:
@@ -281,9 +290,40 @@ def to_device(way: str, batch, device):
         A = torch.sparse_csr_tensor(*(t.to(device, non_blocking=True) for t in batch.csr), shape)
     elif way == "pyg":
         A = batch.edge_index.to(device, non_blocking=True)
+    elif way == CAPTURED:  # the parts themselves: the captured step builds its matrix (replay_step)
+        A = tuple(t.to(device, non_blocking=True) for t in batch.csr)
     else:  # checked on the host, sent without blocking
         A = ts.csr(batch.csr, shape, device=device)
     return nodes, A
+
+
+def captured_step(model, opt, buckets: int):
+    """The whole training step of a padded batch as ``ts.capture_step`` replays it, one CUDA graph
+    per bucket: its arguments are the batch's features, labels, ``(crow, col, val)`` and a mask
+    of its seed rows (the loss is their mean, as :func:`train_step`'s), the matrix built inside."""
+    import torch
+
+    import torch_sparserl as ts
+
+    def step(x, y, crow, col, val, seeds):
+        opt.zero_grad(set_to_none=True)
+        A = ts.csr((crow, col, val), (crow.shape[0] - 1, x.shape[0]))
+        losses = torch.nn.functional.cross_entropy(model(A, x), y, reduction="none")
+        loss = (losses * seeds).sum() / seeds.sum()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return ts.capture_step(step, max_shapes=max(1, min(64, 2 * buckets)))
+
+
+def replay_step(way: str, step, opt, batch, features, labels, device, moved=None):
+    """:func:`train_step` for the captured way: one call of the captured step."""
+    import torch
+
+    nodes, parts = moved if moved is not None else to_device(way, batch, device)
+    seeds = (torch.arange(batch.n, device=device) < batch.seeds).to(features.dtype)
+    return step(features[nodes], labels[nodes], *parts, seeds).clone()
 
 
 def recompiles_allowed(shapes: int):
@@ -478,6 +518,8 @@ def main(argv=None) -> int:
         parser.error(f"--ways: expected some of {','.join(WAYS)} (got {args.ways})")
     if args.buckets < 0:
         parser.error(f"--buckets: expected a count >= 0, 0 for none (got {args.buckets})")
+    if CAPTURED in ways and not args.buckets:
+        parser.error(f"--ways {CAPTURED} needs --buckets K: a captured step replays one graph per batch size")
 
     import numpy as np
     import torch

@@ -489,13 +489,14 @@ def test_bench_minibatch_buckets_repeat_the_shapes_and_keep_the_losses(tmp_path)
               "--hidden", "16", "--features", "8", "--ways", "torch,sparserl,sparserl_compiled"]
     plain, padded = tmp_path / "plain.json", tmp_path / "padded.json"
     assert bench.main(common + ["--out", str(plain)]) == 0
-    assert bench.main(common + ["--buckets", "3", "--out", str(padded)]) == 0
+    assert bench.main(common[:-1] + [common[-1] + ",sparserl_captured", "--buckets", "3", "--out", str(padded)]) == 0
     plain, padded = json.loads(plain.read_text()), json.loads(padded.read_text())
     tol = tolerance(torch.float32)
-    for way in ("torch", "sparserl", "sparserl_compiled"):
+    for way in ("torch", "sparserl", "sparserl_compiled", "sparserl_captured"):
         assert padded["ways"][way]["status"] == "ok"
-        np.testing.assert_allclose(padded["ways"][way]["losses"], plain["ways"][way]["losses"], rtol=tol.rtol,
-                                   atol=tol.atol)
+        np.testing.assert_allclose(padded["ways"][way]["losses"], plain["ways"]["torch" if way == "sparserl_captured"
+                                                                                else way]["losses"],
+                                   rtol=tol.rtol, atol=tol.atol)
     setup = padded["setup"]
     assert setup["buckets"] == 3 and plain["setup"]["buckets"] == 0 and plain["setup"]["padding"] is None
     assert (setup["mean_rows"], setup["mean_nnz"]) == (plain["setup"]["mean_rows"], plain["setup"]["mean_nnz"])
@@ -512,6 +513,8 @@ def test_bench_minibatch_buckets_repeat_the_shapes_and_keep_the_losses(tmp_path)
     assert torch._dynamo.config.recompile_limit == limit
     with pytest.raises(SystemExit):
         bench.main(common + ["--buckets", "-1", "--out", str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit):  # the captured way replays a graph per bucket: it needs buckets
+        bench.main(common[:-1] + ["sparserl_captured", "--out", str(tmp_path / "bad.json")])
 
 def test_bench_host_summary_and_markdown():
     host = load_benchmark("bench_host")
