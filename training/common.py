@@ -190,10 +190,11 @@ class Patterns:
 
             sys.path.insert(0, str(REPO / "benchmarks"))
             import bench_kernels
-            from training.data import synthetic_specs
+            from training.data import HELDOUT_SYNTHETIC, synthetic_specs
 
             names = dict(bench_kernels.SYNTHETIC)
             names.update(bench_kernels.SMALL_SYNTHETIC)
+            names.update(HELDOUT_SYNTHETIC)
             for spec in synthetic_specs():
                 names[re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.replace("=", "")).strip("-")] = spec
             self._specs = names

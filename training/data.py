@@ -32,6 +32,20 @@ TRAIN_MATRICES = ("cora", "citeseer", "ca-HepPh", "dblp-2010", "usroads-48", "bc
                   "fb100_Cornell5", "musae_github", "p2p-Gnutella31", "arrow", "bayer10",
                   "pushpull", "Groebner_id2003_aug", "dnn_n1024_l1", "uk-2007-05_100000")
 
+# Held out too: generated matrices that no stage has seen, their parameters off the grid that
+# synthetic_specs draws training patterns from (other edge factors, skews, bandwidths, sizes
+# that are not powers of two, seeds of their own). With VAL_MATRICES, the evaluation's matrices.
+HELDOUT_SYNTHETIC = {
+    "heldout-rmat-s16-ef12": "rmat:scale=16,edge_factor=12,a=0.5,b=0.2,c=0.2,seed=7001",
+    "heldout-uniform-60000x45000-k12": "uniform:rows=60000,cols=45000,nnz_per_row=12,seed=7002",
+    "heldout-banded-50000-bw12": "banded:rows=50000,bandwidth=12,density=0.45,seed=7003",
+    "heldout-block-40000-b48": "block_diagonal:rows=40000,block=48,density=0.5,seed=7004",
+    "heldout-stencil-300": "stencil_2d:side=300",
+    "heldout-bipartite-30000x20000": "bipartite:rows=30000,cols=20000,nnz_per_row=12,skew=1.15,seed=7005",
+}
+EVAL_MATRICES = VAL_MATRICES + tuple(HELDOUT_SYNTHETIC)
+EVAL_NS = (1, 32, 64, 128, 256)  # the evaluation's cells: SpMV and SpMM N = 32...256
+
 # (op, n) cells a pattern is labelled at: SpMV, and SpMM at the widths GNN layers use.
 LABEL_NS = (1, 16, 32, 64, 128)
 
@@ -128,8 +142,8 @@ def table_files(paths: Iterable[Path] | None = None) -> list[Path]:
 def load_labels(paths: Iterable[Path] | None = None, split: str = "train") -> list[Label]:
     """One :class:`Label` per cell of the tables, from its fastest correct final-stage record.
 
-    ``split``: ``"train"`` (synthetic patterns and TRAIN_MATRICES), ``"val"`` (VAL_MATRICES) or
-    ``"all"``. Real matrices in neither list are skipped. A cell labelled twice (a resumed or
+    ``split``: ``"train"`` (synthetic patterns and TRAIN_MATRICES), ``"val"`` (EVAL_MATRICES: the
+    real validation matrices and the held-out generated ones) or ``"all"``. Real matrices in neither list are skipped. A cell labelled twice (a resumed or
     repeated run) keeps the later file's answer.
     """
     if split not in ("train", "val", "all"):
@@ -165,7 +179,7 @@ def load_labels(paths: Iterable[Path] | None = None, split: str = "train") -> li
 
 def is_synthetic(matrix: str) -> bool:
     """Generated patterns are named after their spec (``rmat-scale12...``) or listed in the bench."""
-    return matrix not in VAL_MATRICES and matrix not in TRAIN_MATRICES and not _is_real(matrix)
+    return matrix not in EVAL_MATRICES and matrix not in TRAIN_MATRICES and not _is_real(matrix)
 
 
 def _is_real(matrix: str) -> bool:
@@ -180,8 +194,8 @@ def in_split(matrix: str, split: str) -> bool:
     if split == "all":
         return True
     if split == "val":
-        return matrix in VAL_MATRICES
-    return matrix in TRAIN_MATRICES or (matrix not in VAL_MATRICES and is_synthetic(matrix))
+        return matrix in EVAL_MATRICES
+    return matrix in TRAIN_MATRICES or (matrix not in EVAL_MATRICES and is_synthetic(matrix))
 
 
 def geomean(values: Iterable[float]) -> float:

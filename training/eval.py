@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Evaluate policies against the exhaustive autotuner (the oracle) on the validation matrices.
+"""Evaluate policies against the exhaustive autotuner (the oracle) on the held-out matrices.
 
 For every cell (validation matrix, op, n) and every policy: sample K candidates (the first
 greedy: the top-1), screen the distinct ones in the sandbox with cuSPARSE timed in the same
@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.common import Budget, Patterns, parse_args, pick_device  # noqa: E402
-from training.data import VAL_MATRICES, geomean  # noqa: E402
+from training.data import EVAL_MATRICES, EVAL_NS, geomean  # noqa: E402
 
 
 @dataclass
@@ -37,8 +37,8 @@ class EvalArgs:
 
     policies: list[str] = field(default_factory=lambda: ["torch_sparserl/specialize/policy/checkpoint"])
     names: list[str] = field(default_factory=list)
-    matrices: list[str] = field(default_factory=lambda: list(VAL_MATRICES))
-    ns: list[int] = field(default_factory=lambda: [1, 32, 128])
+    matrices: list[str] = field(default_factory=lambda: list(EVAL_MATRICES))
+    ns: list[int] = field(default_factory=lambda: list(EVAL_NS))
     dtype: str = "f32"
     k: int = 4
     strategies: list[str] = field(default_factory=lambda: ["rank"])
