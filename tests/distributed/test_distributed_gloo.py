@@ -28,6 +28,11 @@ def test_products_and_gradients_match_one_process(tmp_path, world, scenario, dty
     assert all(rep["halo_rows"] > 0 for rep in reports)  # the exchange was exercised on every rank
 
 
+def test_a_compiled_model_on_a_distributed_matrix_trains_as_the_eager_one(tmp_path):
+    reports = run(2, "compiled", tmp_path)
+    assert all(rep["ok"] for rep in reports), _failures(reports)
+
+
 def test_no_process_group_is_named():
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match=r"distribute_csr: torch.distributed's default process group is not "
