@@ -133,6 +133,13 @@ def tf32_allowed() -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
+def _finish_copies(device: torch.device) -> None:
+    """Wait for the copies this thread queued on ``device``: they ran on its current stream (maybe
+    a background thread's), and must be done before any stream uses their data. That stream
+    only: a device-wide wait would break a CUDA graph that another thread is capturing."""
+    torch.cuda.current_stream(device).synchronize()
+
+
 def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, kernel=None,
                like: Callable | None = None) -> Callable:
     """``spec``'s kernel (``kernel``, else its library's, built or loaded) with its plan data for
@@ -176,10 +183,7 @@ def _bind_spec(spec, crow: torch.Tensor, col: torch.Tensor, ncols: int, n: int, 
             if crow.dtype != torch.int32 or col.dtype != torch.int32:
                 copies = tuple(t.to(torch.int32).contiguous().to(col.device) for t in (host_crow, host_col))
             del host_crow, host_col
-        # The copies ran on this thread's stream (maybe a background thread's): finish them before
-        # any stream uses their data. That stream only: a device-wide wait would break a CUDA graph
-        # another thread is capturing.
-        torch.cuda.current_stream(col.device).synchronize()
+        _finish_copies(col.device)
     bound = kernel.bind(prepared)
     shape = operand_shapes(spec.plan.op, rows, ncols, col.numel(), n)["y"]
     device_index = col.device.index if col.device.index is not None else torch.cuda.current_device()
