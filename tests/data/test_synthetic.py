@@ -15,8 +15,9 @@ SMALL_SPECS = {
     "stencil_2d": "stencil_2d:side=13",
     "bipartite": "bipartite:rows=600,cols=200,nnz_per_row=5,skew=0.9",
     "arrow": "arrow:rows=50",
+    "power_law": "power_law:nodes=3000,edge_factor=6,skew=0.9",
 }
-SEEDED = ["rmat", "uniform", "banded", "block_diagonal", "bipartite"]
+SEEDED = ["rmat", "uniform", "banded", "block_diagonal", "bipartite", "power_law"]
 
 
 def assert_canonical(matrix: scipy.sparse.csr_matrix) -> None:
@@ -138,6 +139,34 @@ def test_bipartite_skew():
     flat = np.diff(synthetic.bipartite(2000, 1000, 8, skew=0.0, seed=0).indptr)
     assert skewed.max() > 10 * skewed.mean()
     assert flat.max() < 4 * flat.mean()
+
+
+def test_power_law_is_skewed_and_any_row_range_comes_out_alone():
+    """Each rank of a graph too large for one host makes its own rows: any split of the rows,
+    blocks of the generator's streams cut anywhere, gives the whole graph's rows."""
+    nodes = 3 * synthetic._POWER_LAW_BLOCK // 2 + 17  # two blocks, the second cut short
+    whole = synthetic.power_law(nodes, edge_factor=5, skew=0.9, seed=1)
+    cuts = [0, 1, 1000, synthetic._POWER_LAW_BLOCK, synthetic._POWER_LAW_BLOCK + 5, nodes]
+    pieces = [synthetic.power_law_rows(nodes, a, b, edge_factor=5, skew=0.9, seed=1) for a, b in zip(cuts, cuts[1:])]
+    for piece in pieces:
+        assert_canonical(piece)
+    stacked = scipy.sparse.vstack(pieces).tocsr()
+    assert stacked.shape == whole.shape and (stacked != whole).nnz == 0
+    rows, cols = np.diff(whole.indptr), np.bincount(whole.indices, minlength=nodes)
+    assert 4 < rows.mean() < 5.5 and rows.max() > 40 * rows.mean() and cols.max() > 40 * cols.mean()
+    flat = np.diff(synthetic.power_law(5000, edge_factor=8, skew=0.0, seed=1).indptr)
+    assert flat.max() < 4 * flat.mean()
+    assert synthetic.power_law_rows(nodes, 7, 7).shape == (0, nodes)
+    with pytest.raises(ValueError, match=r"need 0 <= start <= stop <= nodes \(got 5, 3, 10\)"):
+        synthetic.power_law_rows(10, 5, 3)
+
+
+def test_the_power_law_rankings_are_permutations():
+    for size in (1, 2, 1000, 1 << 12, (1 << 12) + 1):
+        ranks = synthetic._permutation(np.arange(size), size, salt=1)
+        assert np.array_equal(np.sort(ranks), np.arange(size))
+    assert not np.array_equal(synthetic._permutation(np.arange(1000), 1000, 1),
+                              synthetic._permutation(np.arange(1000), 1000, 2))
 
 
 def test_arrow():

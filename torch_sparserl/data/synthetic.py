@@ -22,8 +22,8 @@ from typing import Callable
 import numpy as np
 import scipy.sparse
 
-__all__ = ["GENERATORS", "arrow", "banded", "bipartite", "block_diagonal", "make", "parse_spec",
-           "rmat", "stencil_2d", "uniform"]
+__all__ = ["GENERATORS", "arrow", "banded", "bipartite", "block_diagonal", "make", "parse_spec", "power_law",
+           "power_law_rows", "rmat", "stencil_2d", "uniform"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 # Rows handled per step where a generator materializes a (rows, width) candidate array.
@@ -298,6 +298,87 @@ def arrow(rows: int) -> scipy.sparse.csr_matrix:
     return _from_sorted_arrays(row, col, np.ones(col.size, np.float32), (rows, rows), None)
 
 
+_POWER_LAW_BLOCK = 1 << 16  # rows drawn from one seeded stream: any row range comes out the same
+
+
+def _permutation(x: np.ndarray, size: int, salt: int) -> np.ndarray:
+    """A fixed pseudo-random permutation of ``[0, size)``, applied to ``x`` elementwise with no
+    table (a rank of a 2^27-node graph needs no 1 GB array): two rounds of multiply-by-odd and
+    xor-shift, each a bijection of ``[0, 2^bits)``, walked until the value falls below ``size``."""
+    bits = max(1, int(size - 1).bit_length())
+    mask = np.uint64((1 << bits) - 1)
+    shift = np.uint64(max(1, bits // 2))
+    multipliers = [np.uint64((m ^ (salt * 0x632BE59BD9B4E019)) & 0xFFFFFFFFFFFFFFFF | 1)
+                   for m in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)]
+
+    def rounds(y):
+        for m in multipliers:
+            y = (y * m) & mask  # wraps modulo 2^64, so modulo 2^bits too: odd m is a bijection
+            y ^= y >> shift
+        return y
+
+    with np.errstate(over="ignore"):
+        y = rounds(np.asarray(x, dtype=np.uint64))
+        outside = y >= size
+        while outside.any():  # cycle-walking: a bijection of [0, size) (each cycle returns below size)
+            y[outside] = rounds(y[outside])
+            outside = y >= size
+    return y.astype(np.int64)
+
+
+def _power_law_total(nodes: int, skew: float) -> float:
+    total, step = 0.0, 1 << 22
+    for lo in range(1, nodes + 1, step):
+        total += float((np.arange(lo, min(lo + step, nodes + 1), dtype=np.float64) ** -skew).sum())
+    return total
+
+
+def power_law_rows(nodes: int, start: int, stop: int, edge_factor: float = 16, skew: float = 0.8,
+                   seed: int = 0) -> scipy.sparse.csr_matrix:
+    """Rows ``start:stop`` of :func:`power_law`'s graph, made without the others: a ``(stop -
+    start) x nodes`` matrix, the same rows whatever range they are asked in. For a graph no host
+    holds whole, each rank makes its own rows (``DistributedCSRMatrix.from_local``)."""
+    _check("power_law", nodes >= 1, f"nodes must be >= 1 (got {nodes})")
+    _check("power_law", 0 <= start <= stop <= nodes, f"need 0 <= start <= stop <= nodes (got {start}, {stop}, {nodes})")
+    _check("power_law", edge_factor >= 0, f"edge_factor must be >= 0 (got {edge_factor})")
+    _check("power_law", 0 <= skew < 5, f"skew must be in [0, 5) (got {skew})")
+    total = _power_law_total(nodes, skew)
+    rows, cols = [], []
+    first_block, last_block = start // _POWER_LAW_BLOCK, (max(stop, start + 1) - 1) // _POWER_LAW_BLOCK
+    for block in range(first_block, last_block + 1):
+        lo, hi = block * _POWER_LAW_BLOCK, min((block + 1) * _POWER_LAW_BLOCK, nodes)
+        rng = np.random.default_rng([seed, block])
+        ids = np.arange(lo, hi, dtype=np.int64)
+        # a row's expected length follows its (hidden) rank's weight: a few hubs, a long tail
+        weight = (_permutation(ids, nodes, salt=1) + 1).astype(np.float64) ** -skew
+        degree = rng.poisson(edge_factor * nodes * weight / total)
+        u = rng.random(int(degree.sum()))
+        # each edge's column: a rank drawn from the continuous power law on [1, nodes + 1), then
+        # the node of that rank (another fixed permutation: popular columns are not the long rows)
+        if abs(skew - 1.0) < 1e-12:
+            rank = np.exp(u * np.log(nodes + 1.0))
+        else:
+            rank = (1.0 + u * ((nodes + 1.0) ** (1.0 - skew) - 1.0)) ** (1.0 / (1.0 - skew))
+        rank = np.clip(np.floor(rank).astype(np.int64), 1, nodes)
+        col = _permutation(rank - 1, nodes, salt=2)
+        row = np.repeat(ids, degree)
+        keep = (row >= start) & (row < stop)
+        keys = np.unique((row[keep] - start) * np.int64(nodes) + col[keep])  # by (row, col), merged
+        rows.append(keys // nodes)
+        cols.append(keys % nodes)
+    row, col = np.concatenate(rows), np.concatenate(cols)  # the blocks come in row order
+    return _from_sorted_arrays(row, col, np.ones(col.size, np.float32), (stop - start, nodes), None)
+
+
+def power_law(nodes: int, edge_factor: float = 16, skew: float = 0.8, seed: int = 0) -> scipy.sparse.csr_matrix:
+    """A directed power-law graph of ``nodes`` nodes and about ``nodes * edge_factor`` edges (a
+    Chung–Lu model): row ``i`` draws a Poisson number of edges with mean proportional to
+    ``rank_i**-skew`` over a fixed pseudo-random ranking of the rows, each edge's column a node
+    drawn with the same law over another ranking; duplicates merged, values 1. Made block by
+    block of rows (:func:`power_law_rows`), so a rank can make its own rows alone."""
+    return power_law_rows(nodes, 0, nodes, edge_factor=edge_factor, skew=skew, seed=seed)
+
+
 # ------------------------------------------------------------------------------ registry, specs
 
 GENERATORS: dict[str, Callable[..., scipy.sparse.csr_matrix]] = {
@@ -308,6 +389,7 @@ GENERATORS: dict[str, Callable[..., scipy.sparse.csr_matrix]] = {
     "stencil_2d": stencil_2d,
     "bipartite": bipartite,
     "arrow": arrow,
+    "power_law": power_law,
 }
 
 _POWER = re.compile(r"^\s*(\d+)\s*(?:\^|\*\*)\s*(\d+)\s*$")
