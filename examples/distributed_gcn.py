@@ -4,8 +4,8 @@ against one process.
     torchrun --nproc_per_node 2 examples/distributed_gcn.py                       # cora, CPUs, gloo
     torchrun --nproc_per_node 4 examples/distributed_gcn.py --device cuda --graph ../shared/matrices/pubmed.npz \\
         --order rcm --out result.json
-    torchrun --nproc_per_node 4 examples/distributed_gcn.py --device cuda --graph rmat:scale=27,edge_factor=16 \\
-        --no-check                 # a power-law graph: pick the scale past what one GPU holds
+    torchrun --nproc_per_node 4 examples/distributed_gcn.py --device cuda --model sage --rows-only \\
+        --graph power_law:nodes=2^27,edge_factor=16 --no-check   # each rank makes only its rows
 
 Unlike ``examples/ddp_gcn.py``, where every rank holds the whole graph, each rank here holds its
 rows of the adjacency (``ts.distributed.distribute_csr``) and of the features and activations:
@@ -25,7 +25,12 @@ computed, and its peak memory.
 (``ts.distributed.DistributedCSRMatrix.from_local``), read from a ``.npz`` with
 ``torch_sparserl.data.datasets.load_rows``: the path for a graph no host holds whole. Here the
 whole graph is still loaded to normalize it, partition it and check the run; such a graph
-needs its adjacency and its partition prepared once, offline (docs/distributed.md).
+needs its adjacency and its partition prepared once, offline (docs/distributed.md). With a
+``power_law:...`` graph (``torch_sparserl.data.synthetic.power_law``) and ``--rows-only``, no host
+holds the graph at all: each rank generates its own contiguous rows of it
+(``synthetic.power_law_rows``), their neighbours' mean (``--model sage``: a row's normalization
+needs only the row), and its rows of the features and labels, which are drawn per block of rows
+so that one process (the check, on a graph that fits) draws the same ones.
 """
 
 from __future__ import annotations
@@ -96,6 +101,33 @@ def adjacency(A: sp.csr_matrix, model: str) -> sp.csr_matrix:
     return out
 
 
+def mean_rows(rows: sp.csr_matrix, start: int) -> sp.csr_matrix:
+    """:func:`adjacency`'s SAGE form of rows ``start:start + len`` of a graph, from those rows alone."""
+    rows = sp.csr_matrix((np.ones(rows.nnz), rows.indices, rows.indptr), shape=rows.shape)
+    diagonal = sp.csr_matrix((np.ones(rows.shape[0]), (np.arange(rows.shape[0]), start + np.arange(rows.shape[0]))),
+                             shape=rows.shape)
+    rows = (rows - rows.multiply(diagonal)).tocsr()  # no self loops, as adjacency() drops them
+    rows.eliminate_zeros()
+    out = (sp.diags(1.0 / np.maximum(np.asarray(rows.sum(axis=1)).ravel(), 1.0)) @ rows).tocsr()
+    out.sort_indices()
+    return out
+
+
+ROW_BLOCK = 1 << 16  # features and labels are drawn per block of rows: any range comes out the same
+
+
+def node_data(start: int, stop: int, features: int, classes: int, dtype) -> tuple:
+    """Rows ``start:stop`` of the features, labels and training mask of a generated graph."""
+    xs, ys = [], []
+    for block in range(start // ROW_BLOCK, (max(stop, start + 1) - 1) // ROW_BLOCK + 1):
+        g = torch.Generator().manual_seed(1_000_003 * block + 7)
+        lo = block * ROW_BLOCK
+        keep = slice(max(start, lo) - lo, min(stop, lo + ROW_BLOCK) - lo)
+        xs.append(torch.randn(ROW_BLOCK, features, generator=g, dtype=dtype)[keep])
+        ys.append(torch.randint(0, classes, (ROW_BLOCK,), generator=g)[keep])
+    return torch.cat(xs)[: stop - start], torch.cat(ys)[: stop - start], torch.arange(start, stop) % 2 == 0
+
+
 def load_graph(name: str) -> sp.csr_matrix:
     """A shipped matrix, a file, or a synthetic spec (``generator:key=value,...``)."""
     if ":" in name and not os.path.exists(name):
@@ -158,12 +190,17 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--timeout", type=float, help="seconds a rank waits for a peer's halo (default: the group's)")
     parser.add_argument("--rows-only", action="store_true",
-                        help="each rank reads only its rows of the adjacency from a .npz (DistributedCSRMatrix.from_local)")
+                        help="each rank reads only its rows of the adjacency from a .npz, or makes them for a "
+                        "power_law graph (DistributedCSRMatrix.from_local)")
     parser.add_argument("--no-check", action="store_true", help="skip the one-process run (a graph too large for it)")
     parser.add_argument("--cache-dir", help="the shared kernel cache (default: a new folder made by rank 0)")
     parser.add_argument("--out", help="write the report (JSON) here, from rank 0")
     args = parser.parse_args(argv)
 
+    generated = args.rows_only and args.graph.strip().startswith("power_law:")
+    if generated and args.model != "sage":
+        parser.error("--rows-only with a power_law graph trains --model sage: the neighbours' mean needs only a "
+                     "rank's own rows, GCN's normalization every node's degree")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
@@ -185,34 +222,47 @@ def main(argv=None) -> int:
     os.environ["SPARSERL_CACHE_DIR"] = shared[0]
     runtime = rt.configure(mode="sync")
 
-    M = adjacency(load_graph(args.graph), args.model)
-    n = M.shape[0]
-    if args.rows_only:
-        # Rank 0 writes the adjacency as a graph prepared offline would be (uncompressed: each
-        # rank seeks to its rows); every rank then reads only its rows from it.
-        part = ts.distributed.partition(M, world, order=args.order)
-        path = os.path.join(shared[0], "adjacency.npz")
-        if rank == 0:
-            sp.save_npz(path, M, compressed=False)
-        dist.barrier()
-        adj = ts.distributed.DistributedCSRMatrix.from_local(
-            ts.csr(load_rows(path, part.rows_of(rank).numpy()), dtype=dtype), part, device=device,
-            timeout=args.timeout)
+    M = None
+    if generated:  # each rank makes its own rows, and draws its own node data: no host holds the graph
+        spec = synthetic.parse_spec(args.graph)[1]
+        n = spec.pop("nodes")
+        part = ts.distributed.Partition(tuple(n * r // world for r in range(world + 1)), None, order="rows")
+        first, last = part.bounds[rank], part.bounds[rank + 1]
+        rows = mean_rows(synthetic.power_law_rows(n, first, last, **spec), first)
+        adj = ts.distributed.DistributedCSRMatrix.from_local(ts.csr(rows, dtype=dtype), part, device=device,
+                                                             timeout=args.timeout)
+        x_local, y_local, mask_local = node_data(first, last, args.features, args.classes, dtype)
+        count = (n + 1) // 2  # the even nodes
     else:
-        adj = ts.distributed.distribute_csr(ts.csr(M, dtype=dtype), order=args.order, device=device,
-                                            timeout=args.timeout)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, args.features, generator=g, dtype=dtype)
-    y = torch.randint(0, args.classes, (n,), generator=g)
-    train_mask = torch.zeros(n, dtype=torch.bool)
-    train_mask[::2] = True
-    count = int(train_mask.sum())
+        M = adjacency(load_graph(args.graph), args.model)
+        n = M.shape[0]
+        if args.rows_only:
+            # Rank 0 writes the adjacency as a graph prepared offline would be (uncompressed: each
+            # rank seeks to its rows); every rank then reads only its rows from it.
+            part = ts.distributed.partition(M, world, order=args.order)
+            path = os.path.join(shared[0], "adjacency.npz")
+            if rank == 0:
+                sp.save_npz(path, M, compressed=False)
+            dist.barrier()
+            adj = ts.distributed.DistributedCSRMatrix.from_local(
+                ts.csr(load_rows(path, part.rows_of(rank).numpy()), dtype=dtype), part, device=device,
+                timeout=args.timeout)
+        else:
+            adj = ts.distributed.distribute_csr(ts.csr(M, dtype=dtype), order=args.order, device=device,
+                                                timeout=args.timeout)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, args.features, generator=g, dtype=dtype)
+        y = torch.randint(0, args.classes, (n,), generator=g)
+        train_mask = torch.zeros(n, dtype=torch.bool)
+        train_mask[::2] = True
+        count = int(train_mask.sum())
+        x_local, y_local, mask_local = adj.shard_rows(x), adj.shard_rows(y), adj.shard_rows(train_mask)
+    x_local, y_local, mask_local = x_local.to(device), y_local.to(device), mask_local.to(device)
 
     torch.manual_seed(0)
     start = MODELS[args.model](args.features, args.hidden, args.classes).to(dtype).state_dict()
     model = MODELS[args.model](args.features, args.hidden, args.classes).to(device=device, dtype=dtype)
     model.load_state_dict(start)
-    x_local, y_local, mask_local = adj.shard_rows(x), adj.shard_rows(y), adj.shard_rows(train_mask)
 
     # The gradient at the start, summed over the ranks (no step taken: training starts from here).
     (F.cross_entropy(model(x_local, adj)[mask_local], y_local[mask_local], reduction="sum") / count).backward()
@@ -245,12 +295,16 @@ def main(argv=None) -> int:
 
     status = 0
     if rank == 0:
-        report = {"graph": args.graph, "model": args.model, "nodes": n, "nnz": int(M.nnz), "world_size": world,
+        nnz = int(M.nnz) if M is not None else sum(r["local_nnz"] + r["halo_nnz"] for r in reports)
+        report = {"graph": args.graph, "model": args.model, "nodes": n, "nnz": nnz, "world_size": world,
                   "backend": backend, "order": adj.partition.order, "rows_only": args.rows_only, "dtype": args.dtype, "epochs": args.epochs,
                   "hidden": args.hidden, "features": args.features, "ranks": reports, "losses": losses,
                   "epoch_s": max(r["epoch_s"] for r in reports)}
         ok = True
         if not args.no_check:
+            if generated:  # the same graph and node data, whole, in one process
+                M = mean_rows(synthetic.make(args.graph), 0)
+                x, y, train_mask = node_data(0, n, args.features, args.classes, dtype)
             single = MODELS[args.model](args.features, args.hidden, args.classes).to(device=device, dtype=dtype)
             single.load_state_dict(start)
             whole = ts.csr(M, dtype=dtype, device=device, index_dtype=torch.int32)

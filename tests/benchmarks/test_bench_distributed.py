@@ -22,11 +22,13 @@ def _env() -> dict:
 
 @pytest.mark.parametrize("model, order, graph, rows_only", [("gcn", "rcm", "cora", False),
                                                          ("sage", "degree", "rmat:scale=10,edge_factor=8", False),
-                                                         ("gcn", "rcm", "cora", True)])
+                                                         ("gcn", "rcm", "cora", True),
+                                                         ("sage", "rows", "power_law:nodes=1024,edge_factor=6", True)])
 def test_distributed_example_on_cpu(tmp_path, model, order, graph, rows_only):
     """Two gloo processes, each holding half the graph (cora, a power-law R-MAT graph; with
-    --rows-only each reads only its rows from a .npz): 20 steps' losses within 1e-5 of one
-    process's, the summed gradient at the start too, and a halo on both ranks."""
+    --rows-only each reads only its rows from a .npz, or generates them and its node data, for a
+    power_law graph): 20 steps' losses within 1e-5 of one process's, the summed gradient at the
+    start too, and a halo on both ranks."""
     out = tmp_path / "dist.json"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                              str(REPO / "examples" / "distributed_gcn.py"), "--model", model, "--order", order,
@@ -38,12 +40,20 @@ def test_distributed_example_on_cpu(tmp_path, model, order, graph, rows_only):
     assert report["ok"] and report["world_size"] == 2 and report["order"] == order and len(report["losses"]) == 20
     assert report["rows_only"] == rows_only
     assert report["graph"] == graph and report["nodes"] == (2708 if graph == "cora" else 1024)
+    assert report["nnz"] == sum(r["local_nnz"] + r["halo_nnz"] for r in report["ranks"])
     assert report["max_rel_loss_diff"] < 1e-5 and report["max_rel_grad_diff_at_start"] < 1e-5
     assert report["losses"][-1] < report["losses"][0]  # it trained
     ranks = report["ranks"]
     assert sum(r["rows"] for r in ranks) == report["nodes"] and all(r["halo_rows"] > 0 for r in ranks)
     assert all(r["halo_bytes_per_product"]["received"] == r["halo_rows"] * 4 * (16 if model == "gcn" else 128)
                for r in ranks)
+
+
+def test_a_generated_graph_trains_sage_only(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "distributed_gcn.py"), "--model", "gcn",
+                             "--rows-only", "--graph", "power_law:nodes=64"], capture_output=True, text=True,
+                            timeout=120, env=_env(), cwd=tmp_path)
+    assert result.returncode == 2 and "--rows-only with a power_law graph trains --model sage" in result.stderr
 
 
 def test_bench_distributed_times_every_world_size(tmp_path, monkeypatch):
