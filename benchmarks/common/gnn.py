@@ -35,18 +35,22 @@ WAYS = ["eager", "inductor", "pyg", "sparserl"]
 # capturable Adam's step) replayed as one CUDA graph by ts.capture_step: no compiler (on the CPU
 # the step runs eagerly); and PyG's model the other ways a PyG user would run it: compiled by
 # Inductor (pyg_inductor), under its CUDA graphs (pyg_cudagraphs, mode="reduce-overhead") and with
-# the whole epoch captured by ts.capture_step as sparserl_captured is (pyg_captured)
+# the whole epoch captured by ts.capture_step as sparserl_captured is (pyg_captured); and
+# sparserl_compiled_captured, the sparserl way (compiled) with its whole epoch captured the same
+# way: torch.compile and ts.capture_step together
 EXTRA_WAYS = ["sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass", "sparserl_python",
-              "sparserl_captured", "pyg_inductor", "pyg_cudagraphs", "pyg_captured", "bound_inductor"]
+              "sparserl_captured", "sparserl_compiled_captured", "pyg_inductor", "pyg_cudagraphs", "pyg_captured",
+              "bound_inductor"]
 PYG_WAYS = ("pyg", "pyg_inductor", "pyg_cudagraphs", "pyg_captured")  # PyG's layers; the best of them is PyG's best
 WAY_OPTIONS = {"sparserl_fused": {"fuse_epilogues": True}, "sparserl_subclass": {"flatten_matrices": False},
                "sparserl_python": {"fast_path": False}}
 BOUND_WAYS = ("bound_inductor",)  # not the same computation: no loss comparison
 SPARSERL_WAYS = ("sparserl", "sparserl_fused", "sparserl_eager", "sparserl_cudagraphs", "sparserl_subclass",
-                 "sparserl_python", "sparserl_captured")
-CAPTURED_WAYS = ("sparserl_captured", "pyg_captured")  # epochs through ts.capture_step (epoch_fn's capture)
+                 "sparserl_python", "sparserl_captured", "sparserl_compiled_captured")
+# epochs through ts.capture_step (epoch_fn's capture)
+CAPTURED_WAYS = ("sparserl_captured", "sparserl_compiled_captured", "pyg_captured")
 COMPILED_WAYS = ("inductor", "sparserl", "sparserl_fused", "sparserl_cudagraphs", "sparserl_subclass",
-                 "sparserl_python", "pyg_inductor", "pyg_cudagraphs", "bound_inductor")
+                 "sparserl_python", "sparserl_compiled_captured", "pyg_inductor", "pyg_cudagraphs", "bound_inductor")
 INDUCTOR_WAYS = ("inductor", "pyg_inductor", "pyg_cudagraphs", "bound_inductor")  # compiled by Inductor alone
 CUDAGRAPH_WAYS = ("sparserl_cudagraphs", "pyg_cudagraphs")  # compiled with mode="reduce-overhead"
 

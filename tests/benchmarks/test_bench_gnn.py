@@ -111,7 +111,7 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     monkeypatch.setattr(passes, "served_fused", lambda node, out: True)  # CPU: as if kernels could fuse
     assert bench.main(["--graphs", "cora", "--models", "gcn", "--hidden", "16", "--out", str(out),
                        "--ways", "eager,sparserl,sparserl_fused,sparserl_eager,sparserl_cudagraphs,sparserl_subclass,sparserl_python,"
-                       "sparserl_captured,bound_inductor",
+                       "sparserl_captured,sparserl_compiled_captured,bound_inductor",
                        "--chunks", "1",
                        "--min-chunk-s", "0.01",
                        "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]) == 0
@@ -137,6 +137,14 @@ def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
     assert captured["status"] == "ok" and len(captured["losses"]) == bench.LOSS_EPOCHS
     assert captured["losses"] == pytest.approx(row["ways"]["sparserl_eager"]["losses"], rel=bench.LOSS_RTOL)
     assert row["captured_vs_eager"] > 0 and row["captured_vs_uncaptured"] > 0 and "Whole step captured" in md
+    # the compiled model's whole epoch through ts.capture_step too, against the uncompiled capture
+    both = row["ways"]["sparserl_compiled_captured"]
+    assert both["status"] == "ok" and both["losses"] == pytest.approx(captured["losses"], rel=bench.LOSS_RTOL)
+    assert row["compiled_captured_over_captured"] == pytest.approx(captured["epoch_ms"] / both["epoch_ms"])
+    assert "Compiled and captured" in md
+    mean = next(line for line in md.splitlines() if line.startswith("| geometric mean over the graphs")
+                and "×" in line and line.count("|") == 8)  # the captured section's: one cell per column
+    assert mean.split("|")[5].strip().endswith("×")  # its first mean under "vs eager"
     with pytest.raises(SystemExit):
         bench.main(["--ways", "eager,fastest", "--out", str(tmp_path)])
 

@@ -1,7 +1,8 @@
 """``ts.capture_step`` on a GPU: a two-layer GCN on a shipped matrix, its whole training step
 (forward, loss, backward, a capturable Adam's step) replayed as one CUDA graph, against the same
 training run eagerly; the graph captured again when a decision lands, a capture that the
-runtime's background work does not invalidate, and a closed runtime that is never replayed.
+runtime's background work does not invalidate, a closed runtime that is never replayed, padded
+mini-batches with a graph per bucket, and a compiled model captured.
 
 Run on the device: ``pytest -m gpu tests/train/test_capture_gpu.py``.
 """
@@ -219,4 +220,19 @@ def test_padded_mini_batches_replay_a_graph_per_bucket(tmp_path, cora):
         bad = col.clone()
         bad[0] = x.shape[0] + 10**6
         assert stepper(x, y, crow, bad, val, seeds).isnan().item()
+    assert_same_training(got, want)
+
+
+def test_a_compiled_model_captured_trains_as_the_eager_one(tmp_path, cora):
+    """torch.compile(backend="sparserl") and ts.capture_step together: the compiled forward and
+    backward warm up (compiling), then the whole step is one graph; the losses are eager's."""
+    torch._dynamo.reset()
+    with using(JitOptions(mode="sync", strict=True), tmp_path, specializer=fixed_specializer):
+        want = eager_losses(cora, STEPS)
+        _, model = on_gpu(cora)
+        model.loss = torch.compile(model.loss, backend="sparserl")
+        step = ts.capture_step(model.step)
+        got = torch.stack([step(model.x, model.y).clone() for _ in range(STEPS)]).cpu()
+        assert step.captured and step.captures == 1 and not step.eager
+    torch._dynamo.reset()
     assert_same_training(got, want)
