@@ -16,6 +16,9 @@ loop, the median over the rounds of the mean per batch), and on CUDA the same lo
 ``torch.cuda.set_sync_debug_mode("error")``: ``syncs`` says whether any call synchronized (the
 error it raised), ``none`` where none did. The first ``A @ X`` of each matrix is timed the same
 way (``first_product_us``): intake and first product are what a step pays per new pattern.
+``--breakdown`` runs the loop once more with the library's intake functions timed
+(:data:`INTAKE_PARTS`: metadata checks, index copies, the pattern's lookup, the device check
+and its parts), in host µs per matrix: where a ``ts.csr`` spends its time.
 
     python benchmarks/bench_intake.py --graph pubmed --out benchmarks/results/
     python benchmarks/bench_intake.py --graph cora --device cpu --batches 4 --out /tmp/i.json
@@ -32,10 +35,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, load_graph, results_path, tables, write_json_md  # noqa: E402
+from common import environment, load_graph, results_path, tables, timing, write_json_md  # noqa: E402
 
 SCHEMA = "torch_sparserl.bench_intake/1"
 CUDA_WAYS = ("cuda_csr", "cuda_parts", "host_parts")
+INTAKE_PARTS = (  # (module, attribute, label): what --breakdown times inside ts.csr
+    ("torch_sparserl.tensor.construct", "_check_parts", "metadata checks"),
+    ("torch_sparserl.tensor.construct", "_staged", "C++ staging (host parts)"),
+    ("torch_sparserl.pattern", "private_copy", "index copies"),
+    ("torch_sparserl.pattern", "lookup", "pattern lookup"),
+    ("torch_sparserl.pattern.cache", "DeviceCheck", "device check, in all"),
+    ("torch_sparserl.pattern.device_check", "_flags", "device check: the flags"),
+    ("torch_sparserl.pattern.device_check", "_record_event", "device check: its event"),
+    ("torch_sparserl.tensor.construct", "_made", "the CSRMatrix"),
+)
 
 
 def handed_over(way: str, batch, device):
@@ -54,7 +67,7 @@ def handed_over(way: str, batch, device):
     return (crow, col, val), shape
 
 
-def time_way(way: str, batches, device, features: int, rounds: int) -> dict:
+def time_way(way: str, batches, device, features: int, rounds: int, breakdown: bool = False) -> dict:
     import torch
 
     import torch_sparserl as ts
@@ -97,8 +110,20 @@ def time_way(way: str, batches, device, features: int, rounds: int) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         sync()
+    parts = None
+    if breakdown:  # once more, the intake's functions timed (their wrappers add to the total)
+        sync()
+        with timing.HostBreakdown(INTAKE_PARTS) as timed:
+            start = time.perf_counter()
+            for data, shape in given:
+                build(data, shape)
+            total = time.perf_counter() - start
+        sync()
+        parts = {label: {"us": seconds / len(given) * 1e6, "calls": timed.calls[label] / len(given)}
+                 for label, seconds in timed.seconds.items()}
+        parts["ts.csr, in all"] = {"us": total / len(given) * 1e6, "calls": 1.0}
     return {"intake_us": statistics.median(intake), "intake_rounds_us": intake,
-            "first_product_us": statistics.median(product), "syncs": syncs}
+            "first_product_us": statistics.median(product), "syncs": syncs, "breakdown_us": parts}
 
 
 def markdown(doc: dict) -> str:
@@ -110,6 +135,17 @@ def markdown(doc: dict) -> str:
              *tables.header(["way", "ts.csr µs", "first A @ X µs", "syncs"], "lrrl")]
     for way, r in doc["ways"].items():
         lines.append(tables.row([way, f"{r['intake_us']:.1f}", f"{r['first_product_us']:.1f}", r["syncs"] or "–"]))
+    broken = {way: r["breakdown_us"] for way, r in doc["ways"].items() if r.get("breakdown_us")}
+    if broken:
+        labels = [label for _, _, label in INTAKE_PARTS] + ["ts.csr, in all"]
+        labels = [label for label in labels if any(label in parts for parts in broken.values())]
+        lines += ["", "Where a `ts.csr` spends its host time (`--breakdown`: one more loop with these functions "
+                  "timed, µs per matrix; calls per matrix in parentheses; the parts nest: the device check holds "
+                  "its flags and its event):", "", *tables.header(["part", *broken], "l" + "r" * len(broken))]
+        for label in labels:
+            cells = [f"{parts[label]['us']:.1f} ({parts[label]['calls']:g})" if label in parts else "–"
+                     for parts in broken.values()]
+            lines.append(tables.row([label, *cells]))
     return "\n".join(lines + ["", tables.runs_line(doc["runs"])]) + "\n"
 
 
@@ -122,6 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
+    parser.add_argument("--breakdown", action="store_true", help="time the intake's parts too (one more loop)")
     parser.add_argument("--out", default="benchmarks/results/", help="a .json file, or a folder for the default name")
     args = parser.parse_args(argv)
     for name in ("batches", "batch_size", "features", "rounds"):
@@ -149,7 +186,7 @@ def main(argv=None) -> int:
                      "mean_nnz": float(np.mean([b.nnz for b in batches]))},
            "ways": {}}
     for way in (CUDA_WAYS if torch.device(device).type == "cuda" else ("cpu_parts",)):
-        doc["ways"][way] = time_way(way, batches, device, args.features, args.rounds)
+        doc["ways"][way] = time_way(way, batches, device, args.features, args.rounds, args.breakdown)
         print(way, f"{doc['ways'][way]['intake_us']:.1f} us per ts.csr", doc["ways"][way]["syncs"] or "", flush=True)
     write_json_md(doc, path, markdown)
     print(f"wrote {path}")

@@ -126,52 +126,6 @@ _BREAKDOWN = (  # (module, attribute, label): the library's per-pattern host wor
 )
 
 
-class HostBreakdown:
-    """Host seconds spent in each of :data:`_BREAKDOWN`'s functions while active (patched in
-    place, restored on exit)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._saved = []
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-    def __enter__(self):
-        import importlib
-
-        for module_name, attribute, label in _BREAKDOWN:
-            owner = importlib.import_module(module_name)
-            *path, name = attribute.split(".")
-            for part in path:
-                owner = getattr(owner, part)
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-            self._saved.append((owner, name, original))
-            setattr(owner, name, self._timed(label, original))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved.clear()
-
-    def _timed(self, label: str, fn):
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - started
-                self.calls[label] = self.calls.get(label, 0) + 1
-        return timed
-
-    def per_step(self, steps: int) -> dict:
-        return {label: {"ms": self.seconds[label] / steps * 1e3, "calls": self.calls[label] / steps}
-                for label in self.seconds}
-
-
 class WayRun:
     """One way's training, an epoch at a time (:meth:`epoch`), with a fresh runtime and an empty
     kernel cache of its own, active only while its epochs run: :func:`main` interleaves the
@@ -197,7 +151,8 @@ class WayRun:
                                   cache=KernelCache(tempfile.mkdtemp(prefix=f"sparserl-minibatch-{way}-")))
         self.rss_growth, self.graphs = 0.0, 0  # over this way's epochs
         self.gpu_ms_per_step: float | None = None  # profile()
-        self.breakdown = HostBreakdown() if getattr(args, "breakdown", False) and way.startswith("sparserl") else None
+        breakdown = getattr(args, "breakdown", False) and way.startswith("sparserl")
+        self.breakdown = timing.HostBreakdown(_BREAKDOWN) if breakdown else None
         try:
             model = pyg_model(model0) if way == "pyg" else copy.deepcopy(model0)
         except ImportError as exc:

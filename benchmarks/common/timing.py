@@ -8,7 +8,8 @@
 * :func:`device_ms` — the same for one call of a longer run (an epoch), None off CUDA;
 * :func:`wall_us` — wall time per call of a loop, the median of repeated loops, on any device;
 * :func:`kernel_us` — a kernel alone as the evaluator times candidates: CUDA events, the L2
-  flushed and the GPU kept busy before each run.
+  flushed and the GPU kept busy before each run;
+* :class:`HostBreakdown` — host seconds inside named library functions while a loop runs.
 """
 
 from __future__ import annotations
@@ -113,3 +114,51 @@ def kernel_us(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
 
     flush = _flush_buffer(DEFAULT_FLUSH_BYTES, torch.device("cuda"))
     return statistics.median(_time([fn], reps, warmup, flush)[0])
+
+
+class HostBreakdown:
+    """Host seconds spent in each of ``targets``' functions while active: ``(module, attribute,
+    label)`` triples (``attribute`` may be ``Class.method``), patched in place by a timing
+    wrapper and restored on exit. The wrappers add a microsecond or so per call."""
+
+    def __init__(self, targets):
+        self.targets = tuple(targets)
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._saved = []
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def __enter__(self):
+        import importlib
+
+        for module_name, attribute, label in self.targets:
+            owner = importlib.import_module(module_name)
+            *path, name = attribute.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            self._saved.append((owner, name, original))
+            setattr(owner, name, self._timed(label, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    def _timed(self, label: str, fn):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - started
+                self.calls[label] = self.calls.get(label, 0) + 1
+        return timed
+
+    def per_step(self, steps: int) -> dict:
+        return {label: {"ms": self.seconds[label] / steps * 1e3, "calls": self.calls[label] / steps}
+                for label in self.seconds}

@@ -699,6 +699,15 @@ def test_bench_intake_times_ts_csr_per_batch_and_feeds_the_headline(tmp_path):
     assert way == "cpu_parts" and doc["ways"][way]["intake_us"] > 0 and len(doc["ways"][way]["intake_rounds_us"]) == 2
     assert doc["ways"][way]["syncs"] is None  # the sync check is CUDA's
     assert "| cpu_parts |" in out.with_suffix(".md").read_text()
+    assert doc["ways"][way]["breakdown_us"] is None
+    assert "Where a `ts.csr` spends" not in out.with_suffix(".md").read_text()
+    broken = tmp_path / "b.json"  # --breakdown: the intake's parts, timed in one more loop
+    assert bench.main(["--graph", "cora", "--device", "cpu", "--batches", "3", "--batch-size", "64",
+                       "--rounds", "1", "--breakdown", "--out", str(broken)]) == 0
+    parts = json.loads(broken.read_text())["ways"]["cpu_parts"]["breakdown_us"]
+    assert parts["index copies"]["calls"] == 2 and parts["pattern lookup"]["calls"] == 1  # per matrix
+    assert 0 < parts["index copies"]["us"] < parts["ts.csr, in all"]["us"]
+    assert "| index copies | " in broken.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):
         bench.main(["--rounds", "0", "--out", str(out)])
     minibatch = tmp_path / "m.json"
