@@ -2,9 +2,16 @@
 """Stage 3, reinforcement learning with the hierarchical reward (GRPO).
 
 Each step draws ``prompts`` training cells (pattern, op, n, dtype); the policy samples a
-group of ``group`` kernels for each. Every distinct kernel is built with NVRTC and run by the
-evaluator in its sandbox; the reward (``torch_sparserl.evaluate.reward``) is -0.5 if it does
-not compile, 0 if it compiles but is wrong, 1 + (t_cuSPARSE / t_kernel - 1) if correct, minus
+group of ``group`` kernels for each. With ``--explore M``, M of each group are off-grid kernels
+instead (parameter values and combinations the families' grid does not list, around the
+policy's likeliest grid points, drawn by the policy's own scores:
+``torch_sparserl.specialize.policy.propose``'s ``explore``), so that a kernel the grid lacks
+can earn an advantage; they enter the update as the policy's completions like the samples.
+``--reward-against oracle`` (the default) measures a correct kernel against the grid oracle's
+speedup on the cell (its label): 1 at the oracle's speed, more only when faster. Every
+distinct kernel is built with NVRTC and run by the evaluator in its sandbox; the reward
+(``torch_sparserl.evaluate.reward``) is -0.5 if it does not compile, 0 if it compiles but is
+wrong, 1 + (t_cuSPARSE / t_kernel - 1) if correct (``--reward-against cusparse``), minus
 0.3 for resource overuse. cuSPARSE is timed once per cell per run, in the same process.
 Advantages are the rewards normalised within each group (GRPO: no value network); the
 update is PPO's clipped ratio plus a KL penalty to the SFT policy (k3 estimator).
@@ -56,6 +63,8 @@ class RLArgs:
     clip: float = 0.2
     epochs: int = 2
     temperature: float = 1.0      # the policy RL optimises samples at this temperature (exploration)
+    explore: int = 0              # off-grid kernels per group, in place of as many samples
+    reward_against: str = "oracle"  # a correct kernel's speed: over the cell's grid oracle, or "cusparse"
     max_time_s: float = 540.0
     compile_only: bool = False
     max_cells: int = 0            # 0: every training cell (smoke tests use a few)
@@ -154,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     from training.data import load_labels
     from training.sft import Inputs, is_dev
 
+    if not 0 <= args.explore < args.group:
+        raise ValueError(f"rl: --explore must be from 0 to group - 1 = {args.group - 1} (got {args.explore})")
+    if args.reward_against not in ("oracle", "cusparse"):
+        raise ValueError(f"rl: --reward-against must be 'oracle' or 'cusparse' (got {args.reward_against!r})")
     stage = start_stage(args, "rl")
     device, out, ckpt, metrics, budget = stage.device, stage.out, stage.ckpt, stage.metrics, stage.budget
     resume = stage.resuming
@@ -186,12 +199,17 @@ def main(argv: list[str] | None = None) -> int:
                 inp = inputs.get(_as_example(cell), rng.randrange(8))
                 samples = policy.sample_speculative(inp, cell.op, cell.dtype, cell.n, k=args.group,
                                                     temperature=args.temperature, greedy_first=False, generator=gen)
-                for s in samples:
-                    batch.append((cell, inp, policy.request_ids(cell.op, cell.dtype, cell.n), s.tokens,
-                                  to_proposal(s, cell.op, cell.dtype, cell.n)))
+                proposals = [to_proposal(s, cell.op, cell.dtype, cell.n) for s in samples]
+                if args.explore:  # the group keeps its size: off-grid kernels replace the last samples
+                    members = off_grid_members(policy, inp, patterns, cell, args.explore, args.temperature,
+                                               rng.randrange(1 << 30))
+                    proposals = proposals[:args.group - len(members)] + members
+                for prop in proposals:
+                    batch.append((cell, inp, policy.request_ids(cell.op, cell.dtype, cell.n), prop.sample.tokens, prop))
             t_gen = time.monotonic() - t0
             records = [rewarder.record(cell, prop) for cell, *_, prop in batch]
-            rewards = np.array([reward(r) for r in records], dtype=np.float64)
+            rewards = np.array([reward(r, baseline=b[0].speedup if args.reward_against == "oracle" else None)
+                                for r, b in zip(records, batch)], dtype=np.float64)
             valid = np.array([not is_transient(r) for r in records])
             t_eval = time.monotonic() - t0 - t_gen
             adv = group_advantages(rewards, valid, args.group)
@@ -218,12 +236,30 @@ def main(argv: list[str] | None = None) -> int:
                         correct_rate=float(np.mean([bool(r.correct) for r in records])),
                         speedup_mean=float(np.mean([r.speedup for r in correct if r.speedup])) if correct else 0.0,
                         distinct=len({(b[0].cell, b[4].spec.key) for b in batch}) / len(batch),
+                        off_grid=sum(b[4].off_grid for b in batch),
+                        off_grid_correct=sum(bool(b[4].off_grid and r.correct) for b, r in zip(batch, records)),
+                        beats_oracle=sum(bool(r.correct and r.speedup and r.speedup > b[0].speedup)
+                                         for b, r in zip(batch, records)),
                         loss=loss.item(), kl=kl, gen_s=round(t_gen, 2), eval_s=round(t_eval, 2),
                         evaluations=rewarder.evaluations)
             save_checkpoint(ckpt, policy, opt, step, {"stage": "rl", "args": dataclasses.asdict(args)})
     finally:
         rewarder.close()
     return stage.finish("rl", policy, opt, step, args.steps, {"stage": "rl", "args": dataclasses.asdict(args)})
+
+
+def off_grid_members(policy, inp, patterns, cell, count: int, temperature: float, seed: int) -> list:
+    """``count`` off-grid proposals for ``cell``, as ``propose(strategy="explore")`` draws them
+    (its first member, the grid's likeliest, left out), each checked against its family's domain."""
+    from torch_sparserl.specialize.policy.propose import _explore, to_proposal
+
+    rowptr, col, shape, features = patterns.get(cell.matrix)
+    found = _explore(policy, inp, features, cell.op, cell.dtype, cell.n, count + 1, temperature, seed)
+    out = []
+    for sample, beyond in found[1:]:
+        out.append(to_proposal(sample, cell.op, cell.dtype, cell.n, check_domain=True))
+        out[-1].off_grid = beyond
+    return out
 
 
 def _as_example(label):

@@ -115,6 +115,26 @@ def test_rl_smoke_at_the_compile_tier(runs):
                     "--group", "2", "--compile-only", "--max-cells", "3"]) == 0
     row = read_metrics(out / "metrics.jsonl")[-1]
     assert row["rl/reward_mean"] >= -0.5 and 0 <= row["rl/compile_rate"] <= 1
+    # off-grid kernels in every group (RL beyond the grid): one of each group of 3, counted
+    explored = runs / "rl-explore"
+    assert rl.main(["--init", str(runs / "sft" / "policy"), "--out", str(explored), "--steps", "1", "--prompts", "2",
+                    "--group", "3", "--explore", "1", "--compile-only", "--max-cells", "3"]) == 0
+    row = read_metrics(explored / "metrics.jsonl")[-1]
+    assert row["rl/off_grid"] == 2 and 0 <= row["rl/off_grid_correct"] <= 2 and row["rl/beats_oracle"] == 0
+    with pytest.raises(ValueError, match=r"--explore must be from 0 to group - 1 = 2 \(got 3\)"):
+        rl.main(["--init", str(runs / "sft" / "policy"), "--out", str(explored), "--group", "3", "--explore", "3"])
+
+
+def test_the_reward_against_the_grid_oracle():
+    from torch_sparserl.evaluate.record import EvalRecord
+    from torch_sparserl.evaluate.reward import reward
+
+    fast = EvalRecord(key="k", family="f", compiled=True, correct=True, runtime_us=10.0, cusparse_us=30.0)
+    assert reward(fast) == pytest.approx(3.0)  # 1 + (3x - 1) against cuSPARSE
+    assert reward(fast, baseline=2.0) == pytest.approx(1.5)  # 1.5x the oracle's speed
+    assert reward(fast, baseline=3.0) == pytest.approx(1.0)  # as fast as the oracle
+    with pytest.raises(ValueError, match="baseline must be a speedup > 0"):
+        reward(fast, baseline=0.0)
 
 
 def test_rl_advantages_leave_out_samples_the_device_could_not_evaluate():
