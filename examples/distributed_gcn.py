@@ -87,16 +87,14 @@ MODELS = {"gcn": GCN, "sage": SAGE}
 def adjacency(A: sp.csr_matrix, model: str) -> sp.csr_matrix:
     """The model's adjacency from ``A``'s pattern without self loops: GCN's
     ``D^-1/2 (A + I) D^-1/2``, SAGE's ``D^-1 A`` (the neighbours' mean)."""
+    if model != "gcn":
+        return mean_rows(A, 0)
     A = sp.csr_matrix((np.ones(A.nnz), A.indices, A.indptr), shape=A.shape)
     A.setdiag(0)
     A.eliminate_zeros()
-    if model == "gcn":
-        A = (A + sp.identity(A.shape[0], format="csr")).tocsr()
-        inv_sqrt = 1.0 / np.sqrt(np.asarray(A.sum(axis=1)).ravel())
-        out = sp.diags(inv_sqrt) @ A @ sp.diags(inv_sqrt)
-    else:
-        out = sp.diags(1.0 / np.maximum(np.asarray(A.sum(axis=1)).ravel(), 1.0)) @ A
-    out = out.tocsr()
+    A = (A + sp.identity(A.shape[0], format="csr")).tocsr()
+    inv_sqrt = 1.0 / np.sqrt(np.asarray(A.sum(axis=1)).ravel())
+    out = (sp.diags(inv_sqrt) @ A @ sp.diags(inv_sqrt)).tocsr()
     out.sort_indices()
     return out
 

@@ -251,15 +251,10 @@ def main(argv: list[str] | None = None) -> int:
 def off_grid_members(policy, inp, patterns, cell, count: int, temperature: float, seed: int) -> list:
     """``count`` off-grid proposals for ``cell``, as ``propose(strategy="explore")`` draws them
     (its first member, the grid's likeliest, left out), each checked against its family's domain."""
-    from torch_sparserl.specialize.policy.propose import _explore, to_proposal
+    from torch_sparserl.specialize.policy.propose import explore_proposals
 
-    rowptr, col, shape, features = patterns.get(cell.matrix)
-    found = _explore(policy, inp, features, cell.op, cell.dtype, cell.n, count + 1, temperature, seed)
-    out = []
-    for sample, beyond in found[1:]:
-        out.append(to_proposal(sample, cell.op, cell.dtype, cell.n, check_domain=True))
-        out[-1].off_grid = beyond
-    return out
+    features = patterns.get(cell.matrix)[3]
+    return explore_proposals(policy, inp, features, cell.op, cell.dtype, cell.n, count + 1, temperature, seed)[1:]
 
 
 def _as_example(label):

@@ -119,14 +119,10 @@ def propose(policy: KernelPolicy | SandboxedPolicy, rowptr, col, shape, *, op: s
     inp = PatternInput.from_pattern(rowptr, col, shape, op, dtype, n, policy.config.samples, seed=seed,
                                     features=features)
     if strategy == "explore":
-        found = (policy.explore(inp, features, op, dtype, n, k=k, temperature=temperature, seed=seed)
-                 if isinstance(policy, SandboxedPolicy) else
-                 _explore(policy, inp, features, op, dtype, n, k, temperature, seed))
-        out = []
-        for s, beyond in found:
-            out.append(to_proposal(s, op, dtype, n, check_domain=True))
-            out[-1].off_grid = beyond
-        return out
+        if isinstance(policy, SandboxedPolicy):
+            return _explored(policy.explore(inp, features, op, dtype, n, k=k, temperature=temperature, seed=seed),
+                             op, dtype, n)
+        return explore_proposals(policy, inp, features, op, dtype, n, k, temperature, seed)
     if isinstance(policy, SandboxedPolicy):
         samples = (policy.rank(inp, features, op, dtype, n, k=k) if strategy == "rank" else
                    policy.sample(inp, op, dtype, n, k=k, temperature=temperature, seed=seed))
@@ -177,6 +173,21 @@ def _explore(policy: KernelPolicy, inp: PatternInput, features: dict, op, dtype,
     anchors = [point for _, point in grid[:EXPLORE_ANCHORS]]
     beyond = _scored(policy, inp, off_grid(anchors, op=op, dtype=dtype, n=n, features=features), op, dtype, n)
     return [(grid[0][0], False)] + [(s, True) for s in draw([s for s, _ in beyond], k - 1, temperature, seed)]
+
+
+def explore_proposals(policy: KernelPolicy, inp: PatternInput, features: dict, op, dtype, n, k, temperature, seed
+                      ) -> list[Proposal]:
+    """``propose(strategy="explore")`` on an encoded pattern (RL's groups use it): the grid's
+    first choice, then up to K - 1 off-grid kernels, each checked against its family's domain."""
+    return _explored(_explore(policy, inp, features, op, dtype, n, k, temperature, seed), op, dtype, n)
+
+
+def _explored(found: list[tuple[Sample, bool]], op, dtype, n) -> list[Proposal]:
+    out = []
+    for s, beyond in found:
+        out.append(to_proposal(s, op, dtype, n, check_domain=True))
+        out[-1].off_grid = beyond
+    return out
 
 
 def draw(samples: list[Sample], count: int, temperature: float, seed: int) -> list[Sample]:
