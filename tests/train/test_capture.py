@@ -132,7 +132,7 @@ def using():
 
 def fake_runtime(tmp_path, mode="sync", gate=None, **settings):
     fakes = Fakes(gate=gate)
-    runtime = rt.Runtime(JitOptions(mode=mode, admit_age_s=0, **settings), cache=KernelCache(tmp_path),
+    runtime = rt.Runtime(JitOptions(mode=mode, **{"admit_age_s": 0, **settings}), cache=KernelCache(tmp_path),
                          specializer=fakes.specializer, installer=fakes.installer, devices=("cpu",))
     return runtime, fakes
 
@@ -375,6 +375,46 @@ def test_an_epoch_that_moved_for_nothing_the_graph_launches_replays(tmp_path, us
     runtime.invalidate()  # moves the epoch; every state stays what it was
     torch.testing.assert_close(step(x), torch.from_numpy(M @ x.double().numpy()).float())
     assert step.captures == 1
+
+
+@pytest.mark.parametrize("settings", [{"admit_calls": 2}, {"mode": "background", "admit_age_s": 60.0}],
+                         ids=["admit_calls", "young"])
+def test_a_matrix_built_inside_the_step_does_not_hold_the_capture_back(tmp_path, using, settings):
+    """Mini-batches whose matrix the step builds from its arguments: each call's pattern is new,
+    so its product is never admitted (``admit_calls``) or always young (``admit_age_s``). That
+    is no reason to warm up on (the graph serves such a pattern by cuSPARSE whatever is decided):
+    each bucket is captured after its ``warmup`` calls, and the losses are the eager loop's."""
+    runtime, _ = fake_runtime(tmp_path, **settings)
+    using(runtime)
+    adjacency = sp.random(120, 120, density=0.05, format="csr", random_state=np.random.default_rng(4))
+    adjacency = ((adjacency + adjacency.T) > 0).astype(np.float64).tocsr()
+    batches = list(neighbor_batches(adjacency, 16, [4, 3], seed=2))
+    buckets = Buckets.fit(batches, count=2)
+    padded = [buckets.pad(batch) for batch in batches]
+    features = torch.randn(120, FEATURES, generator=torch.Generator().manual_seed(5))
+    labels = torch.randint(0, CLASSES, (120,), generator=torch.Generator().manual_seed(6))
+
+    def run(capture: bool):
+        weight = torch.nn.Parameter(0.3 * torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(7)))
+        step = padded_batch_step(weight, torch.optim.Adam([weight], lr=0.05))
+        stepper = CapturedSteps(step, warmup=2, max_shapes=4, graphs=FakeGraphs()) if capture else step
+        losses = []
+        for _ in range(3):
+            for batch in padded:
+                crow, col, val = batch.parts()
+                seeds = (torch.arange(batch.shape[0]) < batch.seeds).float()
+                nodes = torch.from_numpy(batch.nodes).long()
+                losses.append(stepper(features[nodes], labels[nodes[: batch.shape[0]]], crow, col, val,
+                                      seeds).clone())
+        return torch.stack(losses), stepper
+
+    want, _ = run(False)
+    undecided = runtime.stats["unadmitted_calls"] + runtime.stats["young_calls"]
+    got, stepper = run(True)
+    assert runtime.stats["unadmitted_calls"] + runtime.stats["young_calls"] > undecided  # none was decided
+    assert stepper.captures == stepper.captured == len({(b.shape, b.nnz) for b in padded}) == 2
+    assert runtime.stats["unasked_kept"] == 0
+    assert_close_to_reference(got, want, torch.float32)
 
 
 def test_products_not_yet_admitted_keep_the_step_warming_up(tmp_path, using):

@@ -25,8 +25,10 @@ its background work (:mod:`~torch_sparserl.jit.workers`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 import time
 
 import torch
@@ -38,6 +40,24 @@ from . import endtoend
 from .cache import CacheEntry
 from .decisions import Decision, Fallback, Installed, Pending, not_yet
 from .install import DTYPE_NAMES, device_arch, inline_installer, library_built, on_device
+
+_WARMING = threading.local()  # .since: the start of the warm-up call this thread runs (warming)
+
+
+@contextlib.contextmanager
+def warming():
+    """Mark a warm-up call of a step that will be captured (``ts.capture_step``) on this thread:
+    while it runs, a call that leaves a product undecided on a pattern older than the call is
+    also counted as ``unasked_kept``. Those are the products a graph captured after the call
+    would replay with cuSPARSE although a kernel could be decided for them; a pattern the call
+    made itself (a mini-batch's ``ts.csr`` inside the step) is new at every call and is served
+    in the graph by cuSPARSE whatever is decided, so it does not count."""
+    previous = getattr(_WARMING, "since", None)
+    _WARMING.since = time.monotonic()
+    try:
+        yield
+    finally:
+        _WARMING.since = previous
 from .specializers import POLICY_OPS, settings_policy_id
 from .workers import ShuttingDown
 
@@ -116,6 +136,7 @@ class Deciding:
             # once the decision lands).
             return not_yet()
         if not admitted and self.young(pattern):
+            self._left_undecided(pattern)
             served = self._class_state(op, n, pattern, crow, col, dtype) if self.settings.class_after else None
             if served is not None:
                 return served
@@ -132,11 +153,13 @@ class Deciding:
             decision.calls += 1
             if not admitted and decision.calls < self.settings.admit_calls:
                 self._stats["unadmitted_calls"] += 1
+                self._left_undecided(pattern)
                 return not_yet()
             if self.settings.mode == "sync":
                 return self._decide(op, n, pattern, decision, crow, col, dtype)
             if not admitted and self._decisions_in_flight > self.settings.queue:  # one running, `queue` waiting
                 self._stats["dropped"] += 1
+                self._left_undecided(pattern)
                 log.debug("sparserl: %s n=%d %s: %d decisions wait already; cuSPARSE serves and a later call "
                           "asks again", op, n, DTYPE_NAMES[dtype], self._decisions_in_flight - 1)
                 return not_yet()
@@ -152,6 +175,13 @@ class Deciding:
             log.info("sparserl: %s n=%d %s: deciding in the background; cuSPARSE serves meanwhile",
                      op, n, DTYPE_NAMES[dtype])
             return state
+
+    def _left_undecided(self, pattern: Pattern) -> None:
+        """Count a call that left ``pattern``'s product undecided as ``unasked_kept`` where it
+        happens in a warm-up call (:func:`warming`) on a pattern older than that call."""
+        since = getattr(_WARMING, "since", None)
+        if since is not None and pattern.created < since:
+            self._stats["unasked_kept"] += 1
 
     def _decide_counted(self, *args):
         """:meth:`_decide` in the background thread, counted while it waits and runs (the queue's bound).

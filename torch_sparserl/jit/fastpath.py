@@ -413,6 +413,12 @@ def _fold_locked(runtime) -> None:
     _taken[0], _taken[1], _taken[2] = kernel, vendor, young
 
 
+def young_served() -> int:
+    """How many calls C++ has served as young (by cuSPARSE, before their pattern's admission age)
+    in this process: C++ does not say which pattern, so a warm-up counts them all."""
+    return int(_COUNTS[2]) if loaded else 0
+
+
 def fold(runtime) -> None:
     """Add the calls C++ served since the last fold to ``runtime``'s stats, if its decisions
     are the ones the registry holds."""

@@ -125,11 +125,12 @@ class Runtime(Deciding, ClassKernels, FusedInstalls, Workers):
         # calls served by cuSPARSE before their product was admitted (unadmitted: before its
         # admit_calls-th call; young: its pattern younger than admit_age_s); products not queued
         # because the queue was full; calls of young patterns served by their class's kernel (also
-        # counted as installed calls) and classes decided (served or refused)
+        # counted as installed calls) and classes decided (served or refused); unasked_kept: those of
+        # the first three during a capture_step warm-up, on patterns older than the call (decide.warming)
         self._stats = {"installed_calls": 0, "fallback_calls": 0, "installs": 0, "fallbacks": 0,
                        "jit_s": 0.0, "background_s": 0.0, "worker_stops": 0, "transient_retries": 0,
                        "interim_installs": 0, "unadmitted_calls": 0, "young_calls": 0, "dropped": 0,
-                       "class_calls": 0, "class_decisions": 0}
+                       "class_calls": 0, "class_decisions": 0, "unasked_kept": 0}
         self._init_deciding()
         self._init_classes()
         self._init_workers()

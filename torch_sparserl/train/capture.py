@@ -9,8 +9,10 @@ runtime needs around it:
 * **Warm-up, then capture.** The first calls run the step eagerly on a side stream (the recipe's
   warm-up), so that every product is asked of the runtime before the capture: warm-up goes on
   past ``warmup`` calls while the last one left a product unasked (not admitted yet:
-  ``jit.admit_calls``, ``jit.admit_age_s``; or not queued: ``jit.queue``), for at most
-  :data:`WARMUP_LIMIT_S` seconds. With ``wait_s``, the decisions still pending then are waited
+  ``jit.admit_calls``, ``jit.admit_age_s``; or not queued: ``jit.queue``) on a pattern older
+  than the call, for at most :data:`WARMUP_LIMIT_S` seconds. A matrix the step builds from its
+  arguments (a mini-batch's ``ts.csr`` inside the step) is a new pattern at every call and is
+  served by cuSPARSE in the graph whatever is decided: it does not hold the capture back. With ``wait_s``, the decisions still pending then are waited
   for (at most ``wait_s`` seconds) and, where one landed, warmed up once more. The next call
   captures, then replays.
 * **The capture mode.** ``capture_error_mode="thread_local"``: see :meth:`CudaGraphs.capture`.
@@ -55,6 +57,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..jit import fastpath
+from ..jit.decide import warming
 from ..jit.decisions import Installed, Pending
 from ..pattern import settle_pending
 from ..jit.runtime import active_or_none
@@ -69,9 +73,11 @@ MAX_WAIT_S = 3600.0
 WARMUP_LIMIT_S = 30.0
 """Warm-up beyond ``warmup`` calls, while products stay unasked, ends this many seconds after the
 first warm-up call: the runtime's counters may move for another thread's products."""
-UNASKED = ("unadmitted_calls", "young_calls", "class_calls", "dropped")
-"""The runtime's counters of calls that left a product undecided and unqueued: a warm-up call that
-moved one did not ask for every product of the step."""
+UNASKED = ("unasked_kept",)
+"""The runtime's counters of calls that left a product undecided and unqueued on a pattern older
+than the warm-up call (:func:`~torch_sparserl.jit.decide.warming`): a warm-up call that moved one
+did not ask for every product the graph would replay. Calls C++ served as young count too
+(:func:`~torch_sparserl.jit.fastpath.young_served`)."""
 
 
 class CudaGraphs:
@@ -245,7 +251,8 @@ class CapturedStep:
         self._mark = (runtime, None if runtime is None else runtime.epoch)
         if self._first_warm is None:
             self._first_warm = time.monotonic()
-        out = _checked_outputs(self._graphs.warm(self._step, inputs, self._device))
+        with warming():
+            out = _checked_outputs(self._graphs.warm(self._step, inputs, self._device))
         if self._warm_calls == 0 and self.captures == 0 and not self._runs_on_one_device(out):
             self._eager = True
             return out
@@ -414,7 +421,7 @@ def _unasked(runtime) -> tuple:
     if runtime is None:
         return ()
     stats = runtime.stats
-    return tuple(stats.get(name, 0) for name in UNASKED)
+    return (*(stats.get(name, 0) for name in UNASKED), fastpath.young_served())
 
 
 MAX_SHAPES = 64
