@@ -216,8 +216,10 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def epoch_fn(task, params=None, capture: bool = False):
+def epoch_fn(task, params=None, capture: bool = False, capturable: bool = False):
     """One training epoch of ``task`` with Adam (lr 0.01) as a function returning the loss.
+    ``capturable``: Adam's capturable form without the capture (its step count on the device),
+    the reference a captured epoch's losses are compared with beside the default Adam's.
 
     CUDA graphs (``--mode reduce-overhead``) reuse their outputs' memory on the next replay:
     each epoch is marked a new step and returns a copy of the loss. ``capture``: the epoch is
@@ -240,7 +242,7 @@ def epoch_fn(task, params=None, capture: bool = False):
 
         captured = ts.capture_step(step)
         return lambda: captured().clone()
-    opt = torch.optim.Adam(params, lr=0.01)
+    opt = torch.optim.Adam(params, lr=0.01, capturable=capturable)
 
     def epoch():
         torch.compiler.cudagraph_mark_step_begin()

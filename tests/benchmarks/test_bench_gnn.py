@@ -100,6 +100,21 @@ def test_losses_that_differ_are_reported():
     assert bench.row_metrics(row)["losses_equal"]
 
 
+def test_captured_losses_are_compared_epoch_by_epoch_with_both_adams():
+    """A captured way's losses against eager torch's over every epoch (the largest relative
+    difference, wherever it falls), and against the eager model with the capturable Adam."""
+    bench = _bench()
+    ok = {"status": "ok", "epoch_ms": 2.0}
+    row = {"ways": {"eager": dict(ok, losses=[2.0, 1.0, 0.5]),
+                    "sparserl_captured": dict(ok, epoch_ms=0.5, losses=[2.0, 1.01, 0.5])},
+           "eager_capturable_losses": [2.0, 1.01, 0.5005]}
+    metrics = bench.row_metrics(row)
+    assert metrics["sparserl_captured_loss_rel_diff"] == pytest.approx(0.01)  # the middle epoch, not the last
+    assert metrics["sparserl_captured_loss_rel_diff_same_adam"] == pytest.approx(0.0005 / 0.5005)
+    row["eager_capturable_losses"] = "OutOfMemoryError: ..."  # the reference failed: no figure
+    assert "sparserl_captured_loss_rel_diff_same_adam" not in bench.row_metrics(row)
+
+
 @pytest.mark.slow
 @torch._inductor.config.patch(force_disable_caches=True)  # the pass must run, not a cache hit
 def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
