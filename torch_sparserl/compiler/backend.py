@@ -18,10 +18,13 @@ for the decisions.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import BackendOptions
 from ..jit import fastpath
+from ..kernels import vendor
 from ..jit import runtime as rt
 from ..tensor import intercept
 from . import cudagraphs
@@ -52,12 +55,28 @@ def sparserl_backend(gm, example_inputs, *, options=None, mode=None):
     if not (captured and pending):
         flat = None if captured or not settings.flatten_matrices else flatten_matrix_inputs(gm, example_inputs)
         if flat is None:
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            return _handles_first(compile_fx(gm, example_inputs, config_patches=patches), captured)
         flat_gm, flat_inputs, to_flat = flat
         return call_flattened(compile_fx(flat_gm, flat_inputs, config_patches=patches), to_flat)
     decisions = cudagraphs.Decisions(pending, what=f"a graph of {len(gm.graph.nodes)} nodes")
     with decisions.collecting():
-        return compile_fx(gm, example_inputs, inner_compile=decisions.inner_compile, config_patches=patches)
+        return _handles_first(compile_fx(gm, example_inputs, inner_compile=decisions.inner_compile,
+                                         config_patches=patches), captured)
+
+
+def _handles_first(compiled, captured: bool):
+    """``compiled``, which under CUDA graphs first makes the calling thread's cuSPARSE handle
+    (:func:`~torch_sparserl.kernels.vendor.ensure_handle`): a graph recorded after warm-up calls
+    that specialized kernels served would otherwise make it inside the recording, where a
+    product falls back to cuSPARSE, and the recording fails."""
+    if not captured or not torch.cuda.is_available():
+        return compiled
+
+    def run(*args, **kwargs):
+        vendor.ensure_handle(torch.device("cuda", torch.cuda.current_device()))
+        return compiled(*args, **kwargs)
+
+    return functools.wraps(compiled)(run) if callable(compiled) else compiled
 
 
 # Recognized by torch_sparserl.tensor.intercept in Dynamo's callback chain.

@@ -19,6 +19,7 @@ once per process that CSR support is in beta; the first construction silences th
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 
 import torch
@@ -53,6 +54,34 @@ def _outside_cpu_autocast(fn):
         return fn(pattern, crow, col, a, b, *rest)
 
     return run
+
+
+_HANDLES = threading.local()  # .devices: the CUDA devices whose cuSPARSE handle this thread has made
+
+
+def ensure_handle(device: torch.device) -> None:
+    """Have torch make this thread's cuSPARSE handle on ``device`` now (one tiny product), unless
+    it did already. torch makes it at a thread's first cuSPARSE call; a first call made while a
+    CUDA graph is captured (a product served by cuSPARSE inside the graph, after the warm-up
+    calls ran specialized kernels) would initialize there, which invalidates the capture. Where
+    this thread is capturing, nothing is done: the capture's own checks report what fails."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    made = getattr(_HANDLES, "devices", None)
+    if made is None:
+        made = _HANDLES.devices = set()
+    if index in made or torch.cuda.is_current_stream_capturing():
+        return
+    with torch.cuda.device(index), torch.no_grad():
+        one = torch.ones(1, device=device)
+        crow = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse CSR support is in beta state"
+            A = torch.sparse_csr_tensor(crow, crow[:1], one, (1, 1), check_invariants=False)
+        out = torch.empty(1, 1, device=device)
+        torch.addmm(out, A, one.view(1, 1), beta=0, alpha=1, out=out)
+    made.add(index)
 
 
 def as_torch_csr(pattern: Pattern, crow, col, val) -> torch.Tensor:

@@ -62,6 +62,7 @@ from ..jit.decide import warming
 from ..jit.decisions import Installed, Pending
 from ..pattern import settle_pending
 from ..jit.runtime import active_or_none
+from ..kernels import vendor
 from ..tensor.csr_matrix import CSRMatrix
 
 log = logging.getLogger("torch_sparserl.train.capture")
@@ -117,6 +118,9 @@ class CudaGraphs:
         evaluator, installs). In the thread-local mode only this thread's calls are checked; the
         background thread works on streams of its own, never on the capturing one."""
         with torch.cuda.device(device):
+            # a product served by cuSPARSE in the graph, whose warm-up calls ran kernels, would make
+            # the thread's cuSPARSE handle inside the capture
+            vendor.ensure_handle(torch.device("cuda", torch.cuda.current_device()))
             settle_pending()  # the index checks still on the device: their events cannot be asked in the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
