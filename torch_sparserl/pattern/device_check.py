@@ -149,8 +149,9 @@ class DeviceCheck:
                                "before capturing it")
 
     def _fused_verdict(self, block: bool) -> bool | None:
-        """The verdict from the pinned slot: read without any CUDA call (so at any time, a capture
-        included); waiting, where ``block``, for an event recorded on the kernel's stream."""
+        """The verdict from the pinned slot: read without any CUDA call, so at any time, a capture
+        included (where a failure is left for after it); waiting, where ``block``, for an event
+        recorded on the kernel's stream."""
         bits = self._bits if self._slot is None else self._pool.take(self)
         if bits is None:
             if not block:
@@ -162,6 +163,8 @@ class DeviceCheck:
             if bits is None:
                 raise RuntimeError(f"{self.op}: the fused index check on {self.device} ran but left no verdict "
                                    "(an internal error)")
+        if bits and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # naming the failed entry reads the device: after the capture; its products stay poisoned
         return self._decided([bits >> k & 1 for k in range(len(_CHECKS))])
 
     def _decided(self, flags) -> bool:
@@ -416,7 +419,7 @@ def _wait_stream(stream: int, device: torch.device) -> None:
     synchronization counts as one for ``torch.cuda.set_sync_debug_mode``, as an event's wait has
     never done here)."""
     event = torch.cuda.Event()
-    event.record(torch.cuda.ExternalStream(stream, device=device))
+    event.record(torch.cuda.default_stream(device) if stream == 0 else torch.cuda.ExternalStream(stream, device=device))
     event.synchronize()
 
 
