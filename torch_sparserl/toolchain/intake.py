@@ -135,6 +135,7 @@ class _Launcher:
         self._pointers = (ctypes.c_void_p * _PARAMS)(*[base + 8 * i for i in range(_PARAMS)])
         self._lock = threading.Lock()
         self._launch = lib.cuLaunchKernel
+        self._thread = threading.local()  # .ready: the primary context made current on this thread
 
     def __call__(self, dtype, crow_src: int, col_src: int, crow_dst: int, col_dst: int, rows: int, nnz: int,
                  ncols: int, copy: bool, work: int, result: int, host: int, stream: int) -> bool:
@@ -143,6 +144,11 @@ class _Launcher:
         if function is None:
             return False
         blocks = grid(rows, nnz)
+        if not getattr(self._thread, "ready", False):
+            # a driver launch needs a current context, which a thread whose CUDA calls all hit
+            # torch's caches (its allocations, its streams) may not have made current yet
+            driver.ensure_context()
+            self._thread.ready = True
         with self._lock:  # one parameter buffer: the driver copies it during the call
             self._values[:] = (crow_src, col_src, crow_dst, col_dst, rows, nnz, ncols, int(copy), work, result,
                                host)
