@@ -63,6 +63,7 @@ __device__ __forceinline__ void intake(const I* __restrict__ crow_src, const I* 
         if ((long long)c >= ncols) flags |= 16;
     }
     if (flags) atomicOr(&block_flags, flags);
+    __threadfence();  // every thread's copies before the count: the repair below is written after them
     __syncthreads();
     if (threadIdx.x == 0) {
         if (block_flags) atomicOr(&work[0], block_flags);
