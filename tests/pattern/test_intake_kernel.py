@@ -75,12 +75,12 @@ class KernelModel:
         self.undelivered.clear()
 
 
-def _host_pool(chunk_slots: int = 8, max_chunks: int = 4) -> device_check.SlotPool:
+def _host_pool(chunk_slots: int = 8, max_chunks: int = 4, fence=None) -> device_check.SlotPool:
     """A pool on ordinary host memory (a GPU's is pinned, and the device's work words on it)."""
 
     def allocate(words):
         host, work = np.zeros(words, np.int32), np.zeros(words, np.int32)
-        return host, host.ctypes.data, work.ctypes.data, (host, work)
+        return host, host.ctypes.data, work.ctypes.data, (host, work), fence
 
     return device_check.SlotPool(allocate, chunk_slots=chunk_slots, max_chunks=max_chunks)
 
@@ -204,6 +204,15 @@ def test_the_pool_grows_a_chunk_when_little_can_be_reclaimed_and_stops_at_its_bo
     last = _Check()
     assert pool.acquire(last) is not None and pool.slots == 12  # reclaimed at the bound
     assert [pool.take(c) for c in checks[:2]] == [0, 0] and pool.out == 11
+
+
+def test_launches_wait_for_the_zeroing_of_a_new_chunk_until_it_is_known_done():
+    answers = [False, False, True]
+    asked = []
+    pool = _host_pool(chunk_slots=8, max_chunks=1, fence=lambda: asked.append(1) or answers[len(asked) - 1])
+    for _ in range(5):
+        pool.acquire(_Check())
+    assert len(asked) == 3  # asked (the launch ordered after the zeroing) until it said done, then never
 
 
 def test_a_refused_launch_gives_its_slot_back():

@@ -266,8 +266,10 @@ class SlotPool:
     Grown a chunk at a time, never shrunk (a slot may be written until its kernel ran); None from
     :meth:`acquire` past ``max_chunks`` with nothing to reclaim. Thread-safe.
 
-    ``allocate(words)`` -> ``(host array, host address, device address of the host memory,
-    device address of ``words`` zeroed device words, the memory to keep alive)``.
+    ``allocate(words)`` -> ``(host array, device address of the host memory, device address of
+    ``words`` zeroed device words, the memory to keep alive, fence)``: ``fence()`` orders the
+    caller's stream after the zeroing of the device words and says whether it is known done (the
+    pool then stops asking); None where they are zero already.
     """
 
     def __init__(self, allocate, chunk_slots: int = 1024, max_chunks: int = 256):
@@ -276,6 +278,7 @@ class SlotPool:
         self.max_chunks = max_chunks
         self._lock = threading.Lock()
         self._chunks: list[tuple] = []  # (host array, host slot addresses, device work addresses, kept)
+        self._fences: list = []  # per chunk: what orders a launch after its words' zeroing, None once done
         self._free: list[int] = []
         self._out: dict[int, weakref.ref] = {}  # slot -> its check, until the marker was seen
 
@@ -300,7 +303,11 @@ class SlotPool:
                 if not self._free:
                     return None
             slot = self._free.pop()
-            host, host_at, work_at, _ = self._chunks[slot // self.chunk_slots]
+            chunk = slot // self.chunk_slots
+            host, host_at, work_at, _ = self._chunks[chunk]
+            fence = self._fences[chunk]
+            if fence is not None and fence():
+                self._fences[chunk] = None
             i = slot % self.chunk_slots
             host[2 * i] = host[2 * i + 1] = 0
             self._out[slot] = weakref.ref(check)
@@ -352,12 +359,13 @@ class SlotPool:
 
     def _grow(self) -> None:
         try:
-            host, host_at, work_at, kept = self._allocate(2 * self.chunk_slots)
+            host, host_at, work_at, kept, fence = self._allocate(2 * self.chunk_slots)
         except Exception:  # noqa: BLE001 - no more pinned memory: the torch way serves
             self.max_chunks = len(self._chunks)
             return
         first = len(self._chunks) * self.chunk_slots
         self._chunks.append((host, host_at, work_at, kept))
+        self._fences.append(fence)
         self._free.extend(range(first + self.chunk_slots - 1, first - 1, -1))
 
 
@@ -381,7 +389,16 @@ def _pool(index: int, provider) -> SlotPool:
         def allocate(words: int):
             host = torch.zeros(words, dtype=torch.int32, pin_memory=True)
             work = torch.zeros(words, dtype=torch.int32, device=torch.device("cuda", index))
-            return host.numpy(), provider.mapped(host.data_ptr()), work.data_ptr(), (host, work)
+            zeroed = torch.cuda.Event()
+            zeroed.record()  # the zeroing runs on this stream: a launch on another one waits for it
+
+            def fence() -> bool:
+                if zeroed.query():
+                    return True
+                torch.cuda.current_stream(index).wait_event(zeroed)
+                return False
+
+            return host.numpy(), provider.mapped(host.data_ptr()), work.data_ptr(), (host, work), fence
 
         with _POOLS_LOCK:
             pool = _POOLS.setdefault(index, SlotPool(allocate))
