@@ -17,8 +17,11 @@ loop, the median over the rounds of the mean per batch), and on CUDA the same lo
 error it raised), ``none`` where none did. The first ``A @ X`` of each matrix is timed the same
 way (``first_product_us``): intake and first product are what a step pays per new pattern.
 ``--breakdown`` runs the loop once more with the library's intake functions timed
-(:data:`INTAKE_PARTS`: metadata checks, index copies, the pattern's lookup, the device check
-and its parts), in host µs per matrix: where a ``ts.csr`` spends its time.
+(:data:`INTAKE_PARTS`: metadata checks, the copy and check of CUDA indices in all, the fused
+kernel's launch where it serves, else the torch way's parts: index copies, the device check, its
+flags and event), in host µs per matrix: where a ``ts.csr`` spends its time. The fused kernel is
+built in the background from the first CUDA intake on; the warm-up waits for it, so that the
+timed loops measure the intake a training loop has after its first steps.
 
     python benchmarks/bench_intake.py --graph pubmed --out benchmarks/results/
     python benchmarks/bench_intake.py --graph cora --device cpu --batches 4 --out /tmp/i.json
@@ -42,9 +45,12 @@ CUDA_WAYS = ("cuda_csr", "cuda_parts", "host_parts")
 INTAKE_PARTS = (  # (module, attribute, label): what --breakdown times inside ts.csr
     ("torch_sparserl.tensor.construct", "_check_parts", "metadata checks"),
     ("torch_sparserl.tensor.construct", "_staged", "C++ staging (host parts)"),
+    ("torch_sparserl.pattern", "checked_copies", "copy and check, in all"),
+    ("torch_sparserl.pattern.device_check", "_fused_copy_checked", "fused kernel: allocations and launch"),
+    ("torch_sparserl.toolchain.intake", "_Launcher.__call__", "fused kernel: the launch"),
     ("torch_sparserl.pattern", "private_copy", "index copies"),
     ("torch_sparserl.pattern", "lookup", "pattern lookup"),
-    ("torch_sparserl.pattern.cache", "DeviceCheck", "device check, in all"),
+    ("torch_sparserl.pattern.device_check", "DeviceCheck.__init__", "device check (torch ops), in all"),
     ("torch_sparserl.pattern.device_check", "_flags", "device check: the flags"),
     ("torch_sparserl.pattern.device_check", "_record_event", "device check: its event"),
     ("torch_sparserl.tensor.construct", "_made", "the CSRMatrix"),
@@ -67,6 +73,22 @@ def handed_over(way: str, batch, device):
     return (crow, col, val), shape
 
 
+def fused_ready(device, timeout_s: float = 120.0) -> bool:
+    """Wait until the fused intake kernel is built and loaded for ``device`` (its first request
+    starts the build); False where it cannot be (the torch way then serves every intake)."""
+    import torch
+
+    from torch_sparserl.toolchain import intake
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    deadline = time.monotonic() + timeout_s
+    while intake.PROVIDER.launcher(index) is None:
+        if index in intake.PROVIDER._launchers or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def time_way(way: str, batches, device, features: int, rounds: int, breakdown: bool = False) -> dict:
     import torch
 
@@ -86,6 +108,7 @@ def time_way(way: str, batches, device, features: int, rounds: int, breakdown: b
 
     for (data, shape), X in zip(given[:2], xs):  # the process's one-time costs
         build(data, shape) @ X
+    fused = fused_ready(torch.device(device)) if cuda else False
     intake, product = [], []
     for _ in range(rounds):
         sync()
@@ -123,7 +146,8 @@ def time_way(way: str, batches, device, features: int, rounds: int, breakdown: b
                  for label, seconds in timed.seconds.items()}
         parts["ts.csr, in all"] = {"us": total / len(given) * 1e6, "calls": 1.0}
     return {"intake_us": statistics.median(intake), "intake_rounds_us": intake,
-            "first_product_us": statistics.median(product), "syncs": syncs, "breakdown_us": parts}
+            "first_product_us": statistics.median(product), "syncs": syncs, "breakdown_us": parts,
+            "fused_kernel": fused}
 
 
 def markdown(doc: dict) -> str:
@@ -140,8 +164,9 @@ def markdown(doc: dict) -> str:
         labels = [label for _, _, label in INTAKE_PARTS] + ["ts.csr, in all"]
         labels = [label for label in labels if any(label in parts for parts in broken.values())]
         lines += ["", "Where a `ts.csr` spends its host time (`--breakdown`: one more loop with these functions "
-                  "timed, µs per matrix; calls per matrix in parentheses; the parts nest: the device check holds "
-                  "its flags and its event):", "", *tables.header(["part", *broken], "l" + "r" * len(broken))]
+                  "timed, µs per matrix; calls per matrix in parentheses; the parts nest: the copy and check "
+                  "holds the fused kernel's launch or the torch way's copies and device check, which holds its "
+                  "flags and its event):", "", *tables.header(["part", *broken], "l" + "r" * len(broken))]
         for label in labels:
             cells = [f"{parts[label]['us']:.1f} ({parts[label]['calls']:g})" if label in parts else "–"
                      for parts in broken.values()]

@@ -706,6 +706,7 @@ def test_bench_intake_times_ts_csr_per_batch_and_feeds_the_headline(tmp_path):
                        "--rounds", "1", "--breakdown", "--out", str(broken)]) == 0
     parts = json.loads(broken.read_text())["ways"]["cpu_parts"]["breakdown_us"]
     assert parts["index copies"]["calls"] == 2 and parts["pattern lookup"]["calls"] == 1  # per matrix
+    assert parts["copy and check, in all"]["calls"] == 1  # asked first; host indices: the copies above
     assert 0 < parts["index copies"]["us"] < parts["ts.csr, in all"]["us"]
     assert "| index copies | " in broken.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):

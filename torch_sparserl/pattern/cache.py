@@ -67,6 +67,12 @@ def private_copy(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def _with_versions(source):
+    """``source`` (the caller's ``crow, col``) with their versions: what a device check needs to
+    tell whether they still hold the indices it checked, when it names a failure."""
+    return None if source is None else (source[0], source[1], (_version(source[0]), _version(source[1])))
+
+
 def _intact(tensors: tuple, versions: tuple) -> bool:
     return all(_version(t) == v for t, v in zip(tensors, versions))
 
@@ -173,14 +179,13 @@ class Pattern:
             if crow.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{op}: the indices of a matrix first used while a CUDA graph is captured "
                                    "cannot be checked there; use the matrix once before capturing (a warm-up step)")
-            own_crow, own_col = self._freeze(crow, col)
-            copied = own_crow is not crow  # a caller's tensors: the private copy is checked
-            if (self._owned or copied) and device_check.defers(own_crow, own_col):  # only the library holds them
-                if source is None and copied:
-                    source = (crow, col)
-                if source is not None:
-                    source = (source[0], source[1], (_version(source[0]), _version(source[1])))
-                self.check = DeviceCheck(op, own_crow, own_col, self.ncols, source)
+            own_crow, own_col = self._freeze(crow, col, op, source)
+            if self.check is not None:  # copied and checked at once (_freeze)
+                _PENDING.add(self)
+            elif (self._owned or own_crow is not crow) and device_check.defers(own_crow, own_col):
+                # only the library holds them: checked in place on the device
+                source = _with_versions(source if source is not None or own_crow is crow else (crow, col))
+                self.check = device_check.copy_checked(op, own_crow, own_col, self.ncols, source, copy=False)[2]
                 _PENDING.add(self)
             else:
                 check_csr_values(op, own_crow, own_col, self.ncols)
@@ -210,10 +215,14 @@ class Pattern:
         self._freeze(crow, col)
         self.validated = True
 
-    def _freeze(self, crow: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _freeze(self, crow: torch.Tensor, col: torch.Tensor, op: str | None = None, source=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The indices this pattern reads from now on: the library's own tensors as they are, a
         caller's copied once (:func:`private_copy`, outside any CUDA graph pool) and registered
-        under the copy's identity too, so that a lookup of the copy finds this entry."""
+        under the copy's identity too, so that a lookup of the copy finds this entry. Given the
+        ``op`` that validates them, a caller's CUDA indices are copied and checked together
+        (:func:`~.device_check.copy_checked`: one launch of the fused kernel where it is built),
+        the check left in :attr:`check`; ``source``: what a failure names (else ``crow, col``)."""
         frozen = self._frozen
         if frozen is not None:
             return frozen
@@ -223,7 +232,14 @@ class Pattern:
             return self._crow_ref(), self._col_ref()
         with self._freeze_lock:
             if self._frozen is None:
-                copies = run_kept(col.device, lambda: (private_copy(crow), private_copy(col)))
+                if op is not None and device_check.defers(crow, col):
+                    source = _with_versions(source if source is not None else (crow, col))
+                    *copies, self.check = run_kept(col.device, device_check.copy_checked, op, crow, col,
+                                                   self.ncols, source)
+                    copies = tuple(copies)
+                    own(*copies)
+                else:
+                    copies = run_kept(col.device, lambda: (private_copy(crow), private_copy(col)))
                 self._frozen = copies
                 if not self.transient:
                     with _CACHE_LOCK:
@@ -516,6 +532,28 @@ def _enter(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:
         _drop_frozen_key(previous)
     entry = _CACHE[id(crow)] = Pattern(crow, col, ncols, key=id(crow))
     return entry
+
+
+def checked_copies(op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``ts.csr``'s intake of a caller's CUDA indices: the library's own copies of them, made and
+    checked on the device by one call (:func:`~.device_check.copy_checked`, one kernel launch
+    where the fused kernel is built), their pattern entered in the cache, validated, the check's
+    verdict to be read by a later use (:meth:`Pattern.settle`). None where this does not apply
+    (indices checked on the host, a tensor the library already owns): :func:`private_copy`,
+    :func:`lookup` and :meth:`Pattern.validate` then."""
+    if not device_check.defers(crow, col) or owned(crow) or owned(col):
+        return None
+    own_crow, own_col, check = device_check.copy_checked(op, crow, col, ncols, _with_versions((crow, col)))
+    own(own_crow, own_col)
+    _STATS["lookups"] += 1
+    with _CACHE_LOCK:
+        entry = _enter(own_crow, own_col, ncols)
+    entry.check = check
+    entry.validated = True
+    _PENDING.add(entry)
+    _side_stream_ready(own_col)
+    return own_crow, own_col
 
 
 def staged(crow: torch.Tensor, col: torch.Tensor, ncols: int) -> Pattern:

@@ -268,6 +268,10 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         # Built inside a captured step (a mini-batch's padded indices, refilled before each
         # replay): copied, checked and repaired inside the graph, again at every replay.
         return _made(*patterns.in_graph_copies(op, crow, col, size[1]), val, size)
+    if validate and not checked:  # a caller's CUDA indices: copied and checked at once, on the device
+        copies = patterns.checked_copies(op, crow, col, size[1])
+        if copies is not None:
+            return _made(*copies, val, size)
     given = (crow, col)
     crow, col = (t if patterns.owned(t) else patterns.private_copy(t) for t in (crow, col))
     if validate:

@@ -2,7 +2,8 @@
 
 Pipeline stage 5 of 14: an ABI source becomes a launchable kernel: NVRTC, torch's extension
 builder, offline nvcc; where built files live (:mod:`.paths`), which may be loaded
-(:mod:`.trust`), and NVRTC's builds kept across processes (:mod:`.cubins`).
+(:mod:`.trust`), and NVRTC's builds kept across processes (:mod:`.cubins`); the fused intake kernel
+of CUDA indices (:mod:`.intake`), registered with :mod:`~torch_sparserl.pattern.device_check`.
 May import: config, dtypes, data, pattern, kernels, abi.
 
 Three builders, one source format (``csrc/README.md``):
@@ -16,7 +17,9 @@ Three builders, one source format (``csrc/README.md``):
 from __future__ import annotations
 
 from .errors import BuildError, CompileError, LaunchError
+from .intake import PROVIDER as INTAKE_KERNEL  # registers the fused intake kernel with pattern.device_check
 from .kernel import Kernel
 from .load import BACKENDS, load_kernel, prebuild_nvrtc
 
-__all__ = ["BACKENDS", "BuildError", "CompileError", "Kernel", "LaunchError", "load_kernel", "prebuild_nvrtc"]
+__all__ = ["BACKENDS", "BuildError", "CompileError", "INTAKE_KERNEL", "Kernel", "LaunchError", "load_kernel",
+           "prebuild_nvrtc"]
