@@ -73,6 +73,9 @@ def test_static_shapes_serve_every_pattern_of_a_bucket(padded, tmp_path, mode, p
                 runtime.wait(120)  # the later passes with the installed kernels
             for batch in padded:
                 torch.compiler.cudagraph_mark_step_begin()
+                # a new gradient every step: under CUDA graphs, accumulating into the last step's
+                # (an output of its replay, overwritten by this one) is refused by torch
+                lin.zero_grad(set_to_none=True)
                 A = ts.csr(batch.parts(), batch.shape, device="cuda")
                 x = features[torch.from_numpy(batch.nodes)].cuda().requires_grad_()
                 out = model(A, x)
