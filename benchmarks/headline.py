@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import geomean, save_json  # noqa: E402
 
 TARGET_GRAPHS = ("cora", "pubmed", "musae_github", "twitch_DE", "fb100_Cornell5", "dblp-2010")
-SPARSERL_MINIBATCH_WAYS = ("sparserl", "sparserl_classes", "sparserl_compiled")
+SPARSERL_MINIBATCH_WAYS = ("sparserl", "sparserl_classes", "sparserl_compiled", "sparserl_captured")
 
 
 def _per_graph_geomean(rows: list[dict], key: str) -> float | None:
