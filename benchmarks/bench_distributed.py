@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, command_line, environment, fmt, results_path, tables, usage_error, write_json_md  # noqa: E402
+from common.matrices import select_matrices  # noqa: E402
 from common.torchrun import run_example, world_sizes  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "distributed_gcn.py"
@@ -31,15 +32,23 @@ EXAMPLE = REPO / "examples" / "distributed_gcn.py"
 
 def run_world(world: int, args, folder: Path) -> dict:
     """The example's report for ``world`` ranks, or the tail of its output when it failed."""
-    arguments = ["--graph", args.graph, "--model", args.model, "--order", args.order, "--device", args.device,
+    arguments = ["--graph", example_graph(args.graph), "--model", args.model, "--order", args.order, "--device", args.device,
                  "--epochs", str(args.epochs), "--hidden", str(args.hidden), "--features", str(args.features),
                  *(["--no-check"] if args.no_check else [])]
     return run_example(EXAMPLE, world, arguments, args.device, folder, args.timeout)
 
 
+def example_graph(name: str) -> str:
+    """``--graph`` as the example reads it: a shared matrix's name (``dblp-2010``) as its file's
+    path, since the example knows the package's shipped matrices, files and generator specs only."""
+    if ":" in name:  # a generator spec: the example generates it (per rank with --rows-only)
+        return name
+    return select_matrices([name])[0].source
+
+
 def summary_row(report: dict, one_rank_epoch_s: float | None) -> dict:
     if report["status"] == "failed":
-        return {"world_size": report["world_size"], "status": "failed"}
+        return {"world_size": report["world_size"], "status": "failed", "error": report.get("error")}
     ranks = report["ranks"]
     epoch_s = report["epoch_s"]
     return {"world_size": report["world_size"], "status": report["status"], "epoch_ms": epoch_s * 1e3,
@@ -62,14 +71,18 @@ def markdown(doc: dict) -> str:
              "largest relative difference from one process over the run.", "",
              *tables.header(["ranks", "status", "epoch ms", "speedup", "rows/rank", "halo rows", "halo sent MB",
                              "halo wait ms", "products ms", "peak MB", "loss diff"], "rlrrrrrrrrr")]
+    failures = []
     for r in doc["rows"]:
         if r["status"] == "failed":
             lines.append(tables.row([r["world_size"], "failed", *["—"] * 9]))
+            failures.append(f"- {r['world_size']} rank(s): {r.get('error') or 'no exception printed (see runs in the JSON)'}")
             continue
         lines.append(tables.row([r["world_size"], r["status"], f"{r['epoch_ms']:.1f}", fmt(r["speedup"], ".2f", "×"),
                                  f"{r['max_rows']:,}", f"{r['max_halo_rows']:,}", f"{r['max_halo_mb_sent']:.3f}",
                                  f"{r['max_halo_wait_ms']:.1f}", f"{r['max_compute_ms']:.1f}",
                                  f"{r['max_peak_memory_mb']:.0f}", fmt(r["max_rel_loss_diff"], ".1e")]))
+    if failures:
+        lines += ["", "Why the failed world sizes failed (the first exception a rank printed):", "", *failures]
     lines += ["", command_line(doc["command"], doc["date"]), ""]
     return "\n".join(lines)
 

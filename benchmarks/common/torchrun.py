@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,19 @@ def world_sizes(text: str) -> list[int]:
     return worlds
 
 
+_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
+
+
+def first_error(output: str) -> str | None:
+    """The first exception line a rank printed (``[rank0]: ValueError: ...``), which torchrun's
+    summary at the end of the output does not repeat; None where there is none."""
+    for line in output.splitlines():
+        found = _ERROR.match(line.strip())
+        if found and not found.group(1).startswith(("torch.distributed.elastic", "ChildFailedError")):
+            return found.group(1)[:500]
+    return None
+
+
 def run_example(example: Path, world: int, arguments: list[str], device: str, folder: Path, timeout: float) -> dict:
     """``example``'s report (``--out``) for ``world`` ranks with ``arguments``, ``status`` "ok",
     or "mismatch" when it exited non-zero (its check failed); without a report, the tail of its
@@ -35,8 +49,9 @@ def run_example(example: Path, world: int, arguments: list[str], device: str, fo
         env["CUDA_VISIBLE_DEVICES"] = ""
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=folder)
     if not out.exists():
+        output = result.stdout + result.stderr
         return {"world_size": world, "status": "failed", "returncode": result.returncode,
-                "output_tail": (result.stdout + result.stderr)[-3000:]}
+                "error": first_error(output), "output_tail": output[-3000:]}
     report = json.loads(out.read_text())
     report["status"] = "ok" if result.returncode == 0 else "mismatch"
     return report

@@ -81,3 +81,32 @@ def test_bench_distributed_marks_a_failed_world_size_and_refuses_bad_worlds(caps
     with pytest.raises(SystemExit) as info:
         bench.main(["--worlds", "1,0"])
     assert info.value.code == 2 and "--worlds: expected positive integers" in capsys.readouterr().err
+
+
+def test_a_failed_world_size_says_what_its_rank_raised():
+    """torchrun's summary ends the output; the rank's own exception comes before it, and is what
+    the row and the report name."""
+    torchrun = load_benchmark("common.torchrun")
+    output = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1\n"
+              "[rank0]: FileNotFoundError: load_matrix: no file 'pubmed'\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n  exitcode  : 1\n")
+    assert torchrun.first_error(output) == "FileNotFoundError: load_matrix: no file 'pubmed'"
+    assert torchrun.first_error("all went well\n") is None
+    bench = load_benchmark("bench_distributed")
+    row = bench.summary_row({"world_size": 2, "status": "failed", "error": "FileNotFoundError: no file"}, None)
+    doc = {"env": {"gpu": None, "cpu": "C"}, "date": "d", "command": "c",
+           "config": {"graph": "g", "model": "gcn", "order": "rows", "device": "cpu", "epochs": 2, "hidden": 8},
+           "rows": [row]}
+    assert "- 2 rank(s): FileNotFoundError: no file" in bench.markdown(doc)
+
+
+def test_a_shared_matrix_name_reaches_the_example_as_its_file():
+    """The example reads the package's shipped matrices, files and generator specs; a benchmark
+    name of a shared matrix is handed to it as the file's path, a spec as it is."""
+    bench = load_benchmark("bench_distributed")
+    assert bench.example_graph("cora").endswith("cora.npz")
+    assert bench.example_graph("power_law:nodes=1000,edge_factor=4") == "power_law:nodes=1000,edge_factor=4"
+    shared = load_benchmark("common.matrices").shared_matrices_dir()
+    if shared is None or not (shared / "pubmed.npz").exists():
+        pytest.skip("no shared matrices here")
+    assert bench.example_graph("pubmed") == str(shared / "pubmed.npz")
