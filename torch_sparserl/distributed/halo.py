@@ -17,6 +17,7 @@ add it to their own rows' gradient. Every wait is bounded and a failure names th
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,6 +151,19 @@ def exchange_plan(recv: dict[int, Tensor], rank: int, world_size: int, group, de
     return HaloPlan(rank, dict(recv), send)
 
 
+def _bounded(work, timeout: datetime.timedelta, poll_s: float = 2e-4) -> None:
+    """``work.wait()`` once ``work`` is done on its device, polled from the host (no
+    synchronization: an event query), raising ``TimeoutError`` when ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    delay = poll_s / 8
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not done after {timeout.total_seconds():g} s")
+        time.sleep(delay)
+        delay = min(delay * 2, poll_s)
+    work.wait()
+
+
 @dataclass
 class _Pending:
     """An exchange in flight: its works with the peer each waits on, and the tensors they use
@@ -194,12 +208,25 @@ class HaloExchange:
         return _Pending(list(works), peers, received, keep)
 
     def wait(self, pending: _Pending, what: str) -> dict[int, Tensor]:
-        """Wait for ``pending``'s works, each within the timeout; a failure names its peer."""
+        """Wait for ``pending``'s works, each within the timeout; a failure names its peer.
+
+        Over NCCL (``comm_device`` a GPU) a work's ``wait`` only orders the current stream after
+        it: the host does not wait, and a peer that left is found by NCCL's watchdog after the
+        group's timeout, which ends the process. With a ``timeout`` the host therefore polls the
+        work (:func:`_bounded`) until it is done or the timeout passed, so that a peer that left
+        is named here; each exchange then costs the host a wait for it. Without one, nothing
+        waits on the host."""
         for peer, work in zip(pending.peers, pending.works):
             try:
-                work.wait(self.timeout) if self.timeout is not None else work.wait()
+                if self.timeout is None:
+                    work.wait()
+                elif self.comm_device.type == "cuda":
+                    _bounded(work, self.timeout)
+                else:
+                    work.wait(self.timeout)
             except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise several types; re-raised naming the peer
-                who = f"rank {peer}" if isinstance(peer, int) else f"one of ranks {peer}"
+                who = (f"rank {peer}" if isinstance(peer, int) else f"rank {peer[0]}" if len(peer) == 1
+                       else f"one of ranks {peer}")
                 raise HaloExchangeError(
                     f"{self.op} (rank {self.plan.rank}): the {what} with {who} failed or did not finish "
                     f"within {self.timeout or 'the group timeout'}: {who} exited, failed, or is not running "

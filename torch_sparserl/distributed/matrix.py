@@ -311,7 +311,10 @@ def distribute_csr(A, partition: Partition | None = None, *, group=None, device=
     ``partition`` splits the rows (default: :func:`~.partition.partition` of ``A`` in ``order``
     over the group's ranks). ``device``: where this rank's blocks and operands live (default: its
     current GPU under NCCL, else ``A``'s device). ``timeout`` (a timedelta or seconds) bounds every
-    wait for a peer's rows; None leaves it to the group's own timeout.
+    wait for a peer's rows; None leaves it to the group's own timeout. Over NCCL a timeout makes
+    the host wait for each exchange (polling it, so that a peer that left is named within the
+    timeout); without one the host never waits, and NCCL's watchdog ends the process once the
+    group's timeout passes.
 
     The ranks check that they agree (shape, pattern, values, dtype, partition) and raise a
     ``ValueError`` naming those that differ; then each builds its blocks and they exchange which
