@@ -357,11 +357,15 @@ def row_metrics(row: dict) -> dict:
     both = ways.get("sparserl_compiled_captured", {})
     if both.get("status") == "ok" and captured.get("status") == "ok":  # >= 0.95: compiling costs a capture little
         out["compiled_captured_over_captured"] = captured["epoch_ms"] / both["epoch_ms"]
+    if both.get("status") == "ok" and "eager" in ms:
+        out["compiled_captured_vs_eager"] = ms["eager"] / both["epoch_ms"]
     pyg = {w: ways[w]["epoch_ms"] for w in PYG_WAYS if ways.get(w, {}).get("status") == "ok"}
     if pyg:
         out["best_pyg_way"] = min(pyg, key=pyg.get)
         if captured.get("status") == "ok":
             out["captured_vs_best_pyg"] = min(pyg.values()) / captured["epoch_ms"]
+        if both.get("status") == "ok":
+            out["compiled_captured_vs_best_pyg"] = min(pyg.values()) / both["epoch_ms"]
     if "sparserl" in ms and uncompiled.get("status") == "ok":
         out["compiled_over_eager"] = uncompiled["epoch_ms"] / ms["sparserl"]  # >= 1: compiling costs nothing
     walls = {w: r["wall_over_gpu"] for w, r in ways.items() if r.get("wall_over_gpu") is not None}

@@ -115,6 +115,29 @@ def test_captured_losses_are_compared_epoch_by_epoch_with_both_adams():
     assert "sparserl_captured_loss_rel_diff_same_adam" not in bench.row_metrics(row)
 
 
+def test_the_compiled_model_captured_is_compared_and_reaches_the_headline():
+    """sparserl_compiled_captured against eager torch and PyG's best, per row, and the headline's
+    figures of it over the rows that ran it (each graph one mean)."""
+    bench, headline = _bench(), load_benchmark("headline")
+    ok = {"status": "ok"}
+
+    def row(graph, both_ms):
+        ways = {"eager": dict(ok, epoch_ms=4.0, losses=[1.0]), "pyg": dict(ok, epoch_ms=2.0, losses=[1.0]),
+                "sparserl_captured": dict(ok, epoch_ms=0.5, losses=[1.0])}
+        if both_ms is not None:
+            ways["sparserl_compiled_captured"] = dict(ok, epoch_ms=both_ms, losses=[1.0])
+        r = {"graph": graph, "model": "gcn", "hidden": 8, "ways": ways}
+        return {**r, **bench.row_metrics(r)}
+
+    rows = [row("cora", 0.25), row("cora", 1.0), row("pubmed", 0.4), row("dblp-2010", None)]
+    assert rows[0]["compiled_captured_vs_eager"] == 16.0 and rows[0]["compiled_captured_vs_best_pyg"] == 8.0
+    assert "compiled_captured_vs_eager" not in rows[3]
+    figures = headline.gnn_figures({"rows": rows})["compiled_captured"]
+    assert figures["geomean_vs_torch"] == pytest.approx((8.0 * 10.0) ** 0.5)  # cora: sqrt(16 * 4); pubmed: 10
+    assert figures["over_captured_min"] == 0.5 and figures["graphs"] == ["cora", "pubmed"]
+    assert "compiled_captured" not in headline.gnn_figures({"rows": rows[3:]})
+
+
 @pytest.mark.slow
 @torch._inductor.config.patch(force_disable_caches=True)  # the pass must run, not a cache hit
 def test_the_fused_way_measures_the_fusion(tmp_path, monkeypatch):
