@@ -17,7 +17,7 @@ first element). The error itself is raised
 by the first use of the pattern after the verdict arrived, naming the check that failed
 (the exact entry too, where the caller's tensors are still as they were).
 
-Each of those torch operations costs the host 20-30 µs on a GPU host, so where a later stage has
+Each of those torch operations costs the host a dispatch and a launch, so where a later stage has
 registered a fused kernel (:func:`register_fused`: :mod:`torch_sparserl.toolchain.intake`), one
 launch of it does the copy, the check, the repair and the verdict's transfer
 (:func:`copy_checked`): the verdict lands in a slot of pinned host memory (:class:`SlotPool`)

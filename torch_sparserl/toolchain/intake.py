@@ -1,7 +1,7 @@
 """The fused intake kernel of CUDA indices: copy, check, repair and verdict in one launch.
 
 :mod:`torch_sparserl.pattern.device_check` copies and checks a matrix's CUDA indices with about
-ten small torch operations, each 20-30 µs of host time on a GPU host. This module builds the one
+ten small torch operations, each a dispatch and a launch of host time. This module builds the one
 kernel that does all of it (:data:`SOURCE`) with NVRTC, in a background thread started by the
 first CUDA intake (a first ``ts.csr`` never waits for a compile), loads it on the caller's thread
 at a later intake (never during a CUDA graph capture, where loading a module is not allowed), and
