@@ -726,3 +726,21 @@ def test_bench_intake_times_ts_csr_per_batch_and_feeds_the_headline(tmp_path):
     assert head["intake_us"] is None and head["gnn_full_graph"] is None  # no CUDA way, no full-graph file
     with pytest.raises(SystemExit):
         headline.main(["--out", str(tmp_path / "h.json")])
+
+
+def test_the_transposed_probes_scatter_is_the_transposed_product():
+    """probes/probe_transposed_in_graph's scatter way (run on the CPU here, outside a graph)
+    against the float64 transposed product, on a matrix with empty rows and repeated columns."""
+    import torch
+
+    from torch_sparserl.dtypes import assert_close_to_reference
+
+    probe = load_benchmark("probes/probe_transposed_in_graph")
+    g = torch.Generator().manual_seed(11)
+    dense = (torch.rand(30, 20, generator=g) < 0.15) * torch.randn(30, 20, generator=g)
+    dense[::4] = 0  # empty rows
+    A = dense.to_sparse_csr()
+    G = torch.randn(30, 6, generator=g)
+    out = probe.scatter(A.crow_indices(), A.col_indices(), A.values(), 20, G)
+    assert_close_to_reference(out, dense.double().t() @ G.double(), torch.float32)
+    assert out.shape == (20, 6)
