@@ -228,3 +228,24 @@ def padded_batch_step(weight, opt):
         return loss.detach()
 
     return step
+
+
+class NoSync:
+    """``torch.cuda.set_sync_debug_mode("error")`` for the block: a synchronizing call raises."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def other_pattern_of(M: sp.csr_matrix, seed: int) -> sp.csr_matrix:
+    """A matrix of ``M``'s sizes and nonzero count with another pattern (its columns permuted)
+    and fresh random values: what a CUDA graph's placeholders may be refilled with."""
+    rng = np.random.default_rng(seed)
+    other = M[:, rng.permutation(M.shape[1])].tocsr()
+    other.sort_indices()
+    other.data = rng.standard_normal(other.nnz)
+    return other

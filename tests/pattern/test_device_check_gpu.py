@@ -11,12 +11,9 @@ import torch
 
 import torch_sparserl as ts
 from torch_sparserl import pattern as patterns
-from torch_sparserl.config import JitOptions
 from torch_sparserl.dtypes import assert_close_to_reference
-from torch_sparserl.jit import runtime as rt
-from torch_sparserl.jit.cache import CacheEntry, KernelCache
 
-from helpers import make_pattern, ref_spmm, ref_spmm_transposed, to_parts
+from helpers import NoSync, make_pattern, other_pattern_of, ref_spmm, ref_spmm_transposed, to_parts
 
 
 @pytest.fixture(autouse=True)
@@ -25,31 +22,9 @@ def cuda():
         pytest.skip("needs a CUDA GPU")
 
 
-@pytest.fixture
-def runtime(tmp_path):
-    """A background runtime that decides cuSPARSE for everything (no kernel build in these tests)."""
-    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
-                         specializer=lambda key, crow, col, ncols: CacheEntry(key, None, reason="the test's: cuSPARSE"))
-    previous = rt.set_active(runtime)
-    yield runtime
-    rt.set_active(previous)
-    runtime.close()
-
-
 def _cuda_parts(seed, dtype=torch.float32):
     M = make_pattern("random", seed=seed)
     return M, to_parts(M, dtype, torch.int32, "cuda")
-
-
-class _NoSync:
-    """``torch.cuda.set_sync_debug_mode("error")`` for the block: a synchronizing call raises."""
-
-    def __enter__(self):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("source", ["torch csr", "parts"])
@@ -60,7 +35,7 @@ def test_intake_and_first_products_of_cuda_indices_wait_for_nothing(runtime, sou
     X = torch.randn(M.shape[1], 16, device="cuda")
     x = torch.randn(M.shape[1], device="cuda")
     G = torch.randn(M.shape[0], 16, device="cuda")
-    with _NoSync():
+    with NoSync():
         data = (torch.sparse_csr_tensor(crow, col, val, M.shape, check_invariants=False) if source == "torch csr"
                 else (crow, col, val))
         A = ts.csr(data, M.shape if source == "parts" else None)
@@ -78,7 +53,7 @@ def test_a_training_step_on_a_new_cuda_matrix_waits_for_nothing(runtime):
     W = torch.randn(M.shape[1], 8, device="cuda", requires_grad=True)
     ts.csr((crow.clone(), col.clone(), val), M.shape) @ W.detach()  # process warm-up
     weights = val.clone().requires_grad_()
-    with _NoSync():
+    with NoSync():
         A = ts.csr((crow, col, weights), M.shape)
         loss = (A @ W).square().sum()
         loss.backward()
@@ -97,7 +72,7 @@ def test_bad_cuda_indices_give_nan_then_the_named_error(runtime, where):
     else:
         crow[3] = 10**7
         message = r"^torch_sparserl\.csr: crow must be non-decreasing"
-    with _NoSync():
+    with NoSync():
         A = ts.csr((crow, col, val), M.shape)
         _nan_or_named(lambda: A @ torch.randn(M.shape[1], 8, device="cuda"), message)
     with pytest.raises(ValueError, match=message):
@@ -135,9 +110,7 @@ def test_an_operator_in_a_captured_graph_checks_each_replays_indices(runtime):
     checks and repairs them in the graph, so refilled indices are served right and bad ones
     give NaN, never a fault or another replay's pattern."""
     M = make_pattern("random", seed=16)
-    other = M[:, np.random.default_rng(17).permutation(M.shape[1])].tocsr()  # same sizes, other pattern
-    other.sort_indices()
-    other.data = np.random.default_rng(18).standard_normal(other.nnz)
+    other = other_pattern_of(M, seed=17)  # same sizes, other pattern
     batches = [to_parts(A, torch.float32, torch.int32, "cuda") for A in (M, other, M)]
     static = [t.clone() for t in batches[0]]
     X = torch.randn(M.shape[1], 8, device="cuda")

@@ -8,21 +8,17 @@ import gc
 import re
 import time
 
-import numpy as np
 import pytest
 import torch
 
 import torch_sparserl as ts
 from torch_sparserl import pattern as patterns
-from torch_sparserl.config import JitOptions
 from torch_sparserl.dtypes import assert_close_to_reference
-from torch_sparserl.jit import runtime as rt
-from torch_sparserl.jit.cache import CacheEntry, KernelCache
 from torch_sparserl.pattern import device_check
 from torch_sparserl.pattern.validation import check_csr_values
 from torch_sparserl.toolchain import intake
 
-from helpers import make_pattern, ref_spmm, to_parts
+from helpers import NoSync, make_pattern, other_pattern_of, ref_spmm, to_parts
 
 
 @pytest.fixture(scope="module")
@@ -40,28 +36,6 @@ def kernel():
             pytest.fail("the fused intake kernel's build did not finish in 300 s")
         time.sleep(0.05)
     return launcher
-
-
-@pytest.fixture
-def runtime(tmp_path):
-    """A background runtime that decides cuSPARSE for everything (no kernel build in these tests)."""
-    runtime = rt.Runtime(JitOptions(mode="background", admit_age_s=0), cache=KernelCache(tmp_path),
-                         specializer=lambda key, crow, col, ncols: CacheEntry(key, None, reason="the test's: cuSPARSE"))
-    previous = rt.set_active(runtime)
-    yield runtime
-    rt.set_active(previous)
-    runtime.close()
-
-
-class _NoSync:
-    """``torch.cuda.set_sync_debug_mode("error")`` for the block: a synchronizing call raises."""
-
-    def __enter__(self):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _launches() -> int:
@@ -87,7 +61,7 @@ def test_one_launch_copies_like_torch_and_nothing_waits(kernel, runtime, index_d
     crow, col, val = _random_csr(rows, nnz, ncols, index_dtype, seed=rows + nnz)
     X = torch.randn(ncols, 8, device="cuda")
     before = _launches()
-    with _NoSync():
+    with NoSync():
         A = ts.csr((crow, col, val), (rows, ncols))
         out = A @ X
     assert _launches() == before + 1  # the fused kernel served the intake
@@ -105,7 +79,7 @@ def test_a_torch_csr_tensor_and_an_operator_on_raw_tensors_take_the_kernel_too(k
     crow, col, val = to_parts(M, torch.float32, torch.int32, "cuda")
     X = torch.randn(M.shape[1], 4, device="cuda")
     before = _launches()
-    with _NoSync():
+    with NoSync():
         A = ts.csr(torch.sparse_csr_tensor(crow, col, val, M.shape, check_invariants=False))
         Y = A @ X
     assert _launches() == before + 1
@@ -138,7 +112,7 @@ def test_each_failure_gives_nan_or_the_named_error_then_the_error(kernel, runtim
     message = "^" + re.escape(str(expected.value)) + "$"
     X = torch.randn(n, 8, device="cuda")
     before = _launches()
-    with _NoSync():
+    with NoSync():
         A = ts.csr((crow, col, val), M.shape)
         try:
             first = A @ X
@@ -181,9 +155,7 @@ def test_a_graph_captured_with_the_kernel_checks_every_replay(kernel, runtime):
     checked by the fused kernel in the graph: good ones give the right product, bad ones NaN,
     never a fault, on every replay."""
     M = make_pattern("random", seed=34)
-    other = M[:, np.random.default_rng(35).permutation(M.shape[1])].tocsr()  # same sizes, other pattern
-    other.sort_indices()
-    other.data = np.random.default_rng(36).standard_normal(other.nnz)
+    other = other_pattern_of(M, seed=35)  # same sizes, other pattern
     batches = [to_parts(A, torch.float32, torch.int64, "cuda") for A in (M, other, M)]
     static = [t.clone() for t in batches[0]]
     X = torch.randn(M.shape[1], 8, device="cuda")
