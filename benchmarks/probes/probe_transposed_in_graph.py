@@ -31,19 +31,14 @@ from common import load_graph  # noqa: E402
 
 
 def _captured(fn, static: tuple, warm: tuple):
-    """``(graph, output)``: ``fn(*static)`` captured after one warm-up call on ``warm`` (other
-    tensors than the captured ones, so that the capture meets its indices for the first time)."""
-    import torch
+    """``(graph, output)``: ``fn(*static)`` captured as ``ts.capture_step`` captures a step, after
+    one warm-up call on ``warm`` (other tensors than the captured ones, so that the capture meets
+    its indices for the first time)."""
+    from torch_sparserl.train.capture import CudaGraphs
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*warm)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*static)
-    return graph, out
+    graphs = CudaGraphs()
+    graphs.warm(fn, warm, None)
+    return graphs.capture(fn, static, None)
 
 
 def _replay_us(graph, replays: int) -> float:
