@@ -24,8 +24,8 @@ import torch
 
 from ..config import BackendOptions
 from ..jit import fastpath
-from ..kernels import vendor
 from ..jit import runtime as rt
+from ..kernels import vendor
 from ..tensor import intercept
 from . import cudagraphs
 from .flatten import call_flattened, flatten_matrix_inputs

@@ -40,6 +40,8 @@ from . import endtoend
 from .cache import CacheEntry
 from .decisions import Decision, Fallback, Installed, Pending, not_yet
 from .install import DTYPE_NAMES, device_arch, inline_installer, library_built, on_device
+from .specializers import POLICY_OPS, settings_policy_id
+from .workers import ShuttingDown
 
 _WARMING = threading.local()  # .since: the start of the warm-up call this thread runs (warming)
 
@@ -58,8 +60,7 @@ def warming():
         yield
     finally:
         _WARMING.since = previous
-from .specializers import POLICY_OPS, settings_policy_id
-from .workers import ShuttingDown
+
 
 log = logging.getLogger("torch_sparserl.jit.decide")
 

@@ -12,9 +12,9 @@ runtime needs around it:
   ``jit.admit_calls``, ``jit.admit_age_s``; or not queued: ``jit.queue``) on a pattern older
   than the call, for at most :data:`WARMUP_LIMIT_S` seconds. A matrix the step builds from its
   arguments (a mini-batch's ``ts.csr`` inside the step) is a new pattern at every call and is
-  served by cuSPARSE in the graph whatever is decided: it does not hold the capture back. With ``wait_s``, the decisions still pending then are waited
-  for (at most ``wait_s`` seconds) and, where one landed, warmed up once more. The next call
-  captures, then replays.
+  served by cuSPARSE in the graph whatever is decided: it does not hold the capture back. With
+  ``wait_s``, the decisions still pending then are waited for (at most ``wait_s`` seconds) and,
+  where one landed, warmed up once more. The next call captures, then replays.
 * **The capture mode.** ``capture_error_mode="thread_local"``: see :meth:`CudaGraphs.capture`.
 * **Re-capture.** Decisions that land after the capture (a pending one, a kernel replaced) bump
   the runtime's :attr:`~torch_sparserl.jit.runtime.Runtime.epoch`. Each call compares it with the
@@ -60,9 +60,9 @@ from torch import Tensor
 from ..jit import fastpath
 from ..jit.decide import warming
 from ..jit.decisions import Installed, Pending
-from ..pattern import settle_pending
 from ..jit.runtime import active_or_none
 from ..kernels import vendor
+from ..pattern import settle_pending
 from ..tensor.csr_matrix import CSRMatrix
 
 log = logging.getLogger("torch_sparserl.train.capture")
