@@ -17,11 +17,12 @@ loop, the median over the rounds of the mean per batch), and on CUDA the same lo
 error it raised), ``none`` where none did. The first ``A @ X`` of each matrix is timed the same
 way (``first_product_us``): intake and first product are what a step pays per new pattern.
 ``--breakdown`` runs the loop once more with the library's intake functions timed
-(:data:`INTAKE_PARTS`: metadata checks, the copy and check of CUDA indices in all, the fused
-kernel's launch where it serves, else the torch way's parts: index copies, the device check, its
-flags and event), in host µs per matrix: where a ``ts.csr`` spends its time. The fused kernel is
-built in the background from the first CUDA intake on; the warm-up waits for it, so that the
-timed loops measure the intake a training loop has after its first steps.
+(:data:`INTAKE_PARTS`: the C++ library's intake of a CUDA triple where it serves, else the metadata
+checks, the copy and check of CUDA indices in all, the fused kernel's launch where it serves, else
+the torch way's parts: index copies, the device check, its flags and event), in host µs per
+matrix: where a ``ts.csr`` spends its time. The fused kernel is built in the background from the
+first CUDA intake on, the C++ library from the first CUDA product; the warm-up waits for both, so
+that the timed loops measure the intake a training loop has after its first steps.
 
     python benchmarks/bench_intake.py --graph pubmed --out benchmarks/results/
     python benchmarks/bench_intake.py --graph cora --device cpu --batches 4 --out /tmp/i.json
@@ -43,6 +44,8 @@ from common import environment, load_graph, results_path, tables, timing, write_
 SCHEMA = "torch_sparserl.bench_intake/1"
 CUDA_WAYS = ("cuda_csr", "cuda_parts", "host_parts")
 INTAKE_PARTS = (  # (module, attribute, label): what --breakdown times inside ts.csr
+    ("torch_sparserl.pattern", "intake", "C++ intake, in all"),
+    ("torch_sparserl.pattern.device_check", "intake", "C++ intake: the slot and the library's call"),
     ("torch_sparserl.tensor.construct", "_check_parts", "metadata checks"),
     ("torch_sparserl.tensor.construct", "_staged", "C++ staging (host parts)"),
     ("torch_sparserl.pattern", "checked_copies", "copy and check, in all"),
@@ -89,6 +92,14 @@ def fused_ready(device, timeout_s: float = 120.0) -> bool:
     return True
 
 
+def cpp_intake_ready() -> bool:
+    """Load the C++ library (building it where it is not on disk), whose ``intake()`` takes CUDA
+    triples in by one call; False where it cannot be loaded (the Python path then serves)."""
+    from torch_sparserl.jit import fastpath
+
+    return fastpath.ensure(wait=True)  # a loaded library registers its intake (pattern.device_check)
+
+
 def time_way(way: str, batches, device, features: int, rounds: int, breakdown: bool = False) -> dict:
     import torch
 
@@ -109,6 +120,7 @@ def time_way(way: str, batches, device, features: int, rounds: int, breakdown: b
     for (data, shape), X in zip(given[:2], xs):  # the process's one-time costs
         build(data, shape) @ X
     fused = fused_ready(torch.device(device)) if cuda else False
+    door = cuda and cpp_intake_ready()
     intake, product = [], []
     for _ in range(rounds):
         sync()
@@ -147,7 +159,7 @@ def time_way(way: str, batches, device, features: int, rounds: int, breakdown: b
         parts["ts.csr, in all"] = {"us": total / len(given) * 1e6, "calls": 1.0}
     return {"intake_us": statistics.median(intake), "intake_rounds_us": intake,
             "first_product_us": statistics.median(product), "syncs": syncs, "breakdown_us": parts,
-            "fused_kernel": fused}
+            "fused_kernel": fused, "cpp_intake": door}
 
 
 def markdown(doc: dict) -> str:

@@ -10,6 +10,10 @@
 //   - `serve()`, a Python function of this module, which an eager `A @ X` on a CSRMatrix calls
 //     without the dispatcher (it declines what needs autograd, autocast or a mode).
 //
+// And one door into the library's matrices: `intake()`, which ts.csr of CUDA indices calls to
+// check their metadata, allocate the library's copies and launch the fused kernel that copies
+// and checks them (intake.h).
+//
 // Every door looks its operands up in a registry that the Python implementation fills after it
 // has served the same call itself:
 //
@@ -59,6 +63,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -101,4 +106,5 @@ cusparseHandle_t getCurrentCUDASparseHandle();
 #include "fastpath/host_probes.h"
 #include "fastpath/staging.h"
 #include "fastpath/eager_door.h"
+#include "fastpath/intake.h"
 #include "fastpath/library.h"

@@ -1,5 +1,5 @@
 // The eager door: serve(), the Python function of this module that an eager CSRMatrix product
-// calls without the dispatcher (Python C-API), and the module's definition.
+// calls without the dispatcher (Python C-API).
 //
 // Part of csrc/fastpath.cpp, the library's one translation unit, which includes it after
 // staging.h: it uses names the parts before it declare and is not compiled on its own.
@@ -56,12 +56,5 @@ PyObject* py_serve(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
     return nullptr;
   }
 }
-
-PyMethodDef methods[] = {
-    {"serve", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&py_serve)), METH_FASTCALL,
-     "serve(op, crow, col, val, ncols, X) -> Tensor | None: an eager CSRMatrix product from the registry"},
-    {nullptr, nullptr, 0, nullptr}};
-
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "sparserl_fastpath", nullptr, -1, methods};
 
 }  // namespace

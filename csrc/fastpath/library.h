@@ -1,13 +1,28 @@
-// The library's definitions: the module's init function, the sparserl_fastpath operators'
-// schemas, and the C++ kernels registered for sparserl_fast::* and sparserl::* on CUDA.
+// The library's definitions: the module's functions and init function, the sparserl_fastpath
+// operators' schemas, and the C++ kernels registered for sparserl_fast::* and sparserl::* on CUDA.
 //
 // Part of csrc/fastpath.cpp, the library's one translation unit, which includes it after
-// eager_door.h: it uses names the parts before it declare and is not compiled on its own.
+// intake.h: it uses names the parts before it declare and is not compiled on its own.
 
 #pragma once
 
 #define SPARSERL_CONCAT_(a, b) a##b
 #define SPARSERL_CONCAT(a, b) SPARSERL_CONCAT_(a, b)
+
+namespace {
+
+// The module's Python functions: the doors that skip the dispatcher (eager_door.h, intake.h).
+PyMethodDef methods[] = {
+    {"serve", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&py_serve)), METH_FASTCALL,
+     "serve(op, crow, col, val, ncols, X) -> Tensor | None: an eager CSRMatrix product from the registry"},
+    {"intake", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&py_intake)), METH_FASTCALL,
+     "intake(crow, col, val, nrows, ncols, function, host, work, block, per_thread, max_grid) -> "
+     "(crow, col, result, stream) | None: a caller's CUDA indices copied and checked by the fused kernel"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "sparserl_fastpath", nullptr, -1, methods};
+
+}  // namespace
 
 // The module is imported under the library's name (jit/fastpath.py: its build and load); importing
 // it also registers the operators below.

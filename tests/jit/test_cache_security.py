@@ -232,15 +232,17 @@ def test_a_planted_fast_path_library_is_not_loaded(private_cache, monkeypatch):
     _planted(library.parent, library.stem)
     opened = []
     monkeypatch.setattr(fastpath, "_load_library",
-                        lambda name, path: opened.append(name) or type("Module", (), {"serve": print}))
+                        lambda name, path: opened.append(name) or type("Module", (), {"serve": print, "intake": len}))
     monkeypatch.setattr(fastpath, "loaded", False)
     monkeypatch.setattr(fastpath, "serve", None)
+    monkeypatch.setattr(fastpath.device_check, "_DOOR", None)
     assert not fastpath.is_built() and fastpath._load() is False and opened == []
     trust.write_marker(library, done)  # what a build by this user records
     assert fastpath.is_built()
     monkeypatch.setattr(fastpath.torch.ops, "sparserl_fastpath", type("Ops", (), {"bind_counters": print}),
                         raising=False)
     assert fastpath._load() is True and opened == [library.stem] and fastpath.serve is print
+    assert fastpath.device_check._DOOR is len  # ts.csr's door into the library
 
 
 # ------------------------------------------------------------------ locks

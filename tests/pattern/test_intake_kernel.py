@@ -44,9 +44,15 @@ class KernelModel:
     result words, the work words left zero); the host slot's bits and done marker when the test
     says (:meth:`deliver`)."""
 
+    geometry = (256, 4, 1024)  # what a launcher hands the C++ library's intake (device_check.intake)
+
     def __init__(self):
         self.launches = 0
         self.undelivered: list[tuple[int, int]] = []  # (host slot address, bits)
+
+    def function(self, dtype):
+        """A stand-in for the kernel's CUfunction address, per index dtype."""
+        return {torch.int32: 32, torch.int64: 64}.get(dtype)
 
     def __call__(self, dtype, crow_src, col_src, crow_dst, col_dst, rows, nnz, ncols, copy, work, result, host,
                  stream) -> bool:
@@ -445,3 +451,118 @@ def test_copies_made_under_inference_mode_are_ordinary_tensors(fused):
     fused.deliver()
     X = torch.randn(M.shape[1], 2, dtype=torch.float64)
     assert_close_to_reference(A @ X, ref_spmm(crow, col, val, M.shape[1], X))
+
+
+# ---- the C++ library's intake door, played by its contract ---------------------------------------------
+
+
+class DoorModel:
+    """``csrc/fastpath/intake.h``'s ``intake()`` on CPU memory: what it declines (a few of its
+    metadata checks, enough to show that a decline reaches the Python path), then the library's
+    copies and result words allocated and the kernel (its model) launched with them."""
+
+    def __init__(self, kernel: KernelModel):
+        self.kernel = kernel
+        self.calls: list[tuple] = []
+
+    def __call__(self, crow, col, val, nrows, ncols, function, host, work, block, per_thread, max_grid):
+        self.calls.append((function, (block, per_thread, max_grid), val))
+        if (crow.dim() != 1 or crow.shape[0] != nrows + 1 or nrows < 1 or col.dtype != crow.dtype
+                or (val is not None and (val.shape != col.shape or not val.is_floating_point()))):
+            return None
+        crow_copy, col_copy = torch.empty_like(crow), torch.empty_like(col)
+        result = torch.empty(2, dtype=torch.int32)
+        self.kernel(crow.dtype, crow.data_ptr(), col.data_ptr(), crow_copy.data_ptr(), col_copy.data_ptr(), nrows,
+                    col.shape[0], ncols, True, work, result.data_ptr(), host, 9)
+        return crow_copy, col_copy, result, 9
+
+
+@pytest.fixture
+def door(fused, monkeypatch):
+    """The fused fixture with the C++ library's door registered (its model)."""
+    model = DoorModel(fused)
+    monkeypatch.setattr(device_check, "_DOOR", model)
+    return model
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_a_cuda_triple_is_taken_in_by_one_call_of_the_library(door, index_dtype):
+    M, (crow, col, val) = _matrix(seed=41, index_dtype=index_dtype)
+    A = ts.csr((crow, col, val), M.shape)
+    assert len(door.calls) == 1 and door.kernel.launches == 1 and door.kernel.torch_way == []
+    function, geometry, checked = door.calls[0]
+    assert function == door.kernel.function(index_dtype) and geometry == door.kernel.geometry and checked is val
+    assert A._crow is not crow and A._col is not col and A._crow.dtype == index_dtype and A.val is val
+    assert torch.equal(A._crow, crow) and torch.equal(A._col, col)
+    assert patterns.owned(A._crow) and patterns.owned(A._col)
+    entry = patterns.validated(A._crow, A._col, M.shape[1])
+    assert entry is not None and entry.check is not None and not entry.settle()  # no verdict yet
+    X = torch.randn(M.shape[1], 3, dtype=torch.float64)
+    assert_close_to_reference(A @ X, ref_spmm(crow, col, val, M.shape[1], X))
+    door.kernel.deliver()
+    assert entry.settle() and entry.check is None and door.kernel.pool.out == 0
+
+
+@pytest.mark.parametrize("case", list(_FAILURES))
+def test_bad_indices_through_the_library_give_nan_then_the_named_error(door, case):
+    M, (crow, col, val) = _matrix(seed=42)
+    n = M.shape[1]
+    crow, col = crow.clone(), col.clone()
+    _FAILURES[case](crow, col, n)
+    with pytest.raises(ValueError) as expected:
+        check_csr_values("torch_sparserl.csr", crow, col, n)
+    A = ts.csr((crow, col, val), M.shape)
+    assert len(door.calls) == 1 and door.kernel.launches == 1
+    X = torch.randn(n, 2, dtype=torch.float64)
+    assert (A @ X).isnan().all()
+    door.kernel.deliver()
+    for _ in range(2):
+        with pytest.raises(ValueError) as raised:
+            A @ X
+        assert str(raised.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("case", ["short crow", "short val", "integer val"])
+def test_what_the_library_declines_takes_the_python_path_and_its_slot_back(door, case):
+    M, (crow, col, val) = _matrix(seed=43)
+    n = M.shape[1]
+    if case == "short crow":
+        crow = crow[:-1]
+    elif case == "short val":
+        val = val[:-1]
+    else:
+        val = torch.ones(M.nnz, dtype=torch.int64)
+    if case == "integer val":  # the Python path converts the values (to the default dtype) and goes on
+        A = ts.csr((crow, col, val), M.shape)
+        assert A.val.dtype == torch.get_default_dtype() and len(door.calls) == 1
+        door.kernel.deliver()
+        assert A.to_dense().eq(torch.from_numpy((M != 0).toarray()).to(A.val.dtype)).all()
+    else:
+        with pytest.raises(ValueError) as via_door:
+            ts.csr((crow, col, val), M.shape)
+        assert len(door.calls) == 1
+        device_check._DOOR = None  # the Python path alone names the same error (monkeypatch restores it)
+        with pytest.raises(ValueError) as alone:
+            ts.csr((crow, col, val), M.shape)
+        assert str(via_door.value) == str(alone.value)
+    assert door.kernel.pool.out == 0  # the declined call's slot went back: no verdict will come to it
+
+
+def test_conversions_and_tensors_the_library_owns_skip_the_door(door):
+    M, (crow, col, val) = _matrix(seed=44)
+    A = ts.csr((crow, col, val), M.shape, dtype=torch.float32)  # a conversion: the Python path
+    assert door.calls == [] and A.val.dtype == torch.float32
+    B = ts.csr((A._crow, A._col, A.val), M.shape)  # the library's own indices: nothing to copy
+    assert door.calls == []
+    door.kernel.deliver()
+    X = torch.randn(M.shape[1], 2, dtype=torch.float32)
+    assert_close_to_reference(B @ X, ref_spmm(crow, col, val.float(), M.shape[1], X), torch.float32)
+
+
+def test_without_the_library_the_fused_kernel_serves_from_python(fused):
+    M, (crow, col, val) = _matrix(seed=45)
+    assert device_check._DOOR is None or not device_check._DOOR  # nothing registered on a CPU machine
+    A = ts.csr((crow, col, val), M.shape)
+    assert fused.launches == 1 and fused.torch_way == []
+    fused.deliver()
+    assert torch.equal(A._crow, crow) and torch.equal(A._col, col)

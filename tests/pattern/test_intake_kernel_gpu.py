@@ -207,3 +207,135 @@ def test_a_failed_verdict_read_during_a_capture_is_left_for_after_it(kernel, run
     with pytest.raises(ValueError, match=rf"col must be < ncols = {M.shape[1]} \(got col\[2\]"):
         A @ X
     runtime.wait()
+
+
+# ---- the C++ library's intake door (csrc/fastpath/intake.h) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def door(kernel):
+    """The C++ library loaded (built first where it is not on disk), its intake registered."""
+    from torch_sparserl.jit import fastpath
+
+    assert fastpath.ensure(wait=True), fastpath.unavailable()
+    assert device_check._DOOR is not None
+    return device_check._DOOR
+
+
+@pytest.fixture
+def python_launch_refused(monkeypatch):
+    """Fail the test where the fused kernel's Python launch serves an intake the library should."""
+    def refuse(*args):
+        raise AssertionError("the Python launch served an intake that the C++ library should have")
+
+    monkeypatch.setattr(device_check, "_fused_copy_checked", refuse)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("rows, nnz", [(1, 0), (1, 7), (300, 4000), (4097, 1), (100_000, 1_000_000)])
+def test_the_library_takes_a_cuda_triple_in_by_one_call(door, runtime, python_launch_refused, index_dtype, rows,
+                                                        nnz):
+    ncols = rows // 3 + 5
+    crow, col, val = _random_csr(rows, nnz, ncols, index_dtype, seed=rows + nnz + 1)
+    X = torch.randn(ncols, 8, device="cuda")
+    before = _launches()
+    with NoSync():
+        A = ts.csr((crow, col, val), (rows, ncols), device="cuda")
+        out = A @ X
+    assert _launches() == before + 1
+    assert A._crow is not crow and A._col is not col and A.val is val
+    assert A._crow.dtype == A._col.dtype == index_dtype and A._crow.is_contiguous() and A._col.is_contiguous()
+    assert torch.equal(A._crow, crow) and torch.equal(A._col, col)
+    entry = patterns.validated(A._crow, A._col, ncols)
+    assert entry is not None and entry.settle(block=True) and entry.check is None
+    assert_close_to_reference(out.cpu(), ref_spmm(crow.cpu(), col.cpu(), val.cpu(), ncols, X.cpu()), torch.float32)
+    runtime.wait()
+
+
+@pytest.mark.parametrize("case", list(_FAILURES))
+def test_bad_indices_the_library_took_in_give_nan_or_the_named_error(door, runtime, python_launch_refused, case):
+    M = make_pattern("random", seed=38)
+    crow, col, val = to_parts(M, torch.float32, torch.int32, "cuda")
+    n = M.shape[1]
+    _FAILURES[case](crow, col, n)
+    with pytest.raises(ValueError) as expected:
+        check_csr_values("torch_sparserl.csr", crow, col, n)
+    message = "^" + re.escape(str(expected.value)) + "$"
+    X = torch.randn(n, 8, device="cuda")
+    with NoSync():
+        A = ts.csr((crow, col, val), M.shape)
+        try:
+            first = A @ X
+        except ValueError as error:  # a fast GPU: the verdict was back already
+            assert re.search(message, str(error)), str(error)
+            first = None
+    if first is not None:
+        torch.cuda.synchronize()  # no kernel faulted
+        assert first.isnan().all()
+    for _ in range(2):  # at this and every later use
+        with pytest.raises(ValueError, match=message):
+            A @ X
+    runtime.wait()
+
+
+def _declined(M, crow, col, val):
+    """(name, (data, shape)) of CUDA triples whose metadata the library declines."""
+    shape = M.shape
+    yield "crow one short", ((crow[:-1], col, val), shape)
+    yield "val one short", ((crow, col, val[:-1]), shape)
+    yield "val on the host", ((crow, col, val.cpu()), shape)
+    yield "2-D val", ((crow, col, val.view(-1, 1)), shape)
+    yield "int64 col with int32 crow", ((crow, col.long(), val), shape)
+    yield "strided col", ((crow, torch.stack([col, col], 1)[:, 0], val), shape)
+    yield "integer val", ((crow, col, torch.ones_like(col)), shape)
+    yield "int32 indices past 2^31 columns", ((crow, col, val), (shape[0], 2**31))
+    yield "no row", ((crow[:1], col[:0], val[:0]), (0, shape[1]))
+
+
+def test_what_the_library_declines_ends_as_the_python_path_ends(door, runtime, monkeypatch):
+    M = make_pattern("random", seed=39)
+    crow, col, val = to_parts(M, torch.float32, torch.int32, "cuda")
+    X = torch.randn(M.shape[1], 4, device="cuda")
+
+    def outcome(data, shape):
+        try:
+            A = ts.csr(data, shape)
+        except (ValueError, TypeError, RuntimeError) as error:
+            return type(error), str(error)
+        return A.to_dense().cpu() if shape[1] < 2**20 else (A._crow.cpu(), A._col.cpu())
+
+    for name, (data, shape) in _declined(M, crow, col, val):
+        with_door = outcome(data, shape)
+        with monkeypatch.context() as m:
+            m.setattr(device_check, "_DOOR", None)
+            alone = outcome(data, shape)
+        if isinstance(alone, tuple) and isinstance(alone[0], type):
+            assert with_door == alone, name
+        elif isinstance(alone, tuple):
+            assert all(torch.equal(a, b) for a, b in zip(with_door, alone)), name
+        else:
+            assert torch.equal(with_door, alone), name
+    runtime.wait()
+
+
+def test_under_inference_mode_and_in_a_capture_the_python_path_serves(door, runtime):
+    M = make_pattern("random", seed=40)
+    parts = to_parts(M, torch.float32, torch.int64, "cuda")
+    X = torch.randn(M.shape[1], 4, device="cuda")
+    want = ref_spmm(*parts, M.shape[1], X)
+    with torch.inference_mode():
+        A = ts.csr(parts, M.shape)
+    assert not A._crow.is_inference() and not A._col.is_inference()
+    assert_close_to_reference((A @ X).cpu(), want, torch.float32)
+    static = [t.clone() for t in parts]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = ts.csr(tuple(static), M.shape) @ X  # the library declines: copied and checked in the graph
+    other = to_parts(other_pattern_of(M, seed=41), torch.float32, torch.int64, "cuda")
+    for target, source in zip(static, other):
+        target.copy_(source)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_reference(out.cpu(), ref_spmm(*other, M.shape[1], X), torch.float32)
+    runtime.wait()

@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from .. import config
+from ..pattern import device_check
 from ..toolchain.paths import build_root
 from .decisions import Fallback, Installed, Pending
 
@@ -218,6 +219,7 @@ def _load() -> bool:
         torch.ops.loaded_libraries.add(str(path))
         torch.ops.sparserl_fastpath.bind_counters(COUNTS)
         serve = module.serve
+        device_check.register_door(module.intake)  # ts.csr of CUDA indices: one call (pattern.intake)
         # None where the library cannot say (then the transpose is computed, as without it)
         cusparse_once = getattr(torch.ops.sparserl_fastpath, "cusparse_once", None)
         stage_csr = getattr(torch.ops.sparserl_fastpath, "stage_csr", None)

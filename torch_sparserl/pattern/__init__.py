@@ -39,11 +39,11 @@ memory pool: the first product on a pattern may run inside the warm-up of a CUDA
 from __future__ import annotations
 
 from .cache import _CACHE  # noqa: F401  the table itself, whose size benchmarks/bench_churn.py reads
-from .cache import (HOST_KEPT_MAX, Pattern, checked_copies, count, host_indices, in_graph, in_graph_copies, lookup,
-                    own, owned, private_copy, settle_pending, staged, stats, validated, versions)
+from .cache import (HOST_KEPT_MAX, Pattern, checked_copies, count, host_indices, in_graph, in_graph_copies, intake,
+                    lookup, own, owned, private_copy, settle_pending, staged, stats, validated, versions)
 from .derived import row_indices
 from .streams import run_kept, to_host
 
 __all__ = ["HOST_KEPT_MAX", "Pattern", "checked_copies", "count", "host_indices", "in_graph", "in_graph_copies",
-           "lookup", "own", "owned", "private_copy", "row_indices", "run_kept", "settle_pending", "staged", "stats",
+           "intake", "lookup", "own", "owned", "private_copy", "row_indices", "run_kept", "settle_pending", "staged", "stats",
            "to_host", "validated", "versions"]

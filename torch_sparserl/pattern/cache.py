@@ -544,7 +544,24 @@ def checked_copies(op: str, crow: torch.Tensor, col: torch.Tensor, ncols: int
     :func:`lookup` and :meth:`Pattern.validate` then."""
     if not device_check.defers(crow, col) or owned(crow) or owned(col):
         return None
-    own_crow, own_col, check = device_check.copy_checked(op, crow, col, ncols, _with_versions((crow, col)))
+    return _checked_entry(*device_check.copy_checked(op, crow, col, ncols, _with_versions((crow, col))), ncols)
+
+
+def intake(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, nrows: int, ncols: int
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`checked_copies` by one call of the C++ library (:func:`~.device_check.intake`), which
+    also checks the metadata of ``crow``, ``col`` and ``val`` against ``(nrows, ncols)`` as
+    ``ts.csr``'s Python path does. None where it does not serve: the Python path then."""
+    if owned(crow) or owned(col):
+        return None
+    made = device_check.intake(op, crow, col, val, nrows, ncols, _with_versions((crow, col)))
+    return None if made is None else _checked_entry(*made, ncols)
+
+
+def _checked_entry(own_crow: torch.Tensor, own_col: torch.Tensor, check: DeviceCheck, ncols: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache entry of the library's copies ``own_crow``, ``own_col`` whose ``check`` is queued:
+    validated, its verdict to be read by a later use."""
     own(own_crow, own_col)
     _STATS["lookups"] += 1
     with _CACHE_LOCK:

@@ -21,7 +21,9 @@ Each of those torch operations costs the host a dispatch and a launch, so where 
 registered a fused kernel (:func:`register_fused`: :mod:`torch_sparserl.toolchain.intake`), one
 launch of it does the copy, the check, the repair and the verdict's transfer
 (:func:`copy_checked`): the verdict lands in a slot of pinned host memory (:class:`SlotPool`)
-that the host reads without any CUDA call, and no event is needed. Until the kernel is built,
+that the host reads without any CUDA call, and no event is needed. Where the C++ library is loaded
+(:func:`register_door`), ``ts.csr`` of a caller's CUDA indices makes the copies and the launch in
+one call of it (:func:`intake`). Until the kernel is built,
 and wherever it cannot serve (CPU tensors, other index dtypes, another device than the current
 one, a launch the driver refuses), the torch operations above serve.
 """
@@ -378,9 +380,56 @@ FUSED_LAUNCHES = [0]  # launches of the fused kernel in this process (tests, ben
 def register_fused(provider) -> None:
     """Register the fused intake kernel: ``provider.launcher(device_index)`` returns a launcher or
     None (not built yet: the provider builds it meanwhile, never blocking), ``provider.mapped(
-    host_address)`` the device address of pinned host memory. None unregisters."""
+    host_address)`` the device address of pinned host memory. A launcher is called as
+    :func:`_fused_copy_checked` does; for :func:`intake` it also has ``function(dtype)`` (the
+    kernel's ``CUfunction`` address for that index dtype, or None) and ``geometry`` (threads per
+    block, indices per thread, most blocks). None unregisters."""
     global _FUSED
     _FUSED = provider
+
+
+_DOOR = None  # the C++ library's intake() (register_door)
+
+
+def register_door(door) -> None:
+    """Register the C++ library's ``intake(crow, col, val, nrows, ncols, function, host, work,
+    block, per_thread, max_grid) -> (crow copy, col copy, result words, stream) | None``: the
+    metadata checks, the allocations and the fused kernel's launch of :func:`intake` in one call
+    (``csrc/fastpath/intake.h``). None unregisters."""
+    global _DOOR
+    _DOOR = door
+
+
+def intake(op: str, crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor | None, nrows: int, ncols: int,
+           source=None) -> tuple[torch.Tensor, torch.Tensor, DeviceCheck] | None:
+    """``ts.csr``'s intake of a caller's CUDA indices by one call of the C++ library (:func:`register_door`):
+    the metadata of ``crow``, ``col`` and ``val`` (where given) checked as ``ts.csr``'s Python path
+    checks it, the library's copies allocated and the fused kernel launched on the current stream,
+    its verdict coming to a pinned slot as :func:`copy_checked`'s. Returns ``(crow', col', check)``;
+    None where the library, the kernel or a slot is not there, or the library declines (metadata
+    that fails a check among the reasons): nothing was queued then, and the caller's Python path
+    checks, names what is wrong and copies. ``source``: as :class:`DeviceCheck`'s."""
+    door = _DOOR
+    if door is None:
+        return None
+    launcher = _fusable(crow, col)
+    if launcher is None:
+        return None
+    function = launcher.function(crow.dtype)
+    if function is None:
+        return None
+    check = DeviceCheck._fused(op, crow, col, ncols, source, False, None)
+    pool = _pool(crow.device.index, _FUSED)
+    found = pool.acquire(check)
+    if found is None:
+        return None
+    made = door(crow, col, val, nrows, ncols, function, found[0], found[1], *launcher.geometry)
+    if made is None:
+        pool.take_back(check)
+        return None
+    crow_copy, col_copy, check._scratch, check._stream = made
+    FUSED_LAUNCHES[0] += 1
+    return crow_copy, col_copy, check
 
 
 def _pool(index: int, provider) -> SlotPool:

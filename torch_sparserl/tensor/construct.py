@@ -4,8 +4,9 @@ Torch sparse tensors (CSR, COO, CSC; COO and CSC indices checked before torch re
 tensors, SciPy matrices, another CSRMatrix, or a ``(crow, col, val)`` triple; the indices are
 copied into tensors the library owns and validated once, so that no product waits for the device
 to check them: host arrays bound for a CUDA device on the host (through the C++ library's one-pass
-copy and check where it is loaded), CUDA indices on their device, the host reading the verdict
-later (:class:`~torch_sparserl.pattern.device_check.DeviceCheck`).
+copy and check where it is loaded), CUDA indices on their device (a CUDA triple's metadata checks,
+copies and check's launch in one call of the C++ library where it is loaded), the host reading the
+verdict later (:class:`~torch_sparserl.pattern.device_check.DeviceCheck`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 from .. import pattern as patterns
 from ..dtypes import INDEX_DTYPES
 from ..ops import doors
+from ..pattern import device_check
 from ..pattern.validation import check_csr_values
 from .csr_matrix import CSRMatrix, _check_parts, values_of
 
@@ -36,7 +38,7 @@ def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
     general path then converts, checks and names what is wrong."""
     crow, col, val = data
     if (type(crow) is not Tensor or type(col) is not Tensor or type(val) is not Tensor or val.requires_grad
-            or (dtype is not None and dtype != val.dtype) or (index_dtype is not None and index_dtype != crow.dtype)
+            or crow.device.type != "cpu" or (dtype is not None and dtype != val.dtype) or (index_dtype is not None and index_dtype != crow.dtype)
             or torch.is_inference_mode_enabled()):
         return None
     try:
@@ -56,6 +58,35 @@ def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
     if door is not None:  # C++ serves it while young: its eager products go to C++'s door first
         A.__dict__["_door"] = door
     return A
+
+
+def _intake_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
+    """:func:`csr`'s short path for a caller's CUDA ``(crow, col, val)`` tensors (a subgraph
+    sampled on the GPU, every step a new pattern): one call of the C++ library checks their
+    metadata, makes the library's copies of the indices and queues their check on the device
+    (:func:`torch_sparserl.pattern.intake`). None where it does not apply (conversions, another
+    device, the library or the kernel not loaded, a check that fails): :func:`csr`'s general
+    path then converts, checks and names what is wrong."""
+    crow, col, val = data
+    if (type(crow) is not Tensor or type(col) is not Tensor or type(val) is not Tensor or crow.dim() != 1
+            or not device_check.defers(crow, col) or (dtype is not None and dtype != val.dtype) or (index_dtype is not None and index_dtype != crow.dtype)):
+        return None
+    try:
+        nrows, ncols = shape
+        nrows, ncols = operator.index(nrows), operator.index(ncols)
+        if device is not None:
+            device = torch.device(device)
+            if device.type != "cuda" or device.index not in (None, crow.device.index):
+                return None
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    made = patterns.intake("torch_sparserl.csr", crow, col, val, nrows, ncols)
+    if made is None:
+        return None
+    if val.is_inference():  # what the matrix keeps must be an ordinary tensor
+        with torch.inference_mode(False):
+            val = val.clone()
+    return _made(made[0], made[1], val, (nrows, ncols))
 
 
 def _staged(op: str, crow: Tensor, col: Tensor, val: Tensor, size: tuple, device) -> list[Tensor] | None:
@@ -183,11 +214,12 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
     values from NumPy or SciPy are copied.
     """
     op = "torch_sparserl.csr"
-    if (isinstance(data, (tuple, list)) and len(data) == 3 and shape is not None and device is not None and validate
-            and doors.can_stage()):
-        staged = _staged_matrix(data, shape, dtype, index_dtype, device)
-        if staged is not None:
-            return staged
+    if isinstance(data, (tuple, list)) and len(data) == 3 and shape is not None and validate:
+        made = _intake_matrix(data, shape, dtype, index_dtype, device)
+        if made is None and device is not None and doors.can_stage():
+            made = _staged_matrix(data, shape, dtype, index_dtype, device)
+        if made is not None:
+            return made
     if isinstance(data, CSRMatrix):
         crow, col, val, size = data._crow, data._col, values_of(data), tuple(data.shape)
     elif isinstance(data, Tensor):

@@ -134,9 +134,14 @@ class _Launcher:
         self._values = (ctypes.c_uint64 * _PARAMS)()
         base = ctypes.addressof(self._values)
         self._pointers = (ctypes.c_void_p * _PARAMS)(*[base + 8 * i for i in range(_PARAMS)])
+        self.geometry = (BLOCK, PER_THREAD, MAX_GRID)  # the C++ library's launch (device_check.intake)
         self._lock = threading.Lock()
         self._launch = lib.cuLaunchKernel
         self._thread = threading.local()  # .ready: the primary context made current on this thread
+
+    def function(self, dtype) -> int | None:
+        """The kernel's ``CUfunction`` address for index dtype ``dtype``, or None."""
+        return self._functions.get(dtype)
 
     def __call__(self, dtype, crow_src: int, col_src: int, crow_dst: int, col_dst: int, rows: int, nnz: int,
                  ncols: int, copy: bool, work: int, result: int, host: int, stream: int) -> bool:
