@@ -58,7 +58,14 @@ def summary_row(report: dict, one_rank_epoch_s: float | None) -> dict:
             "max_halo_wait_ms": max(r["halo_wait_s_per_epoch"] for r in ranks) * 1e3,
             "max_compute_ms": max(r["compute_s_per_epoch"] for r in ranks) * 1e3,
             "max_peak_memory_mb": max(r["peak_memory_mb"] for r in ranks),
-            "max_rel_loss_diff": report.get("max_rel_loss_diff")}
+            "max_rel_loss_diff": report.get("max_rel_loss_diff"), "max_rel_loss_error": report.get("max_rel_loss_error"),
+            "single_process_max_rel_loss_error": report.get("single_process_max_rel_loss_error")}
+
+
+def _f64_error(row: dict) -> str:
+    if row.get("max_rel_loss_error") is None:
+        return "–"
+    return f"{row['max_rel_loss_error']:.1e} ({row['single_process_max_rel_loss_error']:.1e})"
 
 
 def markdown(doc: dict) -> str:
@@ -68,19 +75,22 @@ def markdown(doc: dict) -> str:
              f"{cfg['hidden']}, {cfg['epochs']} epochs (the first, which specializes, not timed). *epoch*: the "
              "slowest rank's mean; *halo wait* / *products*: a rank's host time per epoch waiting for the "
              "exchange / in the sparse products; *halo sent*: bytes a rank sends per product; *loss diff*: the "
-             "largest relative difference from one process over the run.", "",
+             "largest relative difference from one process over the run; *f64 error*: the largest relative "
+             "difference from one process in float64, of this run and (in parentheses) of one process in float32.",
+             "",
              *tables.header(["ranks", "status", "epoch ms", "speedup", "rows/rank", "halo rows", "halo sent MB",
-                             "halo wait ms", "products ms", "peak MB", "loss diff"], "rlrrrrrrrrr")]
+                             "halo wait ms", "products ms", "peak MB", "loss diff", "f64 error"], "rlrrrrrrrrrr")]
     failures = []
     for r in doc["rows"]:
         if r["status"] == "failed":
-            lines.append(tables.row([r["world_size"], "failed", *["—"] * 9]))
+            lines.append(tables.row([r["world_size"], "failed", *["—"] * 10]))
             failures.append(f"- {r['world_size']} rank(s): {r.get('error') or 'no exception printed (see runs in the JSON)'}")
             continue
         lines.append(tables.row([r["world_size"], r["status"], f"{r['epoch_ms']:.1f}", fmt(r["speedup"], ".2f", "×"),
                                  f"{r['max_rows']:,}", f"{r['max_halo_rows']:,}", f"{r['max_halo_mb_sent']:.3f}",
                                  f"{r['max_halo_wait_ms']:.1f}", f"{r['max_compute_ms']:.1f}",
-                                 f"{r['max_peak_memory_mb']:.0f}", fmt(r["max_rel_loss_diff"], ".1e")]))
+                                 f"{r['max_peak_memory_mb']:.0f}", fmt(r["max_rel_loss_diff"], ".1e"),
+                                 _f64_error(r)]))
     if failures:
         lines += ["", "Why the failed world sizes failed (the first exception a rank printed):", "", *failures]
     lines += ["", command_line(doc["command"], doc["date"]), ""]

@@ -17,7 +17,10 @@ nodes' losses and divides by their total count.
 
 Rank 0 trains one process on the whole graph from the same start (``--no-check`` skips it, for
 a graph that does not fit one device) and compares: the summed gradient at the start and the
-loss of every step. The JSON written to ``--out`` holds, per rank, its rows and halo, the halo
+loss of every step. In float32 it also trains one process in float64: runs that sum in another
+order drift apart over Adam's steps, and where the two float32 runs differ by more than
+``LOSS_RTOL`` the partitioned one passes if it is as close to the float64 losses as one process
+is (within a factor of 2). The JSON written to ``--out`` holds, per rank, its rows and halo, the halo
 bytes it sends and receives per product, its epoch time, the time it waited for the halo and
 computed, and its peak memory.
 
@@ -153,6 +156,11 @@ def train(model, adj, x, y, train_mask, count: int, epochs: int, lr: float, sum_
             sync()
         seconds.append(time.perf_counter() - started)
     return torch.stack(losses), seconds
+
+
+def _max_rel(losses, reference) -> float:
+    """The largest relative difference of ``losses`` from ``reference``, step by step."""
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
 def sum_gradients(model) -> None:
@@ -313,13 +321,30 @@ def main(argv=None) -> int:
             single.zero_grad(set_to_none=True)
             single_losses, _ = train(single, whole, xd, yd, maskd, count, args.epochs, args.lr)
             single_losses = single_losses.tolist()
-            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, single_losses))
+            loss_diff = _max_rel(losses, single_losses)
             ok = grad_diff < GRAD_RTOL[dtype] and loss_diff < LOSS_RTOL[dtype]
             report.update(single_process_losses=single_losses, max_rel_grad_diff_at_start=grad_diff,
                           max_rel_loss_diff=loss_diff)
+            closeness = ""
+            if dtype == torch.float32:
+                # Float32 runs that sum in different orders drift apart over Adam's steps. Where the
+                # two differ by more than LOSS_RTOL, the run is still right if it is as close to
+                # one process in float64 as one process in float32 is (within a factor of 2).
+                exact = MODELS[args.model](args.features, args.hidden, args.classes).to(device=device,
+                                                                                       dtype=torch.float64)
+                exact.load_state_dict({k: v.double() for k, v in start.items()})
+                exact_losses, _ = train(exact, ts.csr(M, dtype=torch.float64, device=device), xd.double(), yd, maskd,
+                                        count, args.epochs, args.lr)
+                exact_losses = exact_losses.tolist()
+                error, single_error = _max_rel(losses, exact_losses), _max_rel(single_losses, exact_losses)
+                ok = grad_diff < GRAD_RTOL[dtype] and (loss_diff < LOSS_RTOL[dtype] or error <= 2 * single_error)
+                report.update(float64_losses=exact_losses, max_rel_loss_error=error,
+                              single_process_max_rel_loss_error=single_error)
+                closeness = (f"; against one process in float64: {error:.2e} (one process in float32: "
+                             f"{single_error:.2e})")
             print(f"{world} ranks: losses first {losses[0]:.6f}, last {losses[-1]:.6f}; one process: first "
                   f"{single_losses[0]:.6f}, last {single_losses[-1]:.6f}; gradient at the start: max relative "
-                  f"difference {grad_diff:.2e}; max relative loss difference {loss_diff:.2e}; "
+                  f"difference {grad_diff:.2e}; max relative loss difference {loss_diff:.2e}{closeness}; "
                   f"{'OK' if ok else 'MISMATCH'}")
         report["ok"] = ok
         for r in reports:

@@ -6,6 +6,7 @@ the test names the rank and the check)."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import socket
@@ -71,6 +72,8 @@ def _main(rank: int, world: int, port: int, scenario: str, out: str, backend: st
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     report = {"ok": True}
+    if scenario.startswith("peer_"):  # a rank still running well past the scenario's waits says where it is
+        faulthandler.dump_traceback_later(HANG_S + TIMEOUT_S + 30, exit=True)
     try:
         report.update(SCENARIOS[scenario](rank, world) or {})
     except Exception as exc:  # noqa: BLE001 - written for the test to name

@@ -190,7 +190,7 @@ class HaloExchange:
         self._global = {q: q if group is None else dist.get_global_rank(group, q)
                         for q in set(plan.send) | set(plan.recv)}
 
-    def _post(self, sends: dict[int, Tensor], recv_rows: dict[int, int], width: tuple, dtype) -> _Pending:
+    def _post(self, sends: dict[int, Tensor], recv_rows: dict[int, int], width: tuple, dtype, what: str) -> _Pending:
         ops, peers, received, keep = [], [], {}, []
         for peer, rows in recv_rows.items():
             buf = torch.empty((rows, *width), dtype=dtype, device=self.comm_device)
@@ -202,10 +202,22 @@ class HaloExchange:
             keep.append(t)
             ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group))
             peers.append(peer)
-        works = dist.batch_isend_irecv(ops) if ops else []
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except Exception as exc:  # noqa: BLE001 - NCCL raises here once it knows a peer is gone; named as a wait is
+            raise self._failed(sorted(set(peers)), what, exc) from exc
         if len(works) != len(ops):  # coalesced (NCCL): one work for all, any peer may be the one
             peers = [sorted(set(peers))] * len(works)
         return _Pending(list(works), peers, received, keep)
+
+    def _failed(self, peer, what: str, exc: Exception) -> "HaloExchangeError":
+        """The error of an exchange with ``peer`` (a rank, or a list of ranks any of which may be the one)."""
+        who = (f"rank {peer}" if isinstance(peer, int) else f"rank {peer[0]}" if len(peer) == 1
+               else f"one of ranks {peer}")
+        return HaloExchangeError(
+            f"{self.op} (rank {self.plan.rank}): the {what} with {who} failed or did not finish "
+            f"within {self.timeout or 'the group timeout'}: {who} exited, failed, or is not running "
+            f"the same products in the same order ({type(exc).__name__}: {exc})")
 
     def wait(self, pending: _Pending, what: str) -> dict[int, Tensor]:
         """Wait for ``pending``'s works, each within the timeout; a failure names its peer.
@@ -225,18 +237,14 @@ class HaloExchange:
                 else:
                     work.wait(self.timeout)
             except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise several types; re-raised naming the peer
-                who = (f"rank {peer}" if isinstance(peer, int) else f"rank {peer[0]}" if len(peer) == 1
-                       else f"one of ranks {peer}")
-                raise HaloExchangeError(
-                    f"{self.op} (rank {self.plan.rank}): the {what} with {who} failed or did not finish "
-                    f"within {self.timeout or 'the group timeout'}: {who} exited, failed, or is not running "
-                    f"the same products in the same order ({type(exc).__name__}: {exc})") from exc
+                raise self._failed(peer, what, exc) from exc
         return {q: t.to(self.device) for q, t in pending.received.items()}
 
     def start_forward(self, X: Tensor) -> _Pending:
         """Send the rows of ``X`` (this rank's) that peers read; receive this rank's halo."""
         sends = {q: X.index_select(0, rows) for q, rows in self._send.items()}
-        return self._post(sends, {q: int(r.numel()) for q, r in self.plan.recv.items()}, tuple(X.shape[1:]), X.dtype)
+        return self._post(sends, {q: int(r.numel()) for q, r in self.plan.recv.items()}, tuple(X.shape[1:]), X.dtype,
+                          "halo exchange")
 
     def finish_forward(self, pending: _Pending, X: Tensor) -> Tensor:
         """The halo: the rows received, in the halo block's column order."""
@@ -249,7 +257,7 @@ class HaloExchange:
         rows this rank sent."""
         sends = {q: grad_halo[s] for q, s in self._slices.items()}
         return self._post(sends, {q: int(r.numel()) for q, r in self.plan.send.items()},
-                          tuple(grad_halo.shape[1:]), grad_halo.dtype)
+                          tuple(grad_halo.shape[1:]), grad_halo.dtype, "gradient exchange")
 
     def finish_backward(self, pending: _Pending, grad_X: Tensor) -> Tensor:
         """``grad_X`` plus what the peers sent back for this rank's rows."""
