@@ -92,9 +92,13 @@ class _Product(torch.autograd.Function):
     def forward(ctx, D: "DistributedCSRMatrix", X: Tensor, val_local, val_halo):
         local = D.local if val_local is None else D.local.with_values(val_local.detach())
         halo_matrix = D.halo if val_halo is None or D.halo is None else D.halo.with_values(val_halo.detach())
-        pending = D.exchange.start_forward(X)
         started = time.perf_counter()
-        out = local @ X  # while the halo is on its way
+        if D.overlaps("forward", X):
+            pending = D.exchange.start_forward(X)
+            out = local @ X  # while the halo is on its way
+        else:
+            out = local @ X
+            pending = D.exchange.start_forward(X)
         computed = time.perf_counter()
         halo = D.exchange.finish_forward(pending, X)
         waited = time.perf_counter()
@@ -119,10 +123,14 @@ class _Product(torch.autograd.Function):
             grad_halo = spmm_transposed(crow, col, halo_matrix.val, halo_matrix.shape[1], G)
         else:
             grad_halo = G.new_zeros((0, G.shape[1]))
-        pending = D.exchange.start_backward(grad_halo)
+        overlaps = D.overlaps("backward", G)
+        if overlaps:
+            pending = D.exchange.start_backward(grad_halo)
         crow, col = indices_of(local, "DistributedCSRMatrix backward")
         grad_X = spmm_transposed(crow, col, local.val, local.shape[1], G)  # while the halo's gradient travels
         grad_val_local = sddmm(crow, col, G, X) if X is not None else None
+        if not overlaps:
+            pending = D.exchange.start_backward(grad_halo)
         grad_val_halo = None
         if halo is not None and halo_matrix is not None:
             crow, col = indices_of(halo_matrix, "DistributedCSRMatrix backward")
@@ -153,6 +161,20 @@ class DistributedCSRMatrix:
         self.shape = torch.Size((partition.n, partition.n))
         self._source, self._positions = source, positions
         self.stats = {"compute_s": 0.0, "wait_s": 0.0, "products": 0}
+        self._overlapped: set[tuple] = set()
+
+    def overlaps(self, direction: str, X: Tensor) -> bool:
+        """Whether this product's local work runs while its exchange travels: from the second
+        product of a direction (on a device) on. The first runs it before posting the exchange: its
+        kernels (cuSPARSE's, torch's) load lazily on first use (CUDA's default module loading),
+        and a load waits for the kernels running on the device, which, over NCCL, include the
+        exchange's; should a peer have left, that one never ends and the rank would hang before
+        its timeout could name the peer."""
+        key = (direction, X.dtype, X.device)
+        if key in self._overlapped:
+            return True
+        self._overlapped.add(key)
+        return False
 
     @property
     def device(self) -> torch.device:
