@@ -566,3 +566,17 @@ def test_without_the_library_the_fused_kernel_serves_from_python(fused):
     assert fused.launches == 1 and fused.torch_way == []
     fused.deliver()
     assert torch.equal(A._crow, crow) and torch.equal(A._col, col)
+
+
+def test_a_torch_csr_tensor_is_taken_in_by_the_library_too(door):
+    M, (crow, col, val) = _matrix(seed=46)
+    A = ts.csr(torch.sparse_csr_tensor(crow, col, val, M.shape))
+    assert len(door.calls) == 1 and door.kernel.launches == 1
+    door.kernel.deliver()
+    assert torch.equal(A._crow, crow) and torch.equal(A._col, col)
+    X = torch.randn(M.shape[1], 2, dtype=torch.float64)
+    assert_close_to_reference(A @ X, ref_spmm(crow, col, val, M.shape[1], X))
+    leaf = val.clone().requires_grad_()
+    B = ts.csr(torch.sparse_csr_tensor(crow, col, leaf, M.shape))  # its values' gradient flows back
+    (B @ X).sum().backward()
+    assert leaf.grad is not None and len(door.calls) == 2

@@ -224,6 +224,10 @@ def csr(data, shape: Sequence[int] | None = None, *, dtype: torch.dtype | None =
         crow, col, val, size = data._crow, data._col, values_of(data), tuple(data.shape)
     elif isinstance(data, Tensor):
         crow, col, val, size = _from_torch_sparse(data)
+        if validate and data.layout == torch.sparse_csr:  # a CUDA CSR tensor: one call of the C++ library
+            made = _intake_matrix((crow, col, val), size, dtype, index_dtype, device)
+            if made is not None:
+                return made
     elif hasattr(data, "tocsr") and hasattr(data, "indptr") or type(data).__module__.startswith("scipy.sparse"):
         crow, col, val, size = _from_scipy(data)
     elif isinstance(data, (tuple, list)) and len(data) == 3:
