@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_sparserl as ts
+from torch_sparserl import config
 from torch_sparserl.data.buckets import Buckets
 from torch_sparserl.data.prefetch import prefetch
 from torch_sparserl.data.sampling import neighbor_batches
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
     shared = [args.cache_dir or (tempfile.mkdtemp(prefix="sparserl-ddp-") if rank == 0 else None)]
     dist.broadcast_object_list(shared, src=0)
     os.environ["SPARSERL_CACHE_DIR"] = shared[0]
-    runtime = rt.configure(mode="sync")
+    runtime = rt.configure(config.from_environment().jit)  # its settings, and now its cache, the environment's:
+    # as on one GPU, a batch's pattern is young for its step and cuSPARSE serves it (background mode)
 
     A = ts.load_matrix(args.graph)
     A = ((A + A.T) > 0).astype(np.float32).tocsr()  # an undirected graph: neighbours both ways
