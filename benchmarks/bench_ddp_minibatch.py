@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, command_line, environment, fmt, results_path, tables, write_json_md  # noqa: E402
-from common.torchrun import run_example, world_sizes  # noqa: E402
+from common.torchrun import example_graph, run_example, world_sizes  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "ddp_sage_minibatch.py"
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     worlds = world_sizes(args.worlds)
 
-    arguments = ["--graph", args.graph, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+    arguments = ["--graph", example_graph(args.graph), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                  "--fanouts", args.fanouts, "--hidden", str(args.hidden), "--features", str(args.features),
                  "--buckets", str(args.buckets), *(["--no-check"] if args.no_check else [])]
     env = environment()

@@ -24,8 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, command_line, environment, fmt, results_path, tables, usage_error, write_json_md  # noqa: E402
-from common.matrices import select_matrices  # noqa: E402
-from common.torchrun import run_example, world_sizes  # noqa: E402
+from common.torchrun import example_graph, run_example, world_sizes  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "distributed_gcn.py"
 
@@ -36,14 +35,6 @@ def run_world(world: int, args, folder: Path) -> dict:
                  "--epochs", str(args.epochs), "--hidden", str(args.hidden), "--features", str(args.features),
                  *(["--no-check"] if args.no_check else [])]
     return run_example(EXAMPLE, world, arguments, args.device, folder, args.timeout)
-
-
-def example_graph(name: str) -> str:
-    """``--graph`` as the example reads it: a shared matrix's name (``dblp-2010``) as its file's
-    path, since the example knows the package's shipped matrices, files and generator specs only."""
-    if ":" in name:  # a generator spec: the example generates it (per rank with --rows-only)
-        return name
-    return select_matrices([name])[0].source
 
 
 def summary_row(report: dict, one_rank_epoch_s: float | None) -> dict:

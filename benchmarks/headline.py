@@ -15,7 +15,8 @@ from what those files measured (None where a file lacks the way it needs):
 * ``minibatch`` — the best sparserl way's steady epoch against the best of torch's and PyG's,
   and eager sparserl's first epoch against torch's;
 * ``intake_us`` — host µs of ``ts.csr`` of a CUDA subgraph (``cuda_csr``), and whether it
-  synchronized (``intake_syncs``).
+  synchronized (``intake_syncs``); ``intake_us_by_way``, each CUDA way's (a torch CSR tensor, a
+  ``(crow, col, val)`` triple).
 
     python benchmarks/headline.py --gnn benchmarks/results/gnn-h100-....json \\
         --minibatch benchmarks/results/minibatch-....json --intake benchmarks/results/intake-....json
@@ -81,6 +82,8 @@ def headline(gnn: dict | None, minibatch: dict | None, intake: dict | None, grap
     return {"gnn_full_graph": gnn_figures(gnn, graphs) if gnn is not None else None,
             "minibatch": minibatch_figures(minibatch) if minibatch is not None else None,
             "intake_us": way.get("intake_us"), "intake_syncs": way.get("syncs"),
+            "intake_us_by_way": {name: w.get("intake_us") for name, w in (intake or {}).get("ways", {}).items()
+                                 if name.startswith("cuda")} or None,
             "device": sorted({d.get("env", {}).get("gpu") or "cpu" for d in docs}),
             "commit": sorted({d.get("env", {}).get("commit") for d in docs if d.get("env", {}).get("commit")}),
             "sources": [d["_path"] for d in docs]}

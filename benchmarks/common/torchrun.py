@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .environment import REPO
 from .errors import usage_error
+from .matrices import select_matrices
 
 
 def world_sizes(text: str) -> list[int]:
@@ -22,6 +23,17 @@ def world_sizes(text: str) -> list[int]:
     except ValueError:
         raise usage_error(f"--worlds: expected positive integers, comma-separated (got {text!r})") from None
     return worlds
+
+
+def example_graph(name: str) -> str:
+    """``--graph`` as an example run in another folder reads it: a generator spec as it is, a file's
+    path made absolute, a shared matrix's name (``dblp-2010``) as its file's path (the examples know
+    the package's shipped matrices, files and generator specs only)."""
+    if ":" in name:  # a generator spec: the example generates it (per rank with --rows-only)
+        return name
+    if Path(name).is_file():
+        return str(Path(name).resolve())
+    return select_matrices([name])[0].source
 
 
 _ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")

@@ -24,7 +24,9 @@ def test_ddp_minibatch_example_on_gpus(tmp_path, world, buckets):
     and the young subgraphs served through the runtime on every rank."""
     _gpus(world)
     out = tmp_path / "ddp.json"
-    env = {k: v for k, v in os.environ.items() if "TORCHINDUCTOR" not in k and not k.startswith("SPARSERL_CACHE")}
+    # the example's own settings: not the test session's (SPARSERL_JIT=off, its caches)
+    env = {k: v for k, v in os.environ.items() if "TORCHINDUCTOR" not in k and not k.startswith(("SPARSERL_CACHE",
+                                                                                                  "SPARSERL_JIT"))}
     env["PYTHONPATH"] = str(REPO)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                              "--standalone", str(REPO / "examples" / "ddp_sage_minibatch.py"), "--epochs", "3",

@@ -64,7 +64,9 @@ def test_nccl_rank_that_leaves_before_the_exchange_is_named(tmp_path, how):
 def test_distributed_example_on_gpus(tmp_path, world):
     _gpus(world)
     out = tmp_path / "dist.json"
-    env = {k: v for k, v in os.environ.items() if "TORCHINDUCTOR" not in k and not k.startswith("SPARSERL_CACHE")}
+    # the example's own settings: not the test session's (SPARSERL_JIT=off, its caches)
+    env = {k: v for k, v in os.environ.items() if "TORCHINDUCTOR" not in k and not k.startswith(("SPARSERL_CACHE",
+                                                                                                  "SPARSERL_JIT"))}
     env["PYTHONPATH"] = str(REPO)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                              "--standalone", str(REPO / "examples" / "distributed_gcn.py"), "--device", "cuda",
