@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,39 @@ def first_error(output: str) -> str | None:
     return None
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux: read from ``/proc``), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill ``pid`` and every process under it: torchrun starts its ranks in sessions of their own,
+    which a kill of its process group would miss."""
+    for victim in [*_descendants(pid), pid]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 def run_example(example: Path, world: int, arguments: list[str], device: str, folder: Path, timeout: float) -> dict:
     """``example``'s report (``--out``) for ``world`` ranks with ``arguments``, ``status`` "ok",
     or "mismatch" when it exited non-zero (its check failed); without a report, the tail of its
@@ -59,7 +93,17 @@ def run_example(example: Path, world: int, arguments: list[str], device: str, fo
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=folder)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               cwd=folder)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(process.pid)
+        stdout, stderr = process.communicate()
+        output = _text(stdout) + _text(stderr)
+        return {"world_size": world, "status": "failed", "returncode": None,
+                "error": f"did not finish within {timeout:g} s", "output_tail": output[-3000:]}
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if not out.exists():
         output = result.stdout + result.stderr
         return {"world_size": world, "status": "failed", "returncode": result.returncode,

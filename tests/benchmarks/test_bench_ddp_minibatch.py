@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -97,3 +98,13 @@ def test_bench_ddp_minibatch_sweeps_world_sizes(tmp_path, monkeypatch):
     assert [r["steps_per_epoch"] for r in rows] == [7, 4]  # 2708 / 400; 1354 / 400
     md = path.with_suffix(".md").read_text()
     assert "| ranks | status | seeds/s |" in md and "| 2 | ok |" in md
+
+
+def test_a_world_size_past_its_time_is_killed_and_reported(tmp_path):
+    run_example = load_benchmark("bench_ddp_minibatch").run_example
+    example = tmp_path / "sleeps.py"
+    example.write_text("import time\ntime.sleep(60)\n")
+    started = time.monotonic()
+    report = run_example(example, 2, [], "cpu", tmp_path, timeout=3)
+    assert time.monotonic() - started < 30
+    assert report["status"] == "failed" and report["error"] == "did not finish within 3 s"
