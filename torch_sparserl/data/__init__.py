@@ -4,7 +4,7 @@ Pipeline stage 1 of 14: matrices for the demo, the tests, the benchmarks and tra
 shipped with the package (``matrices/``, :mod:`.datasets`) and synthetic patterns of any size
 (:mod:`.synthetic`); mini-batches sampled from a large graph (:mod:`.sampling`), padded to a few
 sizes (:mod:`.buckets`: :class:`Buckets`, :class:`PaddedBatch`) and made ahead of the step that
-trains on them (:mod:`.prefetch`).
+trains on them (:mod:`.prefetch`); array helpers the stages share (:mod:`.arrays`).
 May import: none.
 """
 

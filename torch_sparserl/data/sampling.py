@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse
 
+from .arrays import sorted_unique
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -114,7 +116,7 @@ def _sample(indptr: np.ndarray, indices: np.ndarray, seeds: np.ndarray, fanouts:
         source, target = _draw(indptr, indices, frontier, int(fanout), rng)
         rows.append(source)
         cols.append(target)
-        fresh = np.unique(target[~known[target]])
+        fresh = sorted_unique(target[~known[target]])
         known[fresh] = True
         nodes.append(fresh)
         frontier = fresh
@@ -123,11 +125,10 @@ def _sample(indptr: np.ndarray, indices: np.ndarray, seeds: np.ndarray, fanouts:
     local[every] = np.arange(every.size)
     row = local[np.concatenate(rows)]
     col = local[np.concatenate(cols)]
-    order = np.lexsort((col, row))
+    order = np.argsort(row * np.int64(every.size) + col, kind="stable")  # by row, then column
     row, col = row[order], col[order]
     crow = np.zeros(every.size + 1, dtype=np.int64)
-    np.add.at(crow, row + 1, 1)
-    crow = np.cumsum(crow)
+    np.cumsum(np.bincount(row, minlength=every.size), out=crow[1:])
     if every.size < 2**31 and col.size < 2**31:
         crow, col = crow.astype(np.int32), col.astype(np.int32)
     return Batch(nodes=every, seeds=int(seeds.size), crow=crow, col=col)

@@ -22,6 +22,8 @@ from typing import Callable
 import numpy as np
 import scipy.sparse
 
+from .arrays import sorted_unique
+
 __all__ = ["GENERATORS", "arrow", "banded", "bipartite", "block_diagonal", "make", "parse_spec", "power_law",
            "power_law_rows", "rmat", "stencil_2d", "uniform"]
 
@@ -363,7 +365,7 @@ def power_law_rows(nodes: int, start: int, stop: int, edge_factor: float = 16, s
         col = _permutation(rank - 1, nodes, salt=2)
         row = np.repeat(ids, degree)
         keep = (row >= start) & (row < stop)
-        keys = np.unique((row[keep] - start) * np.int64(nodes) + col[keep])  # by (row, col), merged
+        keys = sorted_unique((row[keep] - start) * np.int64(nodes) + col[keep])  # by (row, col), merged
         rows.append(keys // nodes)
         cols.append(keys % nodes)
     row, col = np.concatenate(rows), np.concatenate(cols)  # the blocks come in row order

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..data.arrays import sorted_unique
 from .partition import Partition
 
 
@@ -76,7 +77,7 @@ def split_block(crow: np.ndarray, col: np.ndarray, partition: Partition, rank: i
     mine = (new_col >= lo) & (new_col < hi)
     local = _sorted_csr(row_of_entry[mine], new_col[mine] - lo, positions[mine], rows.shape[0])
     remote = new_col[~mine]
-    halo_columns = np.unique(remote)
+    halo_columns = sorted_unique(remote)
     halo = _sorted_csr(row_of_entry[~mine], np.searchsorted(halo_columns, remote), positions[~mine], rows.shape[0])
     return Block(rows.shape[0], *local, *halo, torch.from_numpy(halo_columns.astype(np.int64)))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..data.arrays import sorted_unique
+
 
 def structural_features(rowptr, col, shape) -> dict[str, float]:
     """Row-length statistics and histogram, bandwidth and column locality of a CSR pattern."""
@@ -64,5 +66,5 @@ def window_reuse(rowptr: np.ndarray, col: np.ndarray, window: int = 16, samples:
         return 1.0
     owner = np.repeat(np.arange(picked.size, dtype=np.int64), counts)
     index = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(total)
-    distinct = np.unique(owner * (int(col.max()) + 1) + np.asarray(col, dtype=np.int64)[index]).size
+    distinct = sorted_unique(owner * (int(col.max()) + 1) + np.asarray(col, dtype=np.int64)[index]).size
     return total / distinct
