@@ -33,7 +33,7 @@ def run_world(world: int, args, folder: Path) -> dict:
     """The example's report for ``world`` ranks, or the tail of its output when it failed."""
     arguments = ["--graph", example_graph(args.graph), "--model", args.model, "--order", args.order, "--device", args.device,
                  "--epochs", str(args.epochs), "--hidden", str(args.hidden), "--features", str(args.features),
-                 *(["--no-check"] if args.no_check else [])]
+                 "--without-halo", str(args.without_halo), *(["--no-check"] if args.no_check else [])]
     return run_example(EXAMPLE, world, arguments, args.device, folder, args.timeout)
 
 
@@ -41,8 +41,10 @@ def summary_row(report: dict, one_rank_epoch_s: float | None) -> dict:
     if report["status"] == "failed":
         return {"world_size": report["world_size"], "status": "failed", "error": report.get("error")}
     ranks = report["ranks"]
-    epoch_s = report["epoch_s"]
+    epoch_s, alone_s = report["epoch_s"], report.get("epoch_without_halo_s")
     return {"world_size": report["world_size"], "status": report["status"], "epoch_ms": epoch_s * 1e3,
+            "epoch_without_halo_ms": alone_s * 1e3 if alone_s else None,
+            "halo_cost": epoch_s / alone_s if alone_s and report["world_size"] > 1 else None,
             "speedup": one_rank_epoch_s / epoch_s if one_rank_epoch_s else None,
             "max_rows": max(r["rows"] for r in ranks), "max_halo_rows": max(r["halo_rows"] for r in ranks),
             "max_halo_mb_sent": max(r["halo_bytes_per_product"]["sent"] for r in ranks) / 2**20,
@@ -51,6 +53,13 @@ def summary_row(report: dict, one_rank_epoch_s: float | None) -> dict:
             "max_peak_memory_mb": max(r["peak_memory_mb"] for r in ranks),
             "max_rel_loss_diff": report.get("max_rel_loss_diff"), "max_rel_loss_error": report.get("max_rel_loss_error"),
             "single_process_max_rel_loss_error": report.get("single_process_max_rel_loss_error")}
+
+
+def _alone(row: dict) -> str:
+    if row.get("epoch_without_halo_ms") is None:
+        return "–"
+    cost = "" if row["halo_cost"] is None else f" ({row['halo_cost']:.2f})"
+    return f"{row['epoch_without_halo_ms']:.1f}{cost}"
 
 
 def _f64_error(row: dict) -> str:
@@ -67,19 +76,22 @@ def markdown(doc: dict) -> str:
              "slowest rank's mean; *halo wait* / *products*: a rank's host time per epoch waiting for the "
              "exchange / in the sparse products; *halo sent*: bytes a rank sends per product; *loss diff*: the "
              "largest relative difference from one process over the run; *f64 error*: the largest relative "
-             "difference from one process in float64, of this run and (in parentheses) of one process in float32.",
+             "difference from one process in float64, of this run and (in parentheses) of one process in float32; "
+             "*without halo*: the slowest rank's epoch with the halo exchange left out (its halo zeros), and the "
+             "epoch over it (the exchange's cost; 1.00 where it is hidden).",
              "",
              *tables.header(["ranks", "status", "epoch ms", "speedup", "rows/rank", "halo rows", "halo sent MB",
-                             "halo wait ms", "products ms", "peak MB", "loss diff", "f64 error"], "rlrrrrrrrrrr")]
+                             "halo wait ms", "products ms", "without halo ms", "peak MB", "loss diff", "f64 error"],
+                            "rlrrrrrrrrrrr")]
     failures = []
     for r in doc["rows"]:
         if r["status"] == "failed":
-            lines.append(tables.row([r["world_size"], "failed", *["—"] * 10]))
+            lines.append(tables.row([r["world_size"], "failed", *["—"] * 11]))
             failures.append(f"- {r['world_size']} rank(s): {r.get('error') or 'no exception printed (see runs in the JSON)'}")
             continue
         lines.append(tables.row([r["world_size"], r["status"], f"{r['epoch_ms']:.1f}", fmt(r["speedup"], ".2f", "×"),
                                  f"{r['max_rows']:,}", f"{r['max_halo_rows']:,}", f"{r['max_halo_mb_sent']:.3f}",
-                                 f"{r['max_halo_wait_ms']:.1f}", f"{r['max_compute_ms']:.1f}",
+                                 f"{r['max_halo_wait_ms']:.1f}", f"{r['max_compute_ms']:.1f}", _alone(r),
                                  f"{r['max_peak_memory_mb']:.0f}", fmt(r["max_rel_loss_diff"], ".1e"),
                                  _f64_error(r)]))
     if failures:
@@ -99,6 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--no-check", action="store_true", help="skip the one-process comparison")
+    parser.add_argument("--without-halo", type=int, default=10, metavar="EPOCHS",
+                        help="epochs timed again with the halo exchange left out (0: none)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one world size may take")
     parser.add_argument("--out", default="benchmarks/results", help="folder (a dated file in it) or a .json path")
     args = parser.parse_args(argv)
@@ -117,7 +131,8 @@ def main(argv=None) -> int:
                                                             if "epoch_s" in report else ""), flush=True)
     one = next((r["epoch_s"] for r in reports if r.get("world_size") == 1 and "epoch_s" in r), None)
     doc = {"schema": "torch_sparserl.bench_distributed/1", "env": env, "date": started,
-           "config": {k: getattr(args, k) for k in ("graph", "model", "order", "device", "epochs", "hidden", "features")},
+           "config": {k: getattr(args, k) for k in ("graph", "model", "order", "device", "epochs", "hidden", "features",
+                                                   "without_halo")},
            "rows": [summary_row(r, one) for r in reports], "runs": reports,
            "command": " ".join(["python benchmarks/bench_distributed.py"] + (argv if argv is not None else sys.argv[1:]))}
     path = results_path(args.out, "distributed", env["gpu"] if args.device == "cuda" else None, started[:10])

@@ -158,6 +158,31 @@ def train(model, adj, x, y, train_mask, count: int, epochs: int, lr: float, sum_
     return torch.stack(losses), seconds
 
 
+class WithoutExchange:
+    """A halo exchange that sends nothing: the halo is zeros and the gradient of the rows sent stays
+    as it is. With it a rank's epoch is its work alone (``--without-halo``), the numbers wrong."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def start_forward(self, X):
+        return None
+
+    def finish_forward(self, pending, X):
+        return X.new_zeros((self.plan.halo_size, *X.shape[1:]))
+
+    def start_backward(self, grad_halo):
+        return None
+
+    def finish_backward(self, pending, grad_X):
+        return grad_X
+
+
+def _alone(rank_report: dict) -> str:
+    alone = rank_report["epoch_without_halo_s"]
+    return "" if alone is None else f", {alone * 1e3:.1f} ms without the halo exchange"
+
+
 def _max_rel(losses, reference) -> float:
     """The largest relative difference of ``losses`` from ``reference``, step by step."""
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
@@ -194,6 +219,9 @@ def main(argv=None) -> int:
     parser.add_argument("--classes", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--without-halo", type=int, default=0, metavar="EPOCHS",
+                        help="after training, time this many more epochs with the halo exchange left out "
+                             "(zeros for the halo): each rank's epoch without the exchange")
     parser.add_argument("--timeout", type=float, help="seconds a rank waits for a peer's halo (default: the group's)")
     parser.add_argument("--rows-only", action="store_true",
                         help="each rank reads only its rows of the adjacency from a .npz, or makes them for a "
@@ -213,6 +241,8 @@ def main(argv=None) -> int:
     backend = args.backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         parser.error("--backend nccl needs --device cuda")
+    if args.without_halo < 0:
+        parser.error(f"--without-halo must be >= 0 (got {args.without_halo})")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)  # before the group: NCCL binds each rank to its GPU
@@ -281,6 +311,15 @@ def main(argv=None) -> int:
     shares, seconds = train(model, adj, x_local, y_local, mask_local, count, args.epochs, args.lr, sum_gradients, sync)
     dist.all_reduce(shares)
     losses = shares.tolist()
+    stats = dict(adj.stats)
+    alone = None
+    if args.without_halo:  # the same epochs with the halo exchange left out: what the exchange costs
+        exchange, adj.exchange = adj.exchange, WithoutExchange(adj.exchange.plan)
+        try:
+            alone = train(model, adj, x_local, y_local, mask_local, count, args.without_halo + 1, args.lr,
+                          sum_gradients, sync)[1][1:]
+        finally:
+            adj.exchange = exchange
 
     timed = seconds[1:] or seconds  # the first epoch specializes the kernels
     rank_report = {"rank": rank, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -288,9 +327,10 @@ def main(argv=None) -> int:
                    "halo_rows": adj.plan.halo_size, "peers": sorted(set(adj.plan.send) | set(adj.plan.recv)),
                    "halo_bytes_per_product": adj.halo_bytes(args.hidden if args.model == "gcn" else args.features),
                    "epoch_s": sum(timed) / len(timed), "epoch_s_all": seconds,
-                   "halo_wait_s_per_epoch": adj.stats["wait_s"] / args.epochs,
-                   "compute_s_per_epoch": adj.stats["compute_s"] / args.epochs,
-                   "products_per_epoch": adj.stats["products"] / args.epochs,
+                   "epoch_without_halo_s": sum(alone) / len(alone) if alone else None,
+                   "halo_wait_s_per_epoch": stats["wait_s"] / args.epochs,
+                   "compute_s_per_epoch": stats["compute_s"] / args.epochs,
+                   "products_per_epoch": stats["products"] / args.epochs,
                    "peak_memory_mb": peak_memory_mb(device),
                    # what serves each block's products: the JIT's decisions for two ordinary patterns
                    "kernels": {name: runtime.decisions(block.crow, block.col, block.shape[1])
@@ -305,7 +345,9 @@ def main(argv=None) -> int:
         report = {"graph": args.graph, "model": args.model, "nodes": n, "nnz": nnz, "world_size": world,
                   "backend": backend, "order": adj.partition.order, "rows_only": args.rows_only, "dtype": args.dtype, "epochs": args.epochs,
                   "hidden": args.hidden, "features": args.features, "ranks": reports, "losses": losses,
-                  "epoch_s": max(r["epoch_s"] for r in reports)}
+                  "epoch_s": max(r["epoch_s"] for r in reports),
+                  "epoch_without_halo_s": (max(r["epoch_without_halo_s"] for r in reports)
+                                           if args.without_halo else None)}
         ok = True
         if not args.no_check:
             if generated:  # the same graph and node data, whole, in one process
@@ -349,7 +391,8 @@ def main(argv=None) -> int:
         report["ok"] = ok
         for r in reports:
             print(f"rank {r['rank']}: {r['rows']} rows, {r['local_nnz']} + {r['halo_nnz']} (halo) nonzeros, "
-                  f"{r['halo_rows']} halo rows; epoch {r['epoch_s'] * 1e3:.1f} ms (halo wait "
+                  f"{r['halo_rows']} halo rows; epoch {r['epoch_s'] * 1e3:.1f} ms"
+                  f"{_alone(r)} (halo wait "
                   f"{r['halo_wait_s_per_epoch'] * 1e3:.1f} ms, products {r['compute_s_per_epoch'] * 1e3:.1f} ms); "
                   f"peak memory {r['peak_memory_mb']:.0f} MB")
         if args.out:

@@ -62,12 +62,16 @@ def test_bench_distributed_times_every_world_size(tmp_path, monkeypatch):
     bench = load_benchmark("bench_distributed")
     path = tmp_path / "dist.json"
     assert bench.main(["--worlds", "1,2", "--epochs", "3", "--hidden", "8", "--features", "16",
-                       "--order", "rcm", "--out", str(path)]) == 0
+                       "--order", "rcm", "--without-halo", "2", "--out", str(path)]) == 0
     doc = json.loads(path.read_text())
     rows = doc["rows"]
     assert [r["world_size"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows)
     assert rows[0]["max_halo_rows"] == 0 and rows[1]["max_halo_rows"] > 0 and rows[0]["speedup"] == 1.0
     assert rows[1]["max_rows"] < rows[0]["max_rows"] and rows[1]["max_halo_mb_sent"] > 0
+    # each world size timed again without the exchange; its cost is the ratio (none for one rank)
+    assert all(r["epoch_without_halo_ms"] > 0 for r in rows) and rows[0]["halo_cost"] is None
+    assert rows[1]["halo_cost"] == pytest.approx(rows[1]["epoch_ms"] / rows[1]["epoch_without_halo_ms"])
+    assert all(len(rank["epoch_s_all"]) == 3 for rank in doc["runs"][1]["ranks"])  # the extra epochs apart
     md = path.with_suffix(".md").read_text()
     assert "| ranks | status | epoch ms |" in md and "| 2 | ok |" in md
 
