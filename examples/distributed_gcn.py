@@ -22,7 +22,8 @@ order drift apart over Adam's steps, and where the two float32 runs differ by mo
 ``LOSS_RTOL`` the partitioned one passes if it is as close to the float64 losses as one process
 is (within a factor of 2). The JSON written to ``--out`` holds, per rank, its rows and halo, the halo
 bytes it sends and receives per product, its epoch time, the time it waited for the halo and
-computed, and its peak memory.
+computed, and its peak memory; with ``--without-halo N``, also its epoch over N more epochs with
+the halo exchange left out (the halo zeros): what the exchange costs where it is not hidden.
 
 ``--rows-only`` builds each rank's blocks from its own rows alone
 (``ts.distributed.DistributedCSRMatrix.from_local``), read from a ``.npz`` with
