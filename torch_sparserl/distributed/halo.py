@@ -118,14 +118,6 @@ class HaloPlan:
     def halo_size(self) -> int:
         return sum(int(v.numel()) for v in self.recv.values())
 
-    def recv_slices(self) -> dict[int, slice]:
-        """Where each peer's rows sit in the halo."""
-        slices, start = {}, 0
-        for peer, rows in self.recv.items():
-            slices[peer] = slice(start, start + rows.numel())
-            start += rows.numel()
-        return slices
-
     def send_index(self) -> Tensor:
         """Every row sent, peers ascending: what the backward adds the returned gradient to."""
         parts = list(self.send.values())
@@ -169,12 +161,13 @@ def _bounded(work, timeout: datetime.timedelta, poll_s: float = 2e-4) -> None:
 
 @dataclass
 class _Pending:
-    """An exchange in flight: its works with the peer each waits on, and the tensors they use
-    (kept alive until the wait)."""
+    """An exchange in flight: its works with the peer each waits on, the one buffer the peers' rows
+    arrive in (each peer's a slice of it, peers ascending; None where nothing comes), and the
+    tensors the works use (kept alive until the wait)."""
 
     works: list
     peers: list[int]
-    received: dict[int, Tensor]
+    received: Tensor | None
     keep: list[Tensor]
 
 
@@ -187,24 +180,33 @@ class HaloExchange:
                  timeout: datetime.timedelta | None, op: str):
         self.plan, self.group, self.comm_device, self.device, self.timeout, self.op = (
             plan, group, comm_device, device, timeout, op)
-        self._send = {q: rows.to(device) for q, rows in plan.send.items()}
-        self._send_index = plan.send_index().to(device)
-        self._slices = plan.recv_slices()
+        self._send_index = plan.send_index().to(device)  # every row sent, peers ascending
+        self._send_rows = {q: int(rows.numel()) for q, rows in plan.send.items() if rows.numel()}
+        self._recv_rows = {q: int(rows.numel()) for q, rows in plan.recv.items() if rows.numel()}
         self._global = {q: q if group is None else dist.get_global_rank(group, q)
                         for q in set(plan.send) | set(plan.recv)}
 
-    def _post(self, sends: dict[int, Tensor], recv_rows: dict[int, int], width: tuple, dtype, what: str) -> _Pending:
-        ops, peers, received, keep = [], [], {}, []
+    def _post(self, sends: Tensor, send_rows: dict[int, int], recv_rows: dict[int, int], width: tuple, dtype,
+              what: str) -> _Pending:
+        """Post the exchange: ``sends`` holds the rows for every peer of ``send_rows`` one after the
+        other (peers ascending, each its count); the rows of ``recv_rows`` arrive the same way in one
+        buffer. One allocation and no concatenation however many peers."""
+        ops, peers, keep = [], [], []
+        total = sum(recv_rows.values())
+        received = torch.empty((total, *width), dtype=dtype, device=self.comm_device) if total else None
+        start = 0
         for peer, rows in recv_rows.items():
-            buf = torch.empty((rows, *width), dtype=dtype, device=self.comm_device)
-            received[peer] = buf
-            ops.append(dist.P2POp(dist.irecv, buf, self._global[peer], self.group))
+            ops.append(dist.P2POp(dist.irecv, received[start:start + rows], self._global[peer], self.group))
             peers.append(peer)
-        for peer, t in sends.items():
-            t = t.to(self.comm_device).contiguous()
-            keep.append(t)
-            ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group))
+            start += rows
+        if send_rows:
+            sends = sends.to(self.comm_device).contiguous()
+            keep.append(sends)
+        start = 0
+        for peer, rows in send_rows.items():
+            ops.append(dist.P2POp(dist.isend, sends[start:start + rows], self._global[peer], self.group))
             peers.append(peer)
+            start += rows
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except Exception as exc:  # noqa: BLE001 - NCCL raises here once it knows a peer is gone; named as a wait is
@@ -222,8 +224,9 @@ class HaloExchange:
             f"within {self.timeout or 'the group timeout'}: {who} exited, failed, or is not running "
             f"the same products in the same order ({type(exc).__name__}: {exc})")
 
-    def wait(self, pending: _Pending, what: str) -> dict[int, Tensor]:
-        """Wait for ``pending``'s works, each within the timeout; a failure names its peer.
+    def wait(self, pending: _Pending, what: str) -> Tensor | None:
+        """Wait for ``pending``'s works, each within the timeout; a failure names its peer. Returns
+        the rows received (on this rank's device), or None where none were to come.
 
         Over NCCL (``comm_device`` a GPU) a work's ``wait`` only orders the current stream after
         it: the host does not wait, and a peer that left is found by NCCL's watchdog after the
@@ -241,30 +244,28 @@ class HaloExchange:
                     work.wait(self.timeout)
             except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise several types; re-raised naming the peer
                 raise self._failed(peer, what, exc) from exc
-        return {q: t.to(self.device) for q, t in pending.received.items()}
+        return None if pending.received is None else pending.received.to(self.device)
 
     def start_forward(self, X: Tensor) -> _Pending:
-        """Send the rows of ``X`` (this rank's) that peers read; receive this rank's halo."""
-        sends = {q: X.index_select(0, rows) for q, rows in self._send.items()}
-        return self._post(sends, {q: int(r.numel()) for q, r in self.plan.recv.items()}, tuple(X.shape[1:]), X.dtype,
-                          "halo exchange")
+        """Send the rows of ``X`` (this rank's) that peers read, gathered by one ``index_select``;
+        receive this rank's halo."""
+        return self._post(X.index_select(0, self._send_index), self._send_rows, self._recv_rows, tuple(X.shape[1:]),
+                          X.dtype, "halo exchange")
 
     def finish_forward(self, pending: _Pending, X: Tensor) -> Tensor:
         """The halo: the rows received, in the halo block's column order."""
         received = self.wait(pending, "halo exchange")
-        parts = [received[q] for q in self.plan.recv]
-        return torch.cat(parts) if parts else X.new_zeros((0, *X.shape[1:]))
+        return received if received is not None else X.new_zeros((0, *X.shape[1:]))
 
     def start_backward(self, grad_halo: Tensor) -> _Pending:
-        """Send each owner the gradient of the halo rows it sent; receive the gradient of the
-        rows this rank sent."""
-        sends = {q: grad_halo[s] for q, s in self._slices.items()}
-        return self._post(sends, {q: int(r.numel()) for q, r in self.plan.send.items()},
-                          tuple(grad_halo.shape[1:]), grad_halo.dtype, "gradient exchange")
+        """Send each owner the gradient of the halo rows it sent (the halo's rows are its peers',
+        one after the other); receive the gradient of the rows this rank sent."""
+        return self._post(grad_halo, self._recv_rows, self._send_rows, tuple(grad_halo.shape[1:]), grad_halo.dtype,
+                          "gradient exchange")
 
     def finish_backward(self, pending: _Pending, grad_X: Tensor) -> Tensor:
         """``grad_X`` plus what the peers sent back for this rank's rows."""
         received = self.wait(pending, "gradient exchange")
-        if not received:
+        if received is None:
             return grad_X
-        return grad_X.index_add(0, self._send_index, torch.cat([received[q] for q in self.plan.send]))
+        return grad_X.index_add(0, self._send_index, received)
