@@ -80,8 +80,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     worlds = world_sizes(args.worlds)
 
-    arguments = ["--graph", example_graph(args.graph), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                 "--fanouts", args.fanouts, "--hidden", str(args.hidden), "--features", str(args.features),
+    arguments = ["--graph", example_graph(args.graph), "--epochs", str(args.epochs),
+                 "--batch-size", str(args.batch_size), "--fanouts", args.fanouts, "--hidden", str(args.hidden), "--features", str(args.features),
                  "--buckets", str(args.buckets), *(["--no-check"] if args.no_check else [])]
     env = environment()
     started = dt.datetime.now().isoformat(timespec="seconds")

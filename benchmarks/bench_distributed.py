@@ -51,7 +51,8 @@ def summary_row(report: dict, one_rank_epoch_s: float | None) -> dict:
             "max_halo_wait_ms": max(r["halo_wait_s_per_epoch"] for r in ranks) * 1e3,
             "max_compute_ms": max(r["compute_s_per_epoch"] for r in ranks) * 1e3,
             "max_peak_memory_mb": max(r["peak_memory_mb"] for r in ranks),
-            "max_rel_loss_diff": report.get("max_rel_loss_diff"), "max_rel_loss_error": report.get("max_rel_loss_error"),
+            "max_rel_loss_diff": report.get("max_rel_loss_diff"),
+            "max_rel_loss_error": report.get("max_rel_loss_error"),
             "single_process_max_rel_loss_error": report.get("single_process_max_rel_loss_error")}
 
 

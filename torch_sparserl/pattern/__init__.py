@@ -45,5 +45,5 @@ from .derived import row_indices
 from .streams import run_kept, to_host
 
 __all__ = ["HOST_KEPT_MAX", "Pattern", "checked_copies", "count", "host_indices", "in_graph", "in_graph_copies",
-           "intake", "lookup", "own", "owned", "private_copy", "row_indices", "run_kept", "settle_pending", "staged", "stats",
-           "to_host", "validated", "versions"]
+           "intake", "lookup", "own", "owned", "private_copy", "row_indices", "run_kept", "settle_pending", "staged",
+           "stats", "to_host", "validated", "versions"]

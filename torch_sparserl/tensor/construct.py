@@ -38,8 +38,8 @@ def _staged_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
     general path then converts, checks and names what is wrong."""
     crow, col, val = data
     if (type(crow) is not Tensor or type(col) is not Tensor or type(val) is not Tensor or val.requires_grad
-            or crow.device.type != "cpu" or (dtype is not None and dtype != val.dtype) or (index_dtype is not None and index_dtype != crow.dtype)
-            or torch.is_inference_mode_enabled()):
+            or crow.device.type != "cpu" or (dtype is not None and dtype != val.dtype)
+            or (index_dtype is not None and index_dtype != crow.dtype) or torch.is_inference_mode_enabled()):
         return None
     try:
         nrows, ncols = shape
@@ -69,7 +69,8 @@ def _intake_matrix(data, shape, dtype, index_dtype, device) -> CSRMatrix | None:
     path then converts, checks and names what is wrong."""
     crow, col, val = data
     if (type(crow) is not Tensor or type(col) is not Tensor or type(val) is not Tensor or crow.dim() != 1
-            or not device_check.defers(crow, col) or (dtype is not None and dtype != val.dtype) or (index_dtype is not None and index_dtype != crow.dtype)):
+            or not device_check.defers(crow, col) or (dtype is not None and dtype != val.dtype)
+            or (index_dtype is not None and index_dtype != crow.dtype)):
         return None
     try:
         nrows, ncols = shape
